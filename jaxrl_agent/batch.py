@@ -1,0 +1,579 @@
+"""The batch contract: one padded, static-shape layout shared by every estimator and loss.
+
+Three levels: N trajectories, each of at most K turns, stored as R token rows of length T.
+
+* ``concatenated`` layout: one row per trajectory (R = N); the whole multi-turn history is one
+  sequence and observation tokens are masked out of the loss.
+* ``per_step`` layout: one row per turn; each row holds that turn's observation and action.
+
+Estimators work at the turn level [N, K] and reach tokens through ``row_traj`` and ``turn_ids``,
+so the same estimator gives the same per-turn advantages in both layouts.
+
+Indices that point into the batch (``row_traj``, ``group_ids``) are *global* positions in
+[0, N). When a batch is split over a mesh axis into D equal blocks along the leading axis, the
+rows and groups of block d must refer only to trajectories of block d (``pack_records`` with
+``num_shards=D`` arranges this and ``validate(num_shards=D)`` checks it); estimators then
+convert to block-local indices with ``segments.localize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import numbers
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+from flax import struct
+
+LAYOUTS = ("concatenated", "per_step")
+
+# extras that pack_records knows how to build, with the level they live at.
+TOKEN_EXTRAS = ("ref_logprobs", "teacher_logprobs", "token_values", "token_rewards")
+TURN_EXTRAS = ("turn_values", "turn_labels", "turn_parents")
+
+
+@struct.dataclass
+class TrajectoryBatch:
+    """Padded multi-turn rollouts. Shapes: tokens level [R, T], turn level [N, K], trajectory [N].
+
+    Attributes:
+      tokens: [R, T] int32 token ids of each row, left-aligned.
+      action_mask: [R, T] bool, tokens the policy generated (the ones trained on).
+      turn_ids: [R, T] int32 turn index k of each action token, -1 elsewhere.
+      row_traj: [R] int32 trajectory index of each row, in [0, N). Padding rows have no action
+        tokens; their ``row_traj`` may be any index of the row's shard block.
+      old_logprobs: [R, T] float32 behaviour-policy log-probs of the tokens (0 where unknown).
+      turn_mask: [N, K] bool, turn k exists.
+      turn_rewards: [N, K] float32 environment reward after action k (terminal reward at the
+        last turn).
+      state_keys: [N, K] uint32 hash of the observation seen before action k.
+      action_keys: [N, K] uint32 hash of action k.
+      group_ids: [N] int32 rollouts of one task group share an id in [0, N) (by convention the
+        index of the group's first trajectory).
+      task_ids: [N] int32 stable id of the task across training steps (persistent baselines).
+      traj_mask: [N] bool, the trajectory is real (not padding).
+      outcome: [N] float32 final verifiable reward.
+      extras: optional method-specific arrays, e.g. ``ref_logprobs`` [R, T], ``token_values``
+        [R, T], ``turn_values`` [N, K].
+      layout: static, ``"concatenated"`` or ``"per_step"``.
+    """
+
+    tokens: Any
+    action_mask: Any
+    turn_ids: Any
+    row_traj: Any
+    old_logprobs: Any
+    turn_mask: Any
+    turn_rewards: Any
+    state_keys: Any
+    action_keys: Any
+    group_ids: Any
+    task_ids: Any
+    traj_mask: Any
+    outcome: Any
+    extras: dict = dataclasses.field(default_factory=dict)
+    layout: str = struct.field(pytree_node=False, default="concatenated")
+
+    @property
+    def num_traj(self) -> int:
+        return self.turn_mask.shape[0]
+
+    @property
+    def num_turns(self) -> int:
+        return self.turn_mask.shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def row_len(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def from_records(cls, records: Iterable[Mapping], layout: str = "concatenated", pad_to=None,
+                     num_shards: int = 1, task_index: dict | None = None) -> "TrajectoryBatch":
+        """Builds a validated batch from rollout records; see ``pack_records``."""
+        return pack_records(records, layout=layout, pad_to=pad_to, num_shards=num_shards,
+                            task_index=task_index)[0]
+
+    def validate(self, num_shards: int = 1) -> "TrajectoryBatch":
+        """Host-side structural checks; raises ``ValueError`` naming the field. Returns self."""
+        validate_batch(self, num_shards=num_shards)
+        return self
+
+
+@struct.dataclass
+class Advantages:
+    """What an estimator returns.
+
+    Attributes:
+      token: [R, T] float32 per-token credit, exactly 0 outside ``action_mask``.
+      turn: [N, K] float32 per-turn credit where the method has one (0 on missing turns), else
+        None.
+      token_returns / turn_returns: value-function targets where the method has a critic.
+    """
+
+    token: Any
+    turn: Any = None
+    token_returns: Any = None
+    turn_returns: Any = None
+
+
+class RecordError(ValueError):
+    """A malformed rollout record; ``index`` is its position in the input sequence."""
+
+    def __init__(self, index: int, message: str):
+        self.index = index
+        self.detail = message
+        super().__init__(f"record {index}: {message}")
+
+
+# ----------------------------------------------------------------------------- keys and buckets
+
+
+def stable_key(value) -> int:
+    """A uint32 hash of a str, int or token list that is the same in every process."""
+    if isinstance(value, str):
+        data = b"s:" + value.encode("utf-8")
+    elif isinstance(value, (int, np.integer)):
+        data = b"i:" + str(int(value)).encode()
+    else:
+        data = b"t:" + np.asarray(value, np.int64).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=4).digest(), "little")
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum): few static shapes, so few compiles."""
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- record checks
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_label(idx, rec, name, required):
+    if name not in rec:
+        if required:
+            raise RecordError(idx, f"missing field '{name}' (a str or int)")
+        return None
+    v = rec[name]
+    if not (isinstance(v, str) or _is_int(v)):
+        raise RecordError(idx, f"field '{name}' must be a str or int, got {type(v).__name__}")
+    return v
+
+
+def _check_float(idx, where, v):
+    if not _is_number(v):
+        raise RecordError(idx, f"{where} must be a number, got {type(v).__name__}")
+    if not math.isfinite(float(v)):
+        raise RecordError(idx, f"{where} must be finite, got {v}")
+    return float(v)
+
+
+def _check_tokens(idx, where, v, allow_empty):
+    if not isinstance(v, (list, tuple)):
+        raise RecordError(idx, f"{where} must be a list of token ids, got {type(v).__name__}")
+    if not v and not allow_empty:
+        raise RecordError(idx, f"{where} is empty: every turn needs at least one action token")
+    for j, t in enumerate(v):
+        if not _is_int(t) or not 0 <= t < 2**31:
+            raise RecordError(idx, f"{where}[{j}] must be a token id in [0, 2^31), got {t!r}")
+    return list(v)
+
+
+def _check_floats(idx, where, v, length, length_name):
+    if not isinstance(v, (list, tuple)):
+        raise RecordError(idx, f"{where} must be a list of numbers, got {type(v).__name__}")
+    if len(v) != length:
+        raise RecordError(idx, f"{where} has {len(v)} entries but {length_name} has {length}")
+    return [_check_float(idx, f"{where}[{j}]", x) for j, x in enumerate(v)]
+
+
+@dataclasses.dataclass
+class _Turn:
+    observation: list
+    action: list
+    reward: float
+    state_key: int
+    action_key: int
+    logprobs: list | None
+    value: float | None
+    values: list | None
+    ref_logprobs: list | None
+
+
+@dataclasses.dataclass
+class _Traj:
+    group: Any
+    task: Any
+    outcome: float
+    turns: list
+
+
+_OPTIONAL_TURN_FIELDS = ("logprobs", "value", "values", "ref_logprobs")
+
+
+def _parse_record(idx: int, rec) -> _Traj:
+    if not isinstance(rec, Mapping):
+        raise RecordError(idx, f"expected an object, got {type(rec).__name__}")
+    group = _check_label(idx, rec, "group", required=True)
+    task = _check_label(idx, rec, "task", required=False)
+    turns_in = rec.get("turns")
+    if turns_in is None:
+        raise RecordError(idx, "missing field 'turns' (a non-empty list of turns)")
+    if not isinstance(turns_in, (list, tuple)):
+        raise RecordError(idx, f"field 'turns' must be a list, got {type(turns_in).__name__}")
+    if not turns_in:
+        raise RecordError(idx, "empty trajectory: 'turns' has no turns")
+    turns, any_reward = [], False
+    for k, t in enumerate(turns_in):
+        w = f"turns[{k}]"
+        if not isinstance(t, Mapping):
+            raise RecordError(idx, f"{w} must be an object, got {type(t).__name__}")
+        obs = _check_tokens(idx, f"{w}.observation", t.get("observation", []), allow_empty=True)
+        if "action" not in t:
+            raise RecordError(idx, f"{w}: missing field 'action' (a list of token ids)")
+        act = _check_tokens(idx, f"{w}.action", t["action"], allow_empty=False)
+        any_reward |= "reward" in t
+        reward = _check_float(idx, f"{w}.reward", t["reward"]) if "reward" in t else 0.0
+        if "state_key" in t:
+            sk = t["state_key"]
+            if not (isinstance(sk, str) or _is_int(sk)):
+                raise RecordError(idx, f"{w}.state_key must be a str or int, got {type(sk).__name__}")
+            state_key = stable_key(sk)
+        else:
+            state_key = stable_key(obs)
+        lp = (_check_floats(idx, f"{w}.logprobs", t["logprobs"], len(act), f"{w}.action")
+              if "logprobs" in t else None)
+        ref = (_check_floats(idx, f"{w}.ref_logprobs", t["ref_logprobs"], len(act), f"{w}.action")
+               if "ref_logprobs" in t else None)
+        values = (_check_floats(idx, f"{w}.values", t["values"], len(act), f"{w}.action")
+                  if "values" in t else None)
+        value = _check_float(idx, f"{w}.value", t["value"]) if "value" in t else None
+        turns.append(_Turn(obs, act, reward, state_key, stable_key(act), lp, value, values, ref))
+    if "outcome" in rec:
+        outcome = _check_float(idx, "field 'outcome'", rec["outcome"])
+    elif any_reward:
+        outcome = sum(t.reward for t in turns)
+    else:
+        raise RecordError(idx, "missing field 'outcome' (and no turn has a 'reward')")
+    if not any_reward:
+        turns[-1].reward = outcome  # outcome-only records: the outcome is the terminal reward
+    return _Traj(group, task if task is not None else group, outcome, turns)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+@dataclasses.dataclass
+class RecordIndex:
+    """Where each record landed: ``traj[i]`` its trajectory index, ``spans[i][k]`` the
+    (row, start, stop) of turn k's action tokens."""
+
+    traj: list
+    spans: list
+    task_index: dict
+
+
+_PAD_KEYS = ("num_traj", "num_turns", "num_rows", "row_len")
+
+
+def _parse_pad_to(pad_to):
+    if pad_to is None:
+        return {}
+    if not isinstance(pad_to, Mapping):
+        raise ValueError(f"pad_to must be a dict with keys from {_PAD_KEYS}, got {pad_to!r}")
+    bad = set(pad_to) - set(_PAD_KEYS)
+    if bad:
+        raise ValueError(f"pad_to: unknown keys {sorted(bad)}; expected some of {_PAD_KEYS}")
+    for k, v in pad_to.items():
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"pad_to['{k}'] must be a positive int, got {v!r}")
+    return dict(pad_to)
+
+
+def _assign_shards(group_sizes: list, num_shards: int) -> list:
+    """Whole groups to shards, greedily to the least-loaded shard, in first-seen order."""
+    load = [0] * num_shards
+    shard_of = []
+    for size in group_sizes:
+        s = min(range(num_shards), key=lambda d: (load[d], d))
+        shard_of.append(s)
+        load[s] += size
+    return shard_of
+
+
+def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_to=None,
+                 num_shards: int = 1, task_index: dict | None = None):
+    """Validates rollout records and packs them into a ``TrajectoryBatch``.
+
+    A record (also one JSONL line) is::
+
+        {"group": str|int, "task": str|int (default: the group), "outcome": float,
+         "turns": [{"observation": [int], "action": [int], "reward": float,
+                    "state_key": str|int, "logprobs": [float], "value": float,
+                    "values": [float], "ref_logprobs": [float]}, ...]}
+
+    ``reward``, ``state_key`` and the per-token lists are optional. A record without any turn
+    reward gets its outcome as the last turn's reward; a record without ``outcome`` gets the sum
+    of its turn rewards. ``logprobs``/``value``/``values``/``ref_logprobs`` must be given on
+    every turn of every record or on none (half-known log-probs would silently train on zeros).
+    ``state_key`` defaults to a hash of the turn's observation.
+
+    Shapes are padded to powers of two (``bucket``) unless ``pad_to`` (a dict with keys
+    ``num_traj``, ``num_turns``, ``num_rows``, ``row_len``) fixes them. With ``num_shards`` = D
+    the trajectories are split into D equal blocks keeping every group whole in one block.
+
+    Returns:
+      ``(batch, RecordIndex)``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not _is_int(num_shards) or num_shards < 1:
+        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+    pads = _parse_pad_to(pad_to)
+    trajs = [_parse_record(i, r) for i, r in enumerate(records)]
+    if not trajs:
+        raise ValueError("records: no rollout records given")
+    for name in _OPTIONAL_TURN_FIELDS:
+        have = [getattr(t, name) is not None for tr in trajs for t in tr.turns]
+        if any(have) and not all(have):
+            i = next(i for i, tr in enumerate(trajs)
+                     if any(getattr(t, name) is None for t in tr.turns))
+            raise RecordError(i, f"turns lack '{name}' while other turns have it: give "
+                                 f"'{name}' on every turn of every record or on none")
+
+    task_index = {} if task_index is None else task_index
+    group_order: dict = {}
+    for i, tr in enumerate(trajs):
+        group_order.setdefault(tr.group, []).append(i)
+        task_index.setdefault(tr.task, len(task_index))
+    groups = list(group_order.values())
+    shard_of = _assign_shards([len(g) for g in groups], num_shards)
+    per_shard = [[] for _ in range(num_shards)]
+    for g, s in zip(groups, shard_of):
+        per_shard[s].extend(g)
+
+    def row_lengths(tr):
+        lens = [len(t.observation) + len(t.action) for t in tr.turns]
+        return [sum(lens)] if layout == "concatenated" else lens
+
+    max_k = max(len(tr.turns) for tr in trajs)
+    max_t = max(max(row_lengths(tr)) for tr in trajs)
+    rows_per_shard = [sum(len(row_lengths(trajs[i])) for i in s) for s in per_shard]
+    n_local = bucket(max(len(s) for s in per_shard), 8 // num_shards or 1)
+    r_local = n_local if layout == "concatenated" else bucket(max(rows_per_shard), 8 // num_shards or 1)
+    sizes = {"num_traj": n_local * num_shards, "num_turns": bucket(max_k),
+             "num_rows": r_local * num_shards, "row_len": bucket(max_t, 16)}
+    need = {"num_traj": max(len(s) for s in per_shard) * num_shards, "num_turns": max_k,
+            "num_rows": max(rows_per_shard) * num_shards, "row_len": max_t}
+    for key, value in pads.items():
+        if value < need[key] or value % (num_shards if key in ("num_traj", "num_rows") else 1):
+            raise ValueError(f"pad_to['{key}'] = {value} is too small or not divisible by "
+                             f"num_shards={num_shards}: these records need {need[key]}")
+        sizes[key] = value
+    if layout == "concatenated" and sizes["num_rows"] != sizes["num_traj"]:
+        if "num_rows" in pads and "num_traj" in pads:
+            raise ValueError("pad_to: the concatenated layout has one row per trajectory, so "
+                             "num_rows must equal num_traj")
+        sizes["num_rows"] = sizes["num_traj"] = max(sizes["num_rows"], sizes["num_traj"])
+    N, K, R, T = sizes["num_traj"], sizes["num_turns"], sizes["num_rows"], sizes["row_len"]
+    n_local, r_local = N // num_shards, R // num_shards
+
+    tokens = np.zeros((R, T), np.int32)
+    action_mask = np.zeros((R, T), bool)
+    turn_ids = np.full((R, T), -1, np.int32)
+    row_traj = np.zeros((R,), np.int32)
+    old_lp = np.zeros((R, T), np.float32)
+    turn_mask = np.zeros((N, K), bool)
+    turn_rewards = np.zeros((N, K), np.float32)
+    state_keys = np.zeros((N, K), np.uint32)
+    action_keys = np.zeros((N, K), np.uint32)
+    group_ids = np.zeros((N,), np.int32)
+    task_ids = np.zeros((N,), np.int32)
+    traj_mask = np.zeros((N,), bool)
+    outcome = np.zeros((N,), np.float32)
+    first = trajs[0].turns[0]
+    tok_extra = {name: np.zeros((R, T), np.float32) for name, src in
+                 (("ref_logprobs", first.ref_logprobs), ("token_values", first.values))
+                 if src is not None}
+    turn_values = np.zeros((N, K), np.float32) if first.value is not None else None
+
+    rec_traj, rec_spans = [0] * len(trajs), [None] * len(trajs)
+    group_id_of: dict = {}
+    for s, members in enumerate(per_shard):
+        n0, r0 = s * n_local, s * r_local
+        row_traj[r0:r0 + r_local] = n0  # padding rows point into their own block
+        row = r0
+        for j, i in enumerate(members):
+            tr, n = trajs[i], n0 + j
+            rec_traj[i] = n
+            group_ids[n] = group_id_of.setdefault(tr.group, n)
+            task_ids[n], traj_mask[n], outcome[n] = task_index[tr.task], True, tr.outcome
+            spans, pos = [], 0
+            for k, t in enumerate(tr.turns):
+                if layout == "per_step" and k > 0:
+                    row, pos = row + 1, 0
+                row_traj[row] = n
+                o, a = len(t.observation), len(t.action)
+                tokens[row, pos:pos + o] = t.observation
+                tokens[row, pos + o:pos + o + a] = t.action
+                act = slice(pos + o, pos + o + a)
+                action_mask[row, act] = True
+                turn_ids[row, act] = k
+                if t.logprobs is not None:
+                    old_lp[row, act] = t.logprobs
+                if t.ref_logprobs is not None:
+                    tok_extra["ref_logprobs"][row, act] = t.ref_logprobs
+                if t.values is not None:
+                    tok_extra["token_values"][row, act] = t.values
+                if turn_values is not None:
+                    turn_values[n, k] = t.value
+                turn_mask[n, k] = True
+                turn_rewards[n, k] = t.reward
+                state_keys[n, k], action_keys[n, k] = t.state_key, t.action_key
+                spans.append((row, act.start, act.stop))
+                pos += o + a
+            row += 1
+            rec_spans[i] = spans
+
+    extras = dict(tok_extra)
+    if turn_values is not None:
+        extras["turn_values"] = turn_values
+    batch = TrajectoryBatch(tokens=tokens, action_mask=action_mask, turn_ids=turn_ids,
+                            row_traj=row_traj, old_logprobs=old_lp, turn_mask=turn_mask,
+                            turn_rewards=turn_rewards, state_keys=state_keys,
+                            action_keys=action_keys, group_ids=group_ids, task_ids=task_ids,
+                            traj_mask=traj_mask, outcome=outcome, extras=extras, layout=layout)
+    validate_batch(batch, num_shards=num_shards)
+    return batch, RecordIndex(rec_traj, rec_spans, task_index)
+
+
+# ----------------------------------------------------------------------------- array checks
+
+_SPEC = {  # field: (level, dtype kind)
+    "tokens": ("RT", "i"), "action_mask": ("RT", "b"), "turn_ids": ("RT", "i"),
+    "row_traj": ("R", "i"), "old_logprobs": ("RT", "f"), "turn_mask": ("NK", "b"),
+    "turn_rewards": ("NK", "f"), "state_keys": ("NK", "u"), "action_keys": ("NK", "u"),
+    "group_ids": ("N", "i"), "task_ids": ("N", "i"), "traj_mask": ("N", "b"),
+    "outcome": ("N", "f"),
+}
+
+
+def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
+    """Checks shapes, dtypes, index ranges, masks and finiteness on the host.
+
+    Raises:
+      ValueError naming the field, the expected shape and the first offending position.
+    """
+    if batch.layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {batch.layout!r}")
+    a = {f: np.asarray(getattr(batch, f)) for f in _SPEC}
+    if a["tokens"].ndim != 2 or a["turn_mask"].ndim != 2:
+        raise ValueError(f"tokens must be [R, T] and turn_mask [N, K]; got shapes "
+                         f"{a['tokens'].shape} and {a['turn_mask'].shape}")
+    (R, T), (N, K) = a["tokens"].shape, a["turn_mask"].shape
+    dims = {"RT": (R, T), "R": (R,), "NK": (N, K), "N": (N,)}
+    for f, (level, kind) in _SPEC.items():
+        if a[f].shape != dims[level]:
+            names = {"RT": "[R, T]", "R": "[R]", "NK": "[N, K]", "N": "[N]"}[level]
+            raise ValueError(f"{f} must have shape {names} = {dims[level]}, got {a[f].shape}")
+        if a[f].dtype.kind != kind and not (kind == "u" and a[f].dtype.kind == "i"):
+            raise ValueError(f"{f} must have dtype kind '{kind}', got {a[f].dtype}")
+    if batch.layout == "concatenated" and R != N:
+        raise ValueError(f"row_traj: the concatenated layout has one row per trajectory, "
+                         f"but R = {R} rows and N = {N} trajectories")
+
+    def first_bad(mask):
+        return tuple(int(x) for x in np.argwhere(mask)[0])
+
+    def bad_range(f, lo, hi, where=None):
+        x = a[f]
+        bad = (x < lo) | (x >= hi)
+        if where is not None:
+            bad &= where
+        if bad.any():
+            p = first_bad(bad)
+            raise ValueError(f"{f}{list(p)} = {x[p]} is out of range [{lo}, {hi})")
+
+    bad_range("row_traj", 0, N)
+    bad_range("group_ids", 0, N, where=a["traj_mask"])
+    bad_range("task_ids", 0, 2**31)
+    am, tid = a["action_mask"], a["turn_ids"]
+    bad_range("turn_ids", 0, K, where=am)
+    if (tid[~am] != -1).any():
+        raise ValueError(f"turn_ids{list(first_bad(~am & (tid != -1)))} must be -1 outside "
+                         f"action_mask")
+    rt = a["row_traj"]
+    running = np.maximum.accumulate(np.where(am, tid, -1), axis=1)
+    if (am & (tid < running)).any():
+        raise ValueError(f"turn_ids{list(first_bad(am & (tid < running)))}: turn ids must not "
+                         f"decrease along a row")
+    rows, cols = np.nonzero(am)
+    keys = rt[rows].astype(np.int64) * K + tid[rows, cols]
+    lo, hi = np.full(N * K, R), np.full(N * K, -1)
+    np.minimum.at(lo, keys, rows)
+    np.maximum.at(hi, keys, rows)
+    split = (hi >= 0) & (lo != hi)
+    if split.any():
+        key = int(np.argmax(split))
+        raise ValueError(f"turn_ids: turn {key % K} of trajectory {key // K} is split across "
+                         f"rows {lo[key]} and {hi[key]}; a turn must live in one row")
+    valid_tok = am & a["turn_mask"][rt[:, None], np.clip(tid, 0, K - 1)]
+    if (am & ~valid_tok).any():
+        raise ValueError(f"action_mask{list(first_bad(am & ~valid_tok))}: an action token "
+                         f"belongs to a turn whose turn_mask is False")
+    if (a["turn_mask"] & ~a["traj_mask"][:, None]).any():
+        raise ValueError(f"turn_mask{list(first_bad(a['turn_mask'] & ~a['traj_mask'][:, None]))}"
+                         f" is set on a padding trajectory (traj_mask False)")
+    if (a["traj_mask"] & ~a["turn_mask"].any(axis=1)).any():
+        raise ValueError(f"traj_mask[{first_bad(a['traj_mask'] & ~a['turn_mask'].any(1))[0]}]: "
+                         f"empty trajectory (no valid turn)")
+    gid = a["group_ids"]
+    tm = a["traj_mask"]
+    if (tm & ~tm[np.clip(gid, 0, N - 1)]).any():
+        raise ValueError(f"group_ids[{first_bad(tm & ~tm[np.clip(gid, 0, N - 1)])[0]}] points "
+                         f"at a padding trajectory")
+    for f, where in (("turn_rewards", a["turn_mask"]), ("outcome", tm),
+                     ("old_logprobs", am)):
+        bad = ~np.isfinite(a[f]) & where
+        if bad.any():
+            raise ValueError(f"{f}{list(first_bad(bad))} = {a[f][first_bad(bad)]} is not finite")
+    for name, x in batch.extras.items():
+        x = np.asarray(x)
+        if name in TOKEN_EXTRAS and x.shape != (R, T):
+            raise ValueError(f"extras['{name}'] must have shape [R, T] = {(R, T)}, got {x.shape}")
+        if name in TURN_EXTRAS and x.shape != (N, K):
+            raise ValueError(f"extras['{name}'] must have shape [N, K] = {(N, K)}, got {x.shape}")
+        where = am if name in TOKEN_EXTRAS else a["turn_mask"] if name in TURN_EXTRAS else None
+        if where is not None and x.dtype.kind == "f" and (~np.isfinite(x) & where).any():
+            raise ValueError(f"extras['{name}']{list(first_bad(~np.isfinite(x) & where))} is "
+                             f"not finite")
+    if num_shards > 1:
+        if N % num_shards or R % num_shards:
+            raise ValueError(f"num_shards={num_shards} must divide N = {N} and R = {R}")
+        n_loc, r_loc = N // num_shards, R // num_shards
+        row_block = np.arange(R) // r_loc
+        if (rt // n_loc != row_block).any():
+            r = int(np.argmax(rt // n_loc != row_block))
+            raise ValueError(f"row_traj[{r}] = {rt[r]} points outside its shard block "
+                             f"{row_block[r]} (trajectories [{row_block[r] * n_loc}, "
+                             f"{(row_block[r] + 1) * n_loc}))")
+        traj_block = np.arange(N) // n_loc
+        bad = tm & (gid // n_loc != traj_block)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"group_ids[{i}] = {gid[i]}: group split across shard blocks "
+                             f"(pack with num_shards={num_shards} to keep groups whole)")
+

@@ -1,0 +1,240 @@
+"""Trajectory-level (outcome) estimators: one scalar per trajectory, broadcast to its tokens.
+
+GRPO, Dr.GRPO, RLOO, REINFORCE++ (token-level returns) and REINFORCE++-baseline, SPO and SPO++
+(persistent per-task Beta tracker), and the rollout-level advantage of per-step rows.
+
+Degenerate groups: a singleton group (one valid member) gives 0 by default
+(``singleton="zero"``); ``singleton="raw"`` reproduces verl, where a lone member's mean is 0
+and std 1, so A = R. A zero-variance group gives exactly 0 (statistics are computed on rewards
+shifted by the group maximum, so equal rewards cancel exactly).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxrl_agent import segments
+from jaxrl_agent.batch import Advantages, TrajectoryBatch
+from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
+
+_SINGLETON = ("zero", "raw")
+
+
+def traj_advantages(a, batch: TrajectoryBatch) -> Advantages:
+    """Wraps a per-trajectory advantage [N] as ``Advantages`` (turn [N, K] and token [R, T])."""
+    a = jnp.where(batch.traj_mask, a, 0.0).astype(jnp.float32)
+    turn = jnp.where(batch.turn_mask, a[:, None], 0.0)
+    return Advantages(token=segments.traj_to_token(a, batch), turn=turn)
+
+
+def _group_centered(batch, *, ddof, singleton, scale_std, eps, rloo=False):
+    r = batch.outcome.astype(jnp.float32)
+    mean, std, count = segments.group_stats(r, batch.group_ids, batch.traj_mask, ddof)
+    a = r - mean
+    if scale_std:
+        a = a / (std + eps)
+    if rloo:
+        a = a * count / jnp.maximum(count - 1.0, 1.0)
+    lone = r if singleton == "raw" else jnp.zeros_like(r)
+    return jnp.where(count > 1, a, lone)
+
+
+def group_normalized_outcome(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
+                             singleton: str = "zero", axis_name=None) -> Advantages:
+    """GRPO: a_i = (R_i - mean_g R) / (std_g R + eps), std with ``ddof`` (1 = unbiased, as verl).
+
+    Groups are ``group_ids``; only valid trajectories count. Singleton groups: see module doc.
+    Shao et al. 2024 (DeepSeekMath); verl ``compute_grpo_outcome_advantage``.
+    """
+    check_positive("eps", eps)
+    check_choice("singleton", singleton, _SINGLETON)
+    b = segments.localize(batch, axis_name)
+    return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton, scale_std=True,
+                                           eps=eps), b)
+
+
+def group_centered_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
+                           axis_name=None) -> Advantages:
+    """Dr.GRPO: a_i = R_i - mean_g R (no std scaling; pair it with the constant-normalised
+    ``seq_mean_token_sum_norm`` loss aggregation). Liu et al. 2025, "Understanding R1-Zero"."""
+    check_choice("singleton", singleton, _SINGLETON)
+    b = segments.localize(batch, axis_name)
+    return traj_advantages(_group_centered(b, ddof=1, singleton=singleton, scale_std=False,
+                                           eps=0.0), b)
+
+
+def leave_one_out_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
+                          axis_name=None) -> Advantages:
+    """RLOO: a_i = R_i - mean_{j in g, j != i} R_j = n_g / (n_g - 1) (R_i - mean_g R).
+
+    Ahmadian et al. 2024; verl ``compute_rloo_outcome_advantage`` (singleton: ``"raw"`` = R).
+    """
+    check_choice("singleton", singleton, _SINGLETON)
+    b = segments.localize(batch, axis_name)
+    return traj_advantages(_group_centered(b, ddof=1, singleton=singleton, scale_std=False,
+                                           eps=0.0, rloo=True), b)
+
+
+def reinforce_pp(batch: TrajectoryBatch, *, gamma: float = 1.0, kl_coef: float = 0.0,
+                 eps: float = 1e-8, axis_name=None) -> Advantages:
+    """REINFORCE++: token reward-to-go, then token-weighted whitening over the whole batch.
+
+    r_t = turn reward on the last action token of its turn (+ extras['token_rewards'])
+          - kl_coef (old_logprob_t - ref_logprob_t)   [KL in the reward, if kl_coef > 0]
+    G_t = r_t + gamma G_next(t), over the trajectory's action tokens in order;
+    A = (G - mean_m G) / sqrt(var_m G + eps), mean and var token-weighted over all action
+    tokens of the batch (and across ``axis_name``).
+
+    Multi-turn: observation tokens carry the running return through unchanged, so the outcome
+    reaches every earlier turn (verl resets the sum at masked tokens, which cuts it off).
+    Hu 2025, "REINFORCE++".
+    """
+    check_unit("gamma", gamma)
+    b = segments.localize(batch, axis_name)
+    r = segments.token_rewards(b)
+    if kl_coef:
+        ref = require(b, "ref_logprobs", "reinforce_pp with kl_coef > 0",
+                      "[R, T] reference-model log-probs")
+        r = r - kl_coef * jnp.where(b.action_mask, b.old_logprobs - ref, 0.0)
+    g, _ = segments.trajectory_reverse_scan(r, gamma, b)
+    return Advantages(token=segments.masked_whiten(g, b.action_mask, axis_name, eps))
+
+
+def _token_whitened_traj(a, b, axis_name, eps):
+    """(a_i - mu) / sqrt(var + eps) with mu, var weighted by each trajectory's action tokens."""
+    n_tok = segments.traj_token_counts(b) * b.traj_mask
+    mu, var = segments.weighted_mean_var(a, n_tok, axis_name)
+    return (a - mu) * jax.lax.rsqrt(var + eps)
+
+
+def reinforce_pp_baseline(batch: TrajectoryBatch, *, eps: float = 1e-8,
+                          axis_name=None) -> Advantages:
+    """REINFORCE++-baseline: a_i = R_i - mean_g R, broadcast to action tokens, then whitened
+    token-weighted over the batch: A = (a - mu_m) / sqrt(var_m + eps). verl."""
+    b = segments.localize(batch, axis_name)
+    r = b.outcome.astype(jnp.float32)
+    mean, _, _ = segments.group_stats(r, b.group_ids, b.traj_mask)
+    return traj_advantages(_token_whitened_traj(r - mean, b, axis_name, eps), b)
+
+
+# ----------------------------------------------------------------------------- SPO / SPO++
+
+
+@struct.dataclass
+class SPOState:
+    """Persistent per-task Beta tracker of SPO: p_hat(task) = alpha / (alpha + beta)."""
+
+    alpha: jax.Array  # [P]
+    beta: jax.Array  # [P]
+
+
+def spo_init(num_tasks: int, alpha0: float = 0.5, beta0: float = 0.5) -> SPOState:
+    """A tracker for ``num_tasks`` task ids (0.5/0.5 = uninformed prior, p_hat = 0.5).
+
+    From offline estimates (s successes of n): alpha0 = N0 (s + 0.5)/(n + 1),
+    beta0 = N0 (n - s + 0.5)/(n + 1) with N0 = 1 / (1 - rho).
+    """
+    return SPOState(alpha=jnp.full((num_tasks,), alpha0, jnp.float32),
+                    beta=jnp.full((num_tasks,), beta0, jnp.float32))
+
+
+def _spo_residual_and_update(b, state, rho, axis_name):
+    if not isinstance(state, SPOState):
+        raise ValueError("spo/spo_pp need state=SPOState (make one with spo_init(num_tasks))")
+    p = state.alpha.shape[0]
+    task = jnp.clip(b.task_ids, 0, p - 1)
+    p_hat = state.alpha[task] / (state.alpha[task] + state.beta[task])
+    r = b.outcome.astype(jnp.float32)
+    valid = b.traj_mask.astype(jnp.float32)
+    succ = jnp.clip(r, 0.0, 1.0) * valid
+    hits = segments.psum(jax.ops.segment_sum(valid, task, p), axis_name)
+    wins = segments.psum(jax.ops.segment_sum(succ, task, p), axis_name)
+    seen = hits > 0
+    new = SPOState(alpha=jnp.where(seen, rho * state.alpha + wins, state.alpha),
+                   beta=jnp.where(seen, rho * state.beta + hits - wins, state.beta))
+    return r - p_hat, new
+
+
+def single_stream(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
+                  eps: float = 1e-8, axis_name=None):
+    """SPO (Single-stream Policy Optimization): a persistent per-task baseline, no groups.
+
+    p_hat = alpha / (alpha + beta) of the trajectory's task (state before this batch);
+    a_i = R_i - p_hat;  A_i = (a_i - mean_B a) / (std_B a + eps), one scalar per trajectory
+    (trajectory-level whitening, std unbiased).
+    Update: alpha <- rho alpha + sum R, beta <- rho beta + sum (1 - R) over the batch's
+    trajectories of that task, R clipped to [0, 1] (outcomes are success probabilities);
+    tasks absent from the batch are untouched.
+
+    Deviation, stated: all evidence of one batch is one event (one decay per batch, not per
+    sample), which makes the update order-free, permutation- and shard-invariant. With one
+    sample per task per batch it is SPO's update. The KL-adaptive rho is left out: pass rho.
+    Task ids must lie in [0, P) of the state. SPO, Xu et al. 2025.
+
+    Returns:
+      (Advantages, new SPOState).
+    """
+    check_unit("rho", rho)
+    b = segments.localize(batch, axis_name)
+    a, new = _spo_residual_and_update(b, state, rho, axis_name)
+    valid = b.traj_mask.astype(jnp.float32)
+    n = segments.psum(jnp.sum(valid), axis_name)
+    mean = segments.psum(jnp.sum(a * valid), axis_name) / jnp.maximum(n, 1.0)
+    var = segments.psum(jnp.sum(valid * (a - mean) ** 2), axis_name) / jnp.maximum(n - 1.0, 1.0)
+    return traj_advantages((a - mean) / (jnp.sqrt(var) + eps), b), new
+
+
+def single_stream_pp(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
+                     eps: float = 1e-8, axis_name=None):
+    """SPO++: SPO's tracker residuals standardised under the action-token measure.
+
+    a_i = R_i - p_hat(task_i); w_i = n_i / sum_j n_j with n_i the trajectory's action tokens;
+    mu = sum_i w_i a_i; var = sum_i w_i (a_i - mu)^2; A_i = (a_i - mu) / sqrt(var + eps).
+    Then sum_{i,t} m A = 0 exactly and the token-weighted variance is ~1, so a token-mean
+    actor loss receives a centred signal (SPO's per-trajectory z-score does not). Tracker
+    update as ``single_stream``; policy-event ordering is at batch granularity (one event per
+    batch) [X: our definition]. With p_hat = group mean this is REINFORCE++-baseline.
+    """
+    check_unit("rho", rho)
+    b = segments.localize(batch, axis_name)
+    a, new = _spo_residual_and_update(b, state, rho, axis_name)
+    return traj_advantages(_token_whitened_traj(a, b, axis_name, eps), b), new
+
+
+# ----------------------------------------------------------------------------- rollout level
+
+
+def rollout_level(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
+                  normalize_std: bool = True, row_weighted: bool = False,
+                  singleton: str = "zero", axis_name=None) -> Advantages:
+    """The rollout-level advantage of per-step rows (Agent Lightning): one group-normalised
+    advantage per trajectory, computed once per rollout, and every row of it gets that value.
+
+    a_i = (R_i - mean_g) / (std_g + eps) (or without the std), with each rollout counted once
+    however many rows it spans, so the result does not depend on how a rollout is split into
+    rows. ``row_weighted=True`` gives the contrast that counts a rollout once per row (the
+    cross-step statistics of verl-agent): frequency weights w_i = rows of trajectory i.
+    With row_weighted=False this equals GRPO (Dr.GRPO without the std).
+    """
+    check_positive("eps", eps)
+    check_choice("singleton", singleton, _SINGLETON)
+    b = segments.localize(batch, axis_name)
+    if not row_weighted:
+        return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton,
+                                               scale_std=normalize_std, eps=eps), b)
+    n = b.num_traj
+    has_tokens = b.action_mask.any(axis=1).astype(jnp.float32)
+    w = jax.ops.segment_sum(has_tokens, b.row_traj, n) * b.traj_mask
+    r = b.outcome.astype(jnp.float32)
+    gid = jnp.clip(b.group_ids, 0, n - 1)
+    wsum = jax.ops.segment_sum(w, gid, n)
+    mean = (jax.ops.segment_sum(w * r, gid, n) / jnp.maximum(wsum, 1.0))[gid]
+    var = jax.ops.segment_sum(w * (r - mean) ** 2, gid, n) / jnp.maximum(wsum - ddof, 1.0)
+    a = r - mean
+    if normalize_std:
+        a = a / (jnp.sqrt(var)[gid] + eps)
+    count = jax.ops.segment_sum(b.traj_mask.astype(jnp.float32), gid, n)[gid]
+    lone = r if singleton == "raw" else jnp.zeros_like(r)
+    return traj_advantages(jnp.where(count > 1, a, lone), b)

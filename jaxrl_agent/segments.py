@@ -1,0 +1,294 @@
+"""Group and segment primitives that every estimator shares. All pure, jittable, shard-aware.
+
+Conventions: ``mask`` arrays select what counts; everything outside a mask is ignored and
+outputs there are 0. Every batch-wide statistic takes ``axis_name`` and, when it is set,
+reduces across that mesh axis under ``jax.shard_map`` (numerators and denominators are summed
+with ``psum`` before dividing, so the sharded result equals the unsharded one).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl_agent.batch import TrajectoryBatch
+
+
+# ----------------------------------------------------------------------------- mesh helpers
+
+
+def psum(x, axis_name=None):
+    """``lax.psum`` over ``axis_name``, or the identity when it is None."""
+    return x if axis_name is None else lax.psum(x, axis_name)
+
+
+def localize(batch: TrajectoryBatch, axis_name=None) -> TrajectoryBatch:
+    """Turns the global ``row_traj``/``group_ids`` of one shard block into block-local indices.
+
+    Inside ``shard_map`` each device sees one block of N_local trajectories; block d holds
+    global trajectories [d * N_local, (d + 1) * N_local). Outside a mesh this is the identity.
+    """
+    if axis_name is None:
+        return batch
+    offset = lax.axis_index(axis_name) * batch.num_traj
+    return batch.replace(row_traj=batch.row_traj - offset, group_ids=batch.group_ids - offset)
+
+
+# ----------------------------------------------------------------------------- segment statistics
+
+
+def segment_stats(x, ids, valid, num_segments: int, ddof: int = 1):
+    """Per-segment mean, std and count of ``x`` over entries with ``valid``.
+
+    mean_s = sum_{i: id_i = s} x_i / n_s,  std_s = sqrt(sum (x_i - mean_s)^2 / max(n_s - ddof, 1)).
+
+    Empty segments give mean 0, std 0, count 0 (never NaN). Entries with ids outside
+    [0, num_segments) are dropped.
+
+    Returns:
+      (mean [S], std [S], count [S] float32).
+    """
+    ok = valid.astype(bool)
+    valid = ok.astype(x.dtype)
+    ids = jnp.where(ok, ids, num_segments)
+    safe = jnp.clip(ids, 0, num_segments - 1)
+    # Shift by the segment maximum first: equal values then cancel exactly (zero-variance
+    # groups give exactly 0 deviations) and large offsets do not eat precision.
+    top = jax.ops.segment_max(jnp.where(ok, x, -jnp.inf), ids, num_segments)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    xs = jnp.where(ok, x - top[safe], 0.0)
+    count = jax.ops.segment_sum(valid, ids, num_segments)
+    mean_s = jax.ops.segment_sum(xs, ids, num_segments) / jnp.maximum(count, 1.0)
+    dev = jnp.where(ok, xs - mean_s[safe], 0.0)
+    ssd = jax.ops.segment_sum(dev * dev, ids, num_segments)
+    std = jnp.sqrt(ssd / jnp.maximum(count - ddof, 1.0))
+    return top + mean_s, std, count
+
+
+def group_stats(x, group_ids, valid, ddof: int = 1):
+    """``segment_stats`` over dense group ids in [0, len(x)), gathered back to every member.
+
+    Returns:
+      (mean [N], std [N], count [N]): the statistics of each entry's own group.
+    """
+    n = x.shape[0]
+    mean, std, count = segment_stats(x, group_ids, valid, n, ddof)
+    gid = jnp.clip(group_ids, 0, n - 1)
+    return mean[gid], std[gid], count[gid]
+
+
+def dense_ids(*keys, valid):
+    """Dense ids in [0, num_unique) for rows of equal key tuples, inside jit (sort-based).
+
+    Args:
+      *keys: arrays of equal shape [M] (any integer dtype, e.g. uint32 hashes); rows with equal
+        values in every key array share an id.
+      valid: [M] bool; invalid rows get id M (out of range, so segment ops drop them).
+
+    Returns:
+      (ids [M] int32, num_unique scalar int32). Ids follow the sorted order of the keys.
+    """
+    m = valid.shape[0]
+    order = jnp.lexsort(tuple(reversed(keys)) + (~valid,))
+    sorted_keys = [k[order] for k in keys]
+    sorted_valid = valid[order]
+    new = jnp.zeros((m,), bool).at[0].set(True)
+    for k in sorted_keys:
+        new = new | jnp.concatenate([jnp.ones((1,), bool), k[1:] != k[:-1]])
+    new = new & sorted_valid
+    ids_sorted = jnp.cumsum(new.astype(jnp.int32)) - 1
+    ids_sorted = jnp.where(sorted_valid, ids_sorted, m)
+    ids = jnp.zeros((m,), jnp.int32).at[order].set(ids_sorted)
+    return ids, jnp.sum(new.astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------- turn <-> token
+
+
+def turn_to_token(x, batch: TrajectoryBatch):
+    """Broadcasts a per-turn array [N, K] onto its action tokens [R, T]; 0 elsewhere.
+
+    out[r, t] = x[row_traj[r], turn_ids[r, t]] * action_mask[r, t].
+    """
+    k = jnp.clip(batch.turn_ids, 0, batch.num_turns - 1)
+    out = x[batch.row_traj[:, None], k]
+    return jnp.where(batch.action_mask, out, jnp.zeros((), out.dtype))
+
+
+def traj_to_token(x, batch: TrajectoryBatch):
+    """Broadcasts a per-trajectory array [N] onto every action token of its rows [R, T]."""
+    return jnp.where(batch.action_mask, x[batch.row_traj][:, None], jnp.zeros((), x.dtype))
+
+
+def _flat_turn_index(batch: TrajectoryBatch):
+    n, k = batch.num_traj, batch.num_turns
+    idx = batch.row_traj[:, None] * k + jnp.clip(batch.turn_ids, 0, k - 1)
+    return jnp.where(batch.action_mask, idx, n * k)
+
+
+def token_to_turn(x, batch: TrajectoryBatch, reduce: str = "sum"):
+    """Reduces a per-token array [R, T] over each turn's action tokens into [N, K].
+
+    ``reduce`` is ``"sum"`` or ``"mean"`` (the token-weighted mean; 0 for empty turns).
+    """
+    n, k = batch.num_traj, batch.num_turns
+    idx = _flat_turn_index(batch)
+    xm = jnp.where(batch.action_mask, x, 0)
+    out = jax.ops.segment_sum(xm.reshape(-1), idx.reshape(-1), n * k).reshape(n, k)
+    if reduce == "sum":
+        return out
+    if reduce == "mean":
+        return out / jnp.maximum(turn_token_counts(batch), 1)
+    raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
+
+
+def turn_token_counts(batch: TrajectoryBatch):
+    """Number of action tokens of every turn, [N, K] float32."""
+    return token_to_turn(batch.action_mask.astype(jnp.float32), batch)
+
+
+def traj_token_counts(batch: TrajectoryBatch):
+    """Number of action tokens of every trajectory, [N] float32."""
+    return jax.ops.segment_sum(batch.action_mask.sum(axis=1).astype(jnp.float32),
+                               batch.row_traj, batch.num_traj)
+
+
+def turn_boundary_masks(batch: TrajectoryBatch):
+    """[R, T] masks of the first and the last action token of each turn within its row.
+
+    Relies on the layout rule that turn ids never decrease along a row and a turn lives in one
+    row (``validate_batch`` checks it).
+    """
+    tid = jnp.where(batch.action_mask, batch.turn_ids, -1)
+    prev = lax.cummax(tid, axis=1)
+    prev = jnp.concatenate([jnp.full_like(prev[:, :1], -1), prev[:, :-1]], axis=1)
+    big = jnp.iinfo(jnp.int32).max
+    tid_hi = jnp.where(batch.action_mask, batch.turn_ids, big)
+    nxt = lax.cummin(tid_hi, axis=1, reverse=True)
+    nxt = jnp.concatenate([nxt[:, 1:], jnp.full_like(nxt[:, :1], big)], axis=1)
+    first = batch.action_mask & (prev != batch.turn_ids)
+    last = batch.action_mask & (nxt != batch.turn_ids)
+    return first, last
+
+
+def token_rewards(batch: TrajectoryBatch):
+    """Per-token rewards [R, T]: each turn reward sits on the last action token of its turn,
+    plus ``extras['token_rewards']`` where given (dense shaping)."""
+    _, last = turn_boundary_masks(batch)
+    r = jnp.where(last, turn_to_token(batch.turn_rewards.astype(jnp.float32), batch), 0.0)
+    if "token_rewards" in batch.extras:
+        r = r + jnp.where(batch.action_mask, batch.extras["token_rewards"], 0.0)
+    return r
+
+
+# ----------------------------------------------------------------------------- reverse scans
+
+
+def _affine_compose(later, earlier):
+    a_l, b_l = later
+    a_e, b_e = earlier
+    return a_e * a_l, b_e + a_e * b_l
+
+
+def reverse_scan(x, discount, axis: int = -1):
+    """Reverse discounted cumulative sum with per-position discounts.
+
+    y_t = x_t + discount_t * y_{t+1}, with y past the end = 0. ``discount`` broadcasts against
+    ``x``. Computed with an associative scan (log-depth, no Python loop). Setting x_t = 0 and
+    discount_t = 1 at a position carries the running value through it unchanged.
+    """
+    discount = jnp.broadcast_to(jnp.asarray(discount, x.dtype), x.shape)
+    _, y = lax.associative_scan(_affine_compose, (discount, x), reverse=True, axis=axis)
+    return y
+
+
+def exclusive_reverse_cumprod(d, axis: int = -1):
+    """c_t = prod_{s > t} d_s along ``axis`` (1 at the last position)."""
+    incl = lax.associative_scan(jnp.multiply, d, reverse=True, axis=axis)
+    incl = jnp.moveaxis(incl, axis, -1)
+    excl = jnp.concatenate([incl[..., 1:], jnp.ones_like(incl[..., :1])], axis=-1)
+    return jnp.moveaxis(excl, -1, axis)
+
+
+def trajectory_reverse_scan(x, discount, batch: TrajectoryBatch):
+    """Reverse scan over each trajectory's action tokens in order (turn by turn), any layout.
+
+    Along the stream of a trajectory's action tokens, y_t = x_t + discount_t * y_next(t),
+    where next(t) is the trajectory's next action token (in the same row or in the row holding
+    the following turn) and y past the last action token is 0. Non-action tokens carry the
+    running value through. The result is the same in the concatenated and per-step layouts.
+
+    Method: one scan per row with zero bootstrap, then a turn-level affine scan that carries
+    each row's bootstrap (the value at the first token of the turn after the row) across rows.
+
+    Args:
+      x, discount: [R, T] (discount may be a scalar); only action-token entries are read.
+
+    Returns:
+      (inclusive [R, T], exclusive [R, T]): y_t, and y_next(t) (the value after t); on
+      non-action tokens both equal the value at the next action token.
+    """
+    m = batch.action_mask
+    n, k = batch.num_traj, batch.num_turns
+    x = jnp.where(m, x, 0.0)
+    d = jnp.where(m, jnp.broadcast_to(jnp.asarray(discount, x.dtype), x.shape), 1.0)
+    y0 = reverse_scan(x, d, axis=1)
+    y0_excl = jnp.concatenate([y0[:, 1:], jnp.zeros_like(y0[:, :1])], axis=1)
+    p_excl = exclusive_reverse_cumprod(d, axis=1)  # coefficient of the row bootstrap
+    p_incl = d * p_excl
+
+    first, _ = turn_boundary_masks(batch)
+    row_last_turn = jnp.max(jnp.where(m, batch.turn_ids, -1), axis=1)  # [R]
+    f0 = token_to_turn(jnp.where(first, y0, 0.0), batch)  # y0 at each turn's first token
+    c = token_to_turn(jnp.where(first, p_incl, 0.0), batch)
+    is_last = token_to_turn((first & (batch.turn_ids == row_last_turn[:, None])).astype(x.dtype),
+                            batch)
+    f0_next = jnp.concatenate([f0[:, 1:], jnp.zeros((n, 1), x.dtype)], axis=1)
+    c_next = jnp.concatenate([c[:, 1:], jnp.zeros((n, 1), x.dtype)], axis=1)
+    valid = batch.turn_mask.astype(x.dtype)
+    # S_k: bootstrap of the row holding turn k. S_k = L_k (F0_{k+1} + C_{k+1} S_{k+1})
+    # + (1 - L_k) S_{k+1}.
+    s = reverse_scan(valid * is_last * f0_next, valid * (is_last * c_next + (1 - is_last)),
+                     axis=1)
+    boot = jnp.where(row_last_turn >= 0,
+                     s[batch.row_traj, jnp.clip(row_last_turn, 0, k - 1)], 0.0)[:, None]
+    return y0 + p_incl * boot, y0_excl + p_excl * boot
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+
+def masked_mean_var(x, mask, axis_name=None, ddof: int = 0):
+    """Mask-weighted mean and variance over all entries (and across ``axis_name``).
+
+    mean = sum(m x) / sum(m), var = sum(m (x - mean)^2) / max(sum(m) - ddof, 1). An empty mask
+    gives mean 0, var 0.
+    """
+    w = mask.astype(jnp.float32)
+    count = psum(jnp.sum(w), axis_name)
+    mean = psum(jnp.sum(w * x), axis_name) / jnp.maximum(count, 1.0)
+    var = psum(jnp.sum(w * (x - mean) ** 2), axis_name) / jnp.maximum(count - ddof, 1.0)
+    return mean, var
+
+
+def masked_whiten(x, mask, axis_name=None, eps: float = 1e-8, ddof: int = 0,
+                  shift_mean: bool = True):
+    """Token-weighted standardisation: (x - mean) / sqrt(var + eps) on ``mask``, 0 elsewhere.
+
+    With ``shift_mean=False`` the mean is added back (verl's option for GAE). Zero variance
+    gives 0 (not NaN) because of ``eps``.
+    """
+    mean, var = masked_mean_var(x, mask, axis_name, ddof)
+    out = (x - mean) * lax.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return jnp.where(mask, out, 0.0)
+
+
+def weighted_mean_var(x, weights, axis_name=None):
+    """Mean and (population) variance of ``x`` [M] under non-negative ``weights`` [M]."""
+    total = psum(jnp.sum(weights), axis_name)
+    mean = psum(jnp.sum(weights * x), axis_name) / jnp.maximum(total, 1e-30)
+    var = psum(jnp.sum(weights * (x - mean) ** 2), axis_name) / jnp.maximum(total, 1e-30)
+    return mean, var
