@@ -530,6 +530,11 @@ def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
         key = int(np.argmax(split))
         raise ValueError(f"turn_ids: turn {key % K} of trajectory {key // K} is split across "
                          f"rows {lo[key]} and {hi[key]}; a turn must live in one row")
+    if batch.layout == "concatenated":
+        used = rt[am.any(axis=1)]
+        if len(np.unique(used)) != len(used):
+            raise ValueError("row_traj: in the concatenated layout each trajectory's action "
+                             "tokens must lie in one row")
     valid_tok = am & a["turn_mask"][rt[:, None], np.clip(tid, 0, K - 1)]
     if (am & ~valid_tok).any():
         raise ValueError(f"action_mask{list(first_bad(am & ~valid_tok))}: an action token "

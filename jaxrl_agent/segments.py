@@ -191,21 +191,43 @@ def _affine_compose(later, earlier):
     return a_e * a_l, b_e + a_e * b_l
 
 
-def reverse_scan(x, discount, axis: int = -1):
+def _scan_method(method: str) -> str:
+    if method == "auto":  # a sequential scan is ~3x faster on CPU; log-depth wins elsewhere
+        return "sequential" if jax.default_backend() == "cpu" else "associative"
+    if method not in ("sequential", "associative"):
+        raise ValueError(f"method must be 'auto', 'sequential' or 'associative', got {method!r}")
+    return method
+
+
+def reverse_scan(x, discount, axis: int = -1, init=0.0, method: str = "auto"):
     """Reverse discounted cumulative sum with per-position discounts.
 
-    y_t = x_t + discount_t * y_{t+1}, with y past the end = 0. ``discount`` broadcasts against
-    ``x``. Computed with an associative scan (log-depth, no Python loop). Setting x_t = 0 and
+    y_t = x_t + discount_t * y_{t+1}, with y past the end = ``init`` (broadcast against x
+    without ``axis``). ``discount`` broadcasts against ``x``. Setting x_t = 0 and
     discount_t = 1 at a position carries the running value through it unchanged.
+    ``method``: ``"sequential"`` (``lax.scan``, fastest on CPU), ``"associative"``
+    (log-depth ``lax.associative_scan``, for accelerators) or ``"auto"`` (by backend); both
+    give the same numbers up to float rounding.
     """
     discount = jnp.broadcast_to(jnp.asarray(discount, x.dtype), x.shape)
-    _, y = lax.associative_scan(_affine_compose, (discount, x), reverse=True, axis=axis)
-    return y
+    axis = axis % x.ndim
+    init = jnp.broadcast_to(jnp.asarray(init, x.dtype), x.shape[:axis] + x.shape[axis + 1:])
+    if _scan_method(method) == "associative":
+        prod, y = lax.associative_scan(_affine_compose, (discount, x), reverse=True, axis=axis)
+        return y + prod * jnp.expand_dims(init, axis)
+
+    def step(carry, xd):
+        y = xd[0] + xd[1] * carry
+        return y, y
+
+    xs = (jnp.moveaxis(x, axis, 0), jnp.moveaxis(discount, axis, 0))
+    _, ys = lax.scan(step, init, xs, reverse=True, unroll=8)
+    return jnp.moveaxis(ys, 0, axis)
 
 
-def exclusive_reverse_cumprod(d, axis: int = -1):
+def exclusive_reverse_cumprod(d, axis: int = -1, method: str = "auto"):
     """c_t = prod_{s > t} d_s along ``axis`` (1 at the last position)."""
-    incl = lax.associative_scan(jnp.multiply, d, reverse=True, axis=axis)
+    incl = reverse_scan(jnp.zeros_like(d), d, axis=axis, init=1.0, method=method)
     incl = jnp.moveaxis(incl, axis, -1)
     excl = jnp.concatenate([incl[..., 1:], jnp.ones_like(incl[..., :1])], axis=-1)
     return jnp.moveaxis(excl, -1, axis)
@@ -235,6 +257,8 @@ def trajectory_reverse_scan(x, discount, batch: TrajectoryBatch):
     d = jnp.where(m, jnp.broadcast_to(jnp.asarray(discount, x.dtype), x.shape), 1.0)
     y0 = reverse_scan(x, d, axis=1)
     y0_excl = jnp.concatenate([y0[:, 1:], jnp.zeros_like(y0[:, :1])], axis=1)
+    if batch.layout == "concatenated":  # each row holds a whole trajectory: no bootstrap
+        return y0, y0_excl
     p_excl = exclusive_reverse_cumprod(d, axis=1)  # coefficient of the row bootstrap
     p_incl = d * p_excl
 
