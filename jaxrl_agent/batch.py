@@ -530,6 +530,14 @@ def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
         key = int(np.argmax(split))
         raise ValueError(f"turn_ids: turn {key % K} of trajectory {key // K} is split across "
                          f"rows {lo[key]} and {hi[key]}; a turn must live in one row")
+    first_col, last_col = np.full(N * K, T), np.full(N * K, -1)
+    np.minimum.at(first_col, keys, cols)
+    np.maximum.at(last_col, keys, cols)
+    gaps = (last_col >= 0) & (last_col - first_col + 1 != np.bincount(keys, minlength=N * K))
+    if gaps.any():
+        key = int(np.argmax(gaps))
+        raise ValueError(f"action_mask: the action tokens of turn {key % K} of trajectory "
+                         f"{key // K} are not one contiguous span of row {lo[key]}")
     if batch.layout == "concatenated":
         used = rt[am.any(axis=1)]
         if len(np.unique(used)) != len(used):

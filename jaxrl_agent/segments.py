@@ -155,20 +155,20 @@ def traj_token_counts(batch: TrajectoryBatch):
 
 
 def turn_boundary_masks(batch: TrajectoryBatch):
-    """[R, T] masks of the first and the last action token of each turn within its row.
+    """[R, T] masks of the first and the last action token of each turn.
 
-    Relies on the layout rule that turn ids never decrease along a row and a turn lives in one
-    row (``validate_batch`` checks it).
+    Relies on the layout rules that ``validate_batch`` checks: a turn's action tokens are one
+    contiguous span of one row, and turn ids never decrease along a row.
     """
-    tid = jnp.where(batch.action_mask, batch.turn_ids, -1)
-    prev = lax.cummax(tid, axis=1)
-    prev = jnp.concatenate([jnp.full_like(prev[:, :1], -1), prev[:, :-1]], axis=1)
-    big = jnp.iinfo(jnp.int32).max
-    tid_hi = jnp.where(batch.action_mask, batch.turn_ids, big)
-    nxt = lax.cummin(tid_hi, axis=1, reverse=True)
-    nxt = jnp.concatenate([nxt[:, 1:], jnp.full_like(nxt[:, :1], big)], axis=1)
-    first = batch.action_mask & (prev != batch.turn_ids)
-    last = batch.action_mask & (nxt != batch.turn_ids)
+    m, tid = batch.action_mask, batch.turn_ids
+
+    def shifted(x, fill, by):  # x[t - by] (by = 1) or x[t + 1] (by = -1), padded with fill
+        pad = ((0, 0), (1, 0)) if by == 1 else ((0, 0), (0, 1))
+        x = jnp.pad(x, pad, constant_values=fill)
+        return x[:, :-1] if by == 1 else x[:, 1:]
+
+    first = m & ~(shifted(m, False, 1) & (shifted(tid, -1, 1) == tid))
+    last = m & ~(shifted(m, False, -1) & (shifted(tid, -1, -1) == tid))
     return first, last
 
 
@@ -199,35 +199,52 @@ def _scan_method(method: str) -> str:
     return method
 
 
-def reverse_scan(x, discount, axis: int = -1, init=0.0, method: str = "auto"):
+def reverse_scan(x, discount, axis: int = -1, init=0.0, where=None, method: str = "auto"):
     """Reverse discounted cumulative sum with per-position discounts.
 
-    y_t = x_t + discount_t * y_{t+1}, with y past the end = ``init`` (broadcast against x
-    without ``axis``). ``discount`` broadcasts against ``x``. Setting x_t = 0 and
-    discount_t = 1 at a position carries the running value through it unchanged.
+    y_t = x_t + discount_t * y_{t+1} where ``where`` holds (default: everywhere), and
+    y_t = y_{t+1} elsewhere (the running value is carried through unchanged); y past the end is
+    ``init`` (broadcast against x without ``axis``). ``discount`` broadcasts against ``x``.
     ``method``: ``"sequential"`` (``lax.scan``, fastest on CPU), ``"associative"``
     (log-depth ``lax.associative_scan``, for accelerators) or ``"auto"`` (by backend); both
     give the same numbers up to float rounding.
     """
-    discount = jnp.broadcast_to(jnp.asarray(discount, x.dtype), x.shape)
     axis = axis % x.ndim
+    discount = jnp.asarray(discount, x.dtype)
     init = jnp.broadcast_to(jnp.asarray(init, x.dtype), x.shape[:axis] + x.shape[axis + 1:])
     if _scan_method(method) == "associative":
-        prod, y = lax.associative_scan(_affine_compose, (discount, x), reverse=True, axis=axis)
+        d = jnp.broadcast_to(discount, x.shape)
+        if where is not None:
+            x, d = jnp.where(where, x, 0.0), jnp.where(where, d, 1.0)
+        prod, y = lax.associative_scan(_affine_compose, (d, x), reverse=True, axis=axis)
         return y + prod * jnp.expand_dims(init, axis)
 
-    def step(carry, xd):
-        y = xd[0] + xd[1] * carry
+    def to_time_major(a):
+        return jnp.moveaxis(jnp.broadcast_to(a, x.shape), axis, 0)
+
+    # Scalar discounts stay out of the scanned inputs: half the memory traffic per step.
+    scalar_d = discount.ndim == 0
+    xs = {"x": to_time_major(x)}
+    if not scalar_d:
+        xs["d"] = to_time_major(discount)
+    if where is not None:
+        xs["m"] = to_time_major(where)
+
+    def step(carry, inp):
+        y = inp["x"] + (discount if scalar_d else inp["d"]) * carry
+        if where is not None:
+            y = jnp.where(inp["m"], y, carry)
         return y, y
 
-    xs = (jnp.moveaxis(x, axis, 0), jnp.moveaxis(discount, axis, 0))
-    _, ys = lax.scan(step, init, xs, reverse=True, unroll=8)
+    _, ys = lax.scan(step, init, xs, reverse=True)
     return jnp.moveaxis(ys, 0, axis)
 
 
-def exclusive_reverse_cumprod(d, axis: int = -1, method: str = "auto"):
-    """c_t = prod_{s > t} d_s along ``axis`` (1 at the last position)."""
-    incl = reverse_scan(jnp.zeros_like(d), d, axis=axis, init=1.0, method=method)
+def exclusive_reverse_cumprod(d, axis: int = -1, where=None, method: str = "auto"):
+    """c_t = prod_{s > t, where_s} d_s along ``axis`` (1 at the last position)."""
+    shape = jnp.shape(d) if jnp.ndim(d) else jnp.shape(where)
+    incl = reverse_scan(jnp.zeros(shape),
+                        d, axis=axis, init=1.0, where=where, method=method)
     incl = jnp.moveaxis(incl, axis, -1)
     excl = jnp.concatenate([incl[..., 1:], jnp.ones_like(incl[..., :1])], axis=-1)
     return jnp.moveaxis(excl, -1, axis)
@@ -254,13 +271,15 @@ def trajectory_reverse_scan(x, discount, batch: TrajectoryBatch):
     m = batch.action_mask
     n, k = batch.num_traj, batch.num_turns
     x = jnp.where(m, x, 0.0)
-    d = jnp.where(m, jnp.broadcast_to(jnp.asarray(discount, x.dtype), x.shape), 1.0)
-    y0 = reverse_scan(x, d, axis=1)
+    y0 = reverse_scan(x, discount, axis=1, where=m)
     y0_excl = jnp.concatenate([y0[:, 1:], jnp.zeros_like(y0[:, :1])], axis=1)
     if batch.layout == "concatenated":  # each row holds a whole trajectory: no bootstrap
         return y0, y0_excl
-    p_excl = exclusive_reverse_cumprod(d, axis=1)  # coefficient of the row bootstrap
-    p_incl = d * p_excl
+    discount = jnp.asarray(discount, x.dtype)
+    p_excl = exclusive_reverse_cumprod(discount if discount.ndim == 0 else
+                                       jnp.broadcast_to(discount, x.shape), axis=1, where=m)
+    d = jnp.where(m, jnp.broadcast_to(discount, x.shape), 1.0)
+    p_incl = d * p_excl  # coefficient of the row bootstrap
 
     first, _ = turn_boundary_masks(batch)
     row_last_turn = jnp.max(jnp.where(m, batch.turn_ids, -1), axis=1)  # [R]
