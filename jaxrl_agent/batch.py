@@ -414,7 +414,8 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
     group_id_of: dict = {}
     for s, members in enumerate(per_shard):
         n0, r0 = s * n_local, s * r_local
-        row_traj[r0:r0 + r_local] = n0  # padding rows point into their own block
+        # padding rows point into their own block (concatenated: at their own padding slot)
+        row_traj[r0:r0 + r_local] = np.arange(n0, n0 + r_local) if layout == "concatenated" else n0
         row = r0
         for j, i in enumerate(members):
             tr, n = trajs[i], n0 + j

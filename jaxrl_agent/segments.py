@@ -4,6 +4,10 @@ Conventions: ``mask`` arrays select what counts; everything outside a mask is ig
 outputs there are 0. Every batch-wide statistic takes ``axis_name`` and, when it is set,
 reduces across that mesh axis under ``jax.shard_map`` (numerators and denominators are summed
 with ``psum`` before dividing, so the sharded result equals the unsharded one).
+
+The turn<->token maps index with ``row_traj`` as given: inside ``shard_map`` call
+``localize(batch, axis_name)`` first (every estimator does), or out-of-block indices are
+clamped or dropped silently.
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""Losses for multi-turn agent RL: policy (PPO-clip family), KL, entropy, value.
+
+Every loss returns ``(sum, denominator)`` instead of a mean; add the pairs over micro-batches
+and devices, then divide once (``safe_ratio``). See ``aggregation`` and ``docs/losses.md``.
+
+Registry (for configs): ``get(name)`` -> function, ``names()`` -> the valid names.
+"""
+
+from __future__ import annotations
+
+from jaxrl_agent.losses.aggregation import (AGG_MODES, add_pairs, aggregate, check_mode,
+                                            safe_ratio)
+from jaxrl_agent.losses.kl import (entropy, entropy_from_logits, k1, k1_st, k2, k3, k3_st,
+                                   kl_k1, kl_k1_st, kl_k2, kl_k3, kl_k3_st)
+from jaxrl_agent.losses.policy import (advantage_array, cispo, clipped_surrogate, gspo,
+                                       gspo_log_ratio, log_ratio, policy_metrics, ppo,
+                                       reinforce, soft_gate, soft_gate_fn,
+                                       truncated_is_weights)
+from jaxrl_agent.losses.value import value
+
+_REGISTRY = {
+    "ppo": ppo,
+    "gspo": gspo,
+    "cispo": cispo,
+    "soft_gate": soft_gate,
+    "reinforce": reinforce,
+    "value": value,
+    "k1": k1,
+    "k2": k2,
+    "k3": k3,
+    "k1_st": k1_st,
+    "k3_st": k3_st,
+    "entropy": entropy,
+}
+
+
+def names() -> tuple:
+    """The registered loss names."""
+    return tuple(_REGISTRY)
+
+
+def get(name: str):
+    """The loss function registered under ``name``; ``ValueError`` listing the names if none."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown loss {name!r}; valid names: {names()}") from None
+
+
+__all__ = [
+    "AGG_MODES", "add_pairs", "advantage_array", "aggregate", "check_mode", "cispo",
+    "clipped_surrogate", "entropy", "entropy_from_logits", "get", "gspo", "gspo_log_ratio",
+    "k1", "k1_st", "k2", "k3", "k3_st", "kl_k1", "kl_k1_st", "kl_k2", "kl_k3", "kl_k3_st",
+    "log_ratio", "names", "policy_metrics", "ppo", "reinforce", "safe_ratio", "soft_gate",
+    "soft_gate_fn", "truncated_is_weights", "value",
+]
