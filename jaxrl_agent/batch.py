@@ -331,7 +331,7 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
     every turn of every record or on none (half-known log-probs would silently train on zeros).
     ``state_key`` defaults to a hash of the turn's observation.
 
-    Shapes are padded to powers of two (``bucket``) unless ``pad_to`` (a dict with keys
+    Per-shard sizes are padded to powers of two (``bucket``) unless ``pad_to`` (a dict with keys
     ``num_traj``, ``num_turns``, ``num_rows``, ``row_len``) fixes them. With ``num_shards`` = D
     the trajectories are split into D equal blocks keeping every group whole in one block.
 
@@ -354,7 +354,8 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
             raise RecordError(i, f"turns lack '{name}' while other turns have it: give "
                                  f"'{name}' on every turn of every record or on none")
 
-    task_index = {} if task_index is None else task_index
+    caller_index = task_index
+    task_index = {} if task_index is None else dict(task_index)
     group_order: dict = {}
     for i, tr in enumerate(trajs):
         group_order.setdefault(tr.group, []).append(i)
@@ -383,11 +384,12 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
             raise ValueError(f"pad_to['{key}'] = {value} is too small or not divisible by "
                              f"num_shards={num_shards}: these records need {need[key]}")
         sizes[key] = value
-    if layout == "concatenated" and sizes["num_rows"] != sizes["num_traj"]:
-        if "num_rows" in pads and "num_traj" in pads:
+    if layout == "concatenated":  # one row per trajectory: R is N
+        if "num_rows" in pads and "num_traj" in pads and pads["num_rows"] != pads["num_traj"]:
             raise ValueError("pad_to: the concatenated layout has one row per trajectory, so "
                              "num_rows must equal num_traj")
-        sizes["num_rows"] = sizes["num_traj"] = max(sizes["num_rows"], sizes["num_traj"])
+        sizes["num_traj"] = sizes["num_rows"] = pads.get("num_traj", pads.get(
+            "num_rows", sizes["num_traj"]))
     N, K, R, T = sizes["num_traj"], sizes["num_turns"], sizes["num_rows"], sizes["row_len"]
     n_local, r_local = N // num_shards, R // num_shards
 
@@ -458,6 +460,9 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
                             action_keys=action_keys, group_ids=group_ids, task_ids=task_ids,
                             traj_mask=traj_mask, outcome=outcome, extras=extras, layout=layout)
     validate_batch(batch, num_shards=num_shards)
+    if caller_index is not None:  # extended in place, only once everything succeeded
+        caller_index.update(task_index)
+        task_index = caller_index
     return batch, RecordIndex(rec_traj, rec_spans, task_index)
 
 
@@ -480,6 +485,8 @@ def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
     """
     if batch.layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {batch.layout!r}")
+    if not _is_int(num_shards) or num_shards < 1:
+        raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
     a = {f: np.asarray(getattr(batch, f)) for f in _SPEC}
     if a["tokens"].ndim != 2 or a["turn_mask"].ndim != 2:
         raise ValueError(f"tokens must be [R, T] and turn_mask [N, K]; got shapes "
@@ -554,6 +561,10 @@ def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
     if (a["traj_mask"] & ~a["turn_mask"].any(axis=1)).any():
         raise ValueError(f"traj_mask[{first_bad(a['traj_mask'] & ~a['turn_mask'].any(1))[0]}]: "
                          f"empty trajectory (no valid turn)")
+    has_tokens = np.bincount(keys, minlength=N * K).reshape(N, K) > 0
+    if (a["turn_mask"] & ~has_tokens).any():
+        i, k = first_bad(a["turn_mask"] & ~has_tokens)
+        raise ValueError(f"turn_mask[{i}, {k}]: turn {k} of trajectory {i} has no action tokens")
     gid = a["group_ids"]
     tm = a["traj_mask"]
     if (tm & ~tm[np.clip(gid, 0, N - 1)]).any():

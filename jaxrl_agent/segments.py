@@ -39,6 +39,38 @@ def localize(batch: TrajectoryBatch, axis_name=None) -> TrajectoryBatch:
     return batch.replace(row_traj=batch.row_traj - offset, group_ids=batch.group_ids - offset)
 
 
+def zero_padding(batch: TrajectoryBatch) -> TrajectoryBatch:
+    """Sets every float entry outside its mask to 0 (padding may hold anything, NaN too).
+
+    Token-level arrays are masked by ``action_mask``, turn-level by ``turn_mask``,
+    trajectory-level by ``traj_mask``; extras by their shape.
+    """
+    n, k = batch.num_traj, batch.num_turns
+    r, t = batch.num_rows, batch.row_len
+
+    def clean(x):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return x
+        shape = jnp.shape(x)
+        if shape == (r, t):
+            return jnp.where(batch.action_mask, x, 0.0)
+        if shape[:2] == (n, k):
+            return jnp.where(batch.turn_mask.reshape((n, k) + (1,) * (len(shape) - 2)), x, 0.0)
+        if shape[:1] == (n,):
+            return jnp.where(batch.traj_mask.reshape((n,) + (1,) * (len(shape) - 1)), x, 0.0)
+        return x
+
+    return batch.replace(
+        old_logprobs=clean(batch.old_logprobs), turn_rewards=clean(batch.turn_rewards),
+        outcome=clean(batch.outcome), extras={name: clean(x) for name, x in batch.extras.items()})
+
+
+def local_view(batch: TrajectoryBatch, axis_name=None) -> TrajectoryBatch:
+    """What every estimator starts from: block-local indices (``localize``) and padding
+    entries set to 0 (``zero_padding``), so padding can never leak into a result."""
+    return zero_padding(localize(batch, axis_name))
+
+
 # ----------------------------------------------------------------------------- segment statistics
 
 
@@ -234,6 +266,10 @@ def reverse_scan(x, discount, axis: int = -1, init=0.0, where=None, method: str 
     if where is not None:
         xs["m"] = to_time_major(where)
 
+    # The carry must vary over the same mesh axes as the inputs (shard_map type check), so
+    # it is built from their first slices rather than from a constant alone.
+    init = init + sum(jnp.zeros_like(v[0], dtype=x.dtype) for v in xs.values())
+
     def step(carry, inp):
         y = inp["x"] + (discount if scalar_d else inp["d"]) * carry
         if where is not None:
@@ -246,8 +282,8 @@ def reverse_scan(x, discount, axis: int = -1, init=0.0, where=None, method: str 
 
 def exclusive_reverse_cumprod(d, axis: int = -1, where=None, method: str = "auto"):
     """c_t = prod_{s > t, where_s} d_s along ``axis`` (1 at the last position)."""
-    shape = jnp.shape(d) if jnp.ndim(d) else jnp.shape(where)
-    incl = reverse_scan(jnp.zeros(shape),
+    zeros = jnp.zeros_like(d) if jnp.ndim(d) else jnp.zeros_like(where, dtype=jnp.float32)
+    incl = reverse_scan(zeros,
                         d, axis=axis, init=1.0, where=where, method=method)
     incl = jnp.moveaxis(incl, axis, -1)
     excl = jnp.concatenate([incl[..., 1:], jnp.ones_like(incl[..., :1])], axis=-1)
@@ -310,13 +346,20 @@ def masked_mean_var(x, mask, axis_name=None, ddof: int = 0):
     """Mask-weighted mean and variance over all entries (and across ``axis_name``).
 
     mean = sum(m x) / sum(m), var = sum(m (x - mean)^2) / max(sum(m) - ddof, 1). An empty mask
-    gives mean 0, var 0.
+    gives mean 0, var 0; entries outside the mask are never read (NaN there is harmless).
+    The sums run on x shifted by its masked maximum, so constant input has exactly 0 variance.
     """
-    w = mask.astype(jnp.float32)
-    count = psum(jnp.sum(w), axis_name)
-    mean = psum(jnp.sum(w * x), axis_name) / jnp.maximum(count, 1.0)
-    var = psum(jnp.sum(w * (x - mean) ** 2), axis_name) / jnp.maximum(count - ddof, 1.0)
-    return mean, var
+    mask = mask.astype(bool)
+    count = psum(jnp.sum(mask.astype(jnp.float32)), axis_name)
+    top = jnp.max(jnp.where(mask, x, -jnp.inf))
+    if axis_name is not None:
+        top = lax.pmax(top, axis_name)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    xs = jnp.where(mask, x - top, 0.0)
+    mean_s = psum(jnp.sum(xs), axis_name) / jnp.maximum(count, 1.0)
+    dev = jnp.where(mask, xs - mean_s, 0.0)
+    var = psum(jnp.sum(dev * dev), axis_name) / jnp.maximum(count - ddof, 1.0)
+    return top + mean_s, var
 
 
 def masked_whiten(x, mask, axis_name=None, eps: float = 1e-8, ddof: int = 0,
@@ -327,15 +370,21 @@ def masked_whiten(x, mask, axis_name=None, eps: float = 1e-8, ddof: int = 0,
     gives 0 (not NaN) because of ``eps``.
     """
     mean, var = masked_mean_var(x, mask, axis_name, ddof)
-    out = (x - mean) * lax.rsqrt(var + eps)
+    out = (x - mean) * lax.rsqrt(var + eps)  # x - mean is exactly 0 for constant x
     if not shift_mean:
         out = out + mean
     return jnp.where(mask, out, 0.0)
 
 
 def weighted_mean_var(x, weights, axis_name=None):
-    """Mean and (population) variance of ``x`` [M] under non-negative ``weights`` [M]."""
-    total = psum(jnp.sum(weights), axis_name)
-    mean = psum(jnp.sum(weights * x), axis_name) / jnp.maximum(total, 1e-30)
-    var = psum(jnp.sum(weights * (x - mean) ** 2), axis_name) / jnp.maximum(total, 1e-30)
+    """Mean and (population) variance of ``x`` [M] under non-negative ``weights`` [M].
+
+    Entries with weight 0 are never read. Zero total weight gives mean 0, var 0.
+    """
+    on = weights > 0
+    total = psum(jnp.sum(jnp.where(on, weights, 0.0)), axis_name)
+    mean = psum(jnp.sum(jnp.where(on, weights * x, 0.0)), axis_name) / jnp.maximum(total, 1e-30)
+    dev = jnp.where(on, x - mean, 0.0)
+    var = psum(jnp.sum(jnp.where(on, weights * dev * dev, 0.0)), axis_name) / jnp.maximum(
+        total, 1e-30)
     return mean, var

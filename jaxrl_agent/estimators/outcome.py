@@ -50,7 +50,7 @@ def group_normalized_outcome(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof:
     """
     check_positive("eps", eps)
     check_choice("singleton", singleton, _SINGLETON)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton, scale_std=True,
                                            eps=eps), b)
 
@@ -60,7 +60,7 @@ def group_centered_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
     """Dr.GRPO: a_i = R_i - mean_g R (no std scaling; pair it with the constant-normalised
     ``seq_mean_token_sum_norm`` loss aggregation). Liu et al. 2025, "Understanding R1-Zero"."""
     check_choice("singleton", singleton, _SINGLETON)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     return traj_advantages(_group_centered(b, ddof=1, singleton=singleton, scale_std=False,
                                            eps=0.0), b)
 
@@ -72,7 +72,7 @@ def leave_one_out_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
     Ahmadian et al. 2024; verl ``compute_rloo_outcome_advantage`` (singleton: ``"raw"`` = R).
     """
     check_choice("singleton", singleton, _SINGLETON)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     return traj_advantages(_group_centered(b, ddof=1, singleton=singleton, scale_std=False,
                                            eps=0.0, rloo=True), b)
 
@@ -92,7 +92,7 @@ def reinforce_pp(batch: TrajectoryBatch, *, gamma: float = 1.0, kl_coef: float =
     Hu 2025, "REINFORCE++".
     """
     check_unit("gamma", gamma)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     r = segments.token_rewards(b)
     if kl_coef:
         ref = require(b, "ref_logprobs", "reinforce_pp with kl_coef > 0",
@@ -113,7 +113,7 @@ def reinforce_pp_baseline(batch: TrajectoryBatch, *, eps: float = 1e-8,
                           axis_name=None) -> Advantages:
     """REINFORCE++-baseline: a_i = R_i - mean_g R, broadcast to action tokens, then whitened
     token-weighted over the batch: A = (a - mu_m) / sqrt(var_m + eps). verl."""
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     r = b.outcome.astype(jnp.float32)
     mean, _, _ = segments.group_stats(r, b.group_ids, b.traj_mask)
     return traj_advantages(_token_whitened_traj(r - mean, b, axis_name, eps), b)
@@ -177,7 +177,7 @@ def single_stream(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
       (Advantages, new SPOState).
     """
     check_unit("rho", rho)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     a, new = _spo_residual_and_update(b, state, rho, axis_name)
     valid = b.traj_mask.astype(jnp.float32)
     n = segments.psum(jnp.sum(valid), axis_name)
@@ -198,7 +198,7 @@ def single_stream_pp(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.
     batch) [X: our definition]. With p_hat = group mean this is REINFORCE++-baseline.
     """
     check_unit("rho", rho)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     a, new = _spo_residual_and_update(b, state, rho, axis_name)
     return traj_advantages(_token_whitened_traj(a, b, axis_name, eps), b), new
 
@@ -220,7 +220,7 @@ def rollout_level(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
     """
     check_positive("eps", eps)
     check_choice("singleton", singleton, _SINGLETON)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     if not row_weighted:
         return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton,
                                                scale_std=normalize_std, eps=eps), b)

@@ -39,7 +39,7 @@ def discounted_returns(batch: TrajectoryBatch, *, gamma: float = 1.0,
     The discount is per turn. ``turn`` and ``turn_returns`` are G; ``token`` broadcasts it.
     """
     check_unit("gamma", gamma)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     r = jnp.where(b.turn_mask, b.turn_rewards, 0.0).astype(jnp.float32)
     g = jnp.where(b.turn_mask, segments.reverse_scan(r, gamma, axis=1), 0.0)
     return Advantages(token=segments.turn_to_token(g, b), turn=g, turn_returns=g)
@@ -61,7 +61,7 @@ def gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0, whiten:
     """
     check_unit("gamma", gamma)
     check_unit("lam", lam)
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     v = _token_values(b, "gae")
     r = segments.token_rewards(b)
     _, v_next = segments.trajectory_reverse_scan(v, 0.0, b)
@@ -96,7 +96,7 @@ def turn_gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
     check_unit("gamma", gamma)
     check_unit("lam", lam)
     check_choice("normalize", normalize, ("token", "turn", "none"))
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     v = _turn_values(b, "turn_gae")
     adv = _turn_gae_raw(b, gamma, lam, v)
     if normalize == "token":
@@ -123,7 +123,7 @@ def lambda_returns(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1
     check_unit("gamma", gamma)
     check_unit("lam", lam)
     check_choice("level", level, ("turn", "token"))
-    b = segments.localize(batch, axis_name)
+    b = segments.local_view(batch, axis_name)
     if level == "turn":
         v = _turn_values(b, "lambda_returns")
         g = jnp.where(b.turn_mask, _turn_gae_raw(b, gamma, lam, v) + v, 0.0)
