@@ -150,8 +150,12 @@ def run(sizes, repeats, names):
             t_jit = median_time(call, repeats)
             nbytes = read_bytes(traced, batch)
             ref_fn = ref.REFERENCES[name]
-            t_ref = median_time(lambda: ref_fn(records, **({"num_tasks": state.alpha.shape[0]}
-                                                           if spec.stateful else {})), 1)
+            kwargs = {"layout": "concatenated"} if name == "rollout_level" else {}
+            if spec.stateful:
+                p = state.alpha.shape[0]
+                kwargs = {"state": (np.asarray(state.alpha), np.asarray(state.beta)),
+                          "task_index": {t: t for t in range(p)}}
+            t_ref = median_time(lambda: ref_fn(records, **kwargs), 1)
             t_ref *= n / n_ref
             mark = "*" if n_ref < n else " "
             print(f"{name:<22}{n:>7}{k:>4}{int(batch.action_mask.sum()):>11}"
