@@ -208,6 +208,25 @@ def turn_boundary_masks(batch: TrajectoryBatch):
     return first, last
 
 
+def turn_values_from_tokens(values, batch: TrajectoryBatch, at: str = "before_action"):
+    """Reads one value per turn [N, K] out of per-position values [R, T] of the same rows.
+
+    ``values[r, t]`` is the value-head output at position t (the causal state after tokens
+    0..t). ``at="before_action"`` reads V(s_k) at the position just before turn k's first
+    action token (the last prompt/observation token); ``at="last_action"`` reads Q(s_k, a_k)
+    at the turn's last action token (SAPO's two causal boundaries). A turn whose first action
+    token sits at position 0 has no earlier position and reads position 0 itself. Missing
+    turns give 0.
+    """
+    first, last = turn_boundary_masks(batch)
+    if at == "before_action":
+        earlier = jnp.concatenate([values[:, :1], values[:, :-1]], axis=1)
+        return token_to_turn(jnp.where(first, earlier, 0.0), batch)
+    if at == "last_action":
+        return token_to_turn(jnp.where(last, values, 0.0), batch)
+    raise ValueError(f"at must be 'before_action' or 'last_action', got {at!r}")
+
+
 def token_rewards(batch: TrajectoryBatch):
     """Per-token rewards [R, T]: each turn reward sits on the last action token of its turn,
     plus ``extras['token_rewards']`` where given (dense shaping)."""

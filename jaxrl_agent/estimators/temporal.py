@@ -130,3 +130,24 @@ def lambda_returns(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1
         return Advantages(token=segments.turn_to_token(g, b), turn=g, turn_returns=g)
     adv = gae(b, gamma=gamma, lam=lam, whiten=False)
     return Advantages(token=adv.token_returns, token_returns=adv.token_returns)
+
+
+def sapo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
+         normalize: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
+    """SAPO (Single-rollout Autoregressive Policy Optimization, this project's SAPO; not the
+    Soft Adaptive PO gate, which is ``losses.soft_gate``): trajectory-level GAE over turns
+    with lambda-return targets and batch normalisation, one rollout per task (no groups).
+
+    V_k = extras['turn_values'][:, k], the shared-backbone value head read at the boundary
+    before action k (``segments.turn_values_from_tokens(values, batch, "before_action")``);
+    delta_k = r_k + gamma V_{k+1} - V_k (V past the last turn = 0);
+    A_k = sum_l (gamma lam)^l delta_{k+l};  targets G^lam_k = A_k + V_k (``turn_returns``);
+    A_hat = (A - mu) / sqrt(var + eps) over the whole batch (across ``axis_name``), weighted by
+    each turn's action tokens (``normalize="token"``, what a token-mean actor loss sees; [X]
+    our choice, the paper says "batch normalisation") or by turns (``"turn"``).
+    The auxiliary SARSA loss on Q read after the action is ``losses.sarsa``.
+    """
+    if normalize == "none":
+        raise ValueError("sapo normalises its advantages: normalize must be 'token' or 'turn'")
+    return turn_gae(batch, gamma=gamma, lam=lam, normalize=normalize, eps=eps,
+                    axis_name=axis_name)

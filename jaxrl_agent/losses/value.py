@@ -48,3 +48,27 @@ def value(values, returns, mask, *, old_values=None, clip=None):
         err = jnp.maximum(err, jnp.square(v_clipped - ret))
     per = jnp.where(m, 0.5 * err, 0.0)
     return jnp.sum(per), jnp.sum(m.astype(jnp.float32))
+
+
+def sarsa(q_values, batch, *, gamma: float = 1.0):
+    """SAPO's auxiliary on-policy SARSA loss over turns, as ``(sum, denominator)``.
+
+    Q_k = Q(s_k, a_k), the value head read after action k (``segments.turn_values_from_tokens
+    (values, batch, "last_action")``), [N, K]. Target y_k = r_k + gamma sg(Q_{k+1}), with
+    Q past the trajectory's last turn = 0 (terminal), so a one-turn episode regresses Q on r.
+    l = 0.5 (Q_k - y_k)^2; sum over valid turns, denominator = number of valid turns. Only
+    Q_k carries gradient (the target is stop-gradient, P15).
+    """
+    n, k = batch.turn_mask.shape
+    if jnp.shape(q_values) != (n, k):
+        raise ValueError(f"sarsa: q_values must have shape [N, K] = {(n, k)}, got "
+                         f"{jnp.shape(q_values)}")
+    if isinstance(gamma, numbers.Real) and not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"sarsa: gamma must lie in [0, 1], got {gamma}")
+    m = jnp.asarray(batch.turn_mask).astype(bool)
+    q = jnp.where(m, jnp.asarray(q_values, jnp.float32), 0.0)
+    q_next = jnp.concatenate([q[:, 1:], jnp.zeros_like(q[:, :1])], axis=1)
+    r = jnp.where(m, jnp.asarray(batch.turn_rewards, jnp.float32), 0.0)
+    target = sg(r + gamma * q_next)
+    per = jnp.where(m, 0.5 * jnp.square(q - target), 0.0)
+    return jnp.sum(per), jnp.sum(m.astype(jnp.float32))
