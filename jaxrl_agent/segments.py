@@ -74,19 +74,28 @@ def local_view(batch: TrajectoryBatch, axis_name=None) -> TrajectoryBatch:
 # ----------------------------------------------------------------------------- segment statistics
 
 
-def segment_stats(x, ids, valid, num_segments: int, ddof: int = 1):
+def safe_sqrt(x):
+    """sqrt with a finite gradient at 0 (the gradient there is taken as 0, not inf)."""
+    pos = x > 0
+    return jnp.where(pos, jnp.sqrt(jnp.where(pos, x, 1.0)), 0.0)
+
+
+def segment_stats(x, ids, valid, num_segments: int, ddof: int = 1, weights=None):
     """Per-segment mean, std and count of ``x`` over entries with ``valid``.
 
-    mean_s = sum_{i: id_i = s} x_i / n_s,  std_s = sqrt(sum (x_i - mean_s)^2 / max(n_s - ddof, 1)).
+    mean_s = sum_{i: id_i = s} w_i x_i / n_s,  n_s = sum w_i,
+    std_s = sqrt(sum w_i (x_i - mean_s)^2 / max(n_s - ddof, 1)),
+    with frequency ``weights`` w (default 1).
 
-    Empty segments give mean 0, std 0, count 0 (never NaN). Entries with ids outside
-    [0, num_segments) are dropped.
+    Empty segments give mean 0, std 0, count 0 (never NaN, and finite gradients). Equal values
+    give exactly 0 deviations and std 0. Entries with ids outside [0, num_segments) are dropped.
 
     Returns:
       (mean [S], std [S], count [S] float32).
     """
     ok = valid.astype(bool)
-    valid = ok.astype(x.dtype)
+    w = ok.astype(x.dtype) if weights is None else jnp.where(ok, weights, 0.0).astype(x.dtype)
+    ok = ok & (w > 0)
     ids = jnp.where(ok, ids, num_segments)
     safe = jnp.clip(ids, 0, num_segments - 1)
     # Shift by the segment maximum first: equal values then cancel exactly (zero-variance
@@ -94,11 +103,11 @@ def segment_stats(x, ids, valid, num_segments: int, ddof: int = 1):
     top = jax.ops.segment_max(jnp.where(ok, x, -jnp.inf), ids, num_segments)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     xs = jnp.where(ok, x - top[safe], 0.0)
-    count = jax.ops.segment_sum(valid, ids, num_segments)
-    mean_s = jax.ops.segment_sum(xs, ids, num_segments) / jnp.maximum(count, 1.0)
+    count = jax.ops.segment_sum(w, ids, num_segments)
+    mean_s = jax.ops.segment_sum(w * xs, ids, num_segments) / jnp.maximum(count, 1.0)
     dev = jnp.where(ok, xs - mean_s[safe], 0.0)
-    ssd = jax.ops.segment_sum(dev * dev, ids, num_segments)
-    std = jnp.sqrt(ssd / jnp.maximum(count - ddof, 1.0))
+    ssd = jax.ops.segment_sum(w * dev * dev, ids, num_segments)
+    std = safe_sqrt(ssd / jnp.maximum(count - ddof, 1.0))
     return top + mean_s, std, count
 
 
@@ -398,12 +407,19 @@ def masked_whiten(x, mask, axis_name=None, eps: float = 1e-8, ddof: int = 0,
 def weighted_mean_var(x, weights, axis_name=None):
     """Mean and (population) variance of ``x`` [M] under non-negative ``weights`` [M].
 
-    Entries with weight 0 are never read. Zero total weight gives mean 0, var 0.
+    Entries with weight 0 are never read. Zero total weight gives mean 0, var 0. Computed on x
+    shifted by its maximum (over positive weights, across ``axis_name``), so equal values give
+    exactly 0 variance and x - mean exactly 0.
     """
     on = weights > 0
-    total = psum(jnp.sum(jnp.where(on, weights, 0.0)), axis_name)
-    mean = psum(jnp.sum(jnp.where(on, weights * x, 0.0)), axis_name) / jnp.maximum(total, 1e-30)
-    dev = jnp.where(on, x - mean, 0.0)
-    var = psum(jnp.sum(jnp.where(on, weights * dev * dev, 0.0)), axis_name) / jnp.maximum(
-        total, 1e-30)
-    return mean, var
+    w = jnp.where(on, weights, 0.0)
+    top = jnp.max(jnp.where(on, x, -jnp.inf))
+    if axis_name is not None:
+        top = lax.pmax(top, axis_name)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    xs = jnp.where(on, x - top, 0.0)
+    total = psum(jnp.sum(w), axis_name)
+    mean_s = psum(jnp.sum(w * xs), axis_name) / jnp.maximum(total, 1e-30)
+    dev = jnp.where(on, xs - mean_s, 0.0)
+    var = psum(jnp.sum(w * dev * dev), axis_name) / jnp.maximum(total, 1e-30)
+    return top + mean_s, var

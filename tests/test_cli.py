@@ -71,7 +71,7 @@ def test_value_estimators_with_values(tmp_path, capsys, name):
 
 def test_every_estimator_runs_on_the_example(tmp_path, capsys):
     for name in estimators.names():
-        src = EXAMPLE_VALUES if name in ("gae", "turn_gae", "lambda_returns") else EXAMPLE
+        src = EXAMPLE_VALUES if name in ("gae", "turn_gae", "lambda_returns", "sapo") else EXAMPLE
         rc, _, err = run(["credit", src, "--estimator", name, "--out", tmp_path / f"{name}.jsonl"],
                          capsys)
         assert rc == 0, (name, err)

@@ -5,31 +5,33 @@ validates the batch and runs one jitted.
 """
 
 from jaxrl_agent.estimators.outcome import (
-    SPOState, group_centered_outcome, group_normalized_outcome, leave_one_out_outcome,
+    SPOState, check_spo_state, group_centered_outcome, group_normalized_outcome, leave_one_out_outcome,
     reinforce_pp, reinforce_pp_baseline, rollout_level, single_stream, single_stream_pp,
     spo_init, traj_advantages)
 from jaxrl_agent.estimators.registry import (
     EstimatorSpec, check_hyper_params, compute, get, names, register, spec)
 from jaxrl_agent.estimators.temporal import (
-    discounted_returns, gae, lambda_returns, turn_gae)
+    discounted_returns, gae, lambda_returns, sapo, turn_gae)
 
 register("grpo", group_normalized_outcome)
 register("dr_grpo", group_centered_outcome)
 register("rloo", leave_one_out_outcome)
 register("reinforce_pp", reinforce_pp)
 register("reinforce_pp_baseline", reinforce_pp_baseline)
-register("spo", single_stream, stateful=True, init_state=spo_init)
-register("spo_pp", single_stream_pp, stateful=True, init_state=spo_init)
+register("spo", single_stream, stateful=True, init_state=spo_init, check_state=check_spo_state)
+register("spo_pp", single_stream_pp, stateful=True, init_state=spo_init,
+         check_state=check_spo_state)
 register("rollout_level", rollout_level)
 register("returns", discounted_returns)
 register("gae", gae)
 register("turn_gae", turn_gae)
 register("lambda_returns", lambda_returns)
+register("sapo", sapo)
 
 __all__ = [
-    "SPOState", "EstimatorSpec", "check_hyper_params", "compute", "discounted_returns", "gae",
+    "SPOState", "EstimatorSpec", "check_spo_state", "check_hyper_params", "compute", "discounted_returns", "gae",
     "get", "group_centered_outcome", "group_normalized_outcome", "lambda_returns",
     "leave_one_out_outcome", "names", "register", "reinforce_pp", "reinforce_pp_baseline",
-    "rollout_level", "single_stream", "single_stream_pp", "spec", "spo_init",
+    "rollout_level", "sapo", "single_stream", "single_stream_pp", "spec", "spo_init",
     "traj_advantages", "turn_gae",
 ]

@@ -140,6 +140,21 @@ def spo_init(num_tasks: int, alpha0: float = 0.5, beta0: float = 0.5) -> SPOStat
                     beta=jnp.full((num_tasks,), beta0, jnp.float32))
 
 
+def check_spo_state(batch: TrajectoryBatch, state: SPOState) -> None:
+    """Host-side check that every real task id has a tracker entry (inside jit an id past the
+    end would silently share the last entry)."""
+    import numpy as np
+
+    if not isinstance(state, SPOState):
+        raise ValueError("spo/spo_pp need state=SPOState (make one with spo_init(num_tasks))")
+    tasks = np.asarray(batch.task_ids)[np.asarray(batch.traj_mask)]
+    p = state.alpha.shape[0]
+    if tasks.size and (tasks.min() < 0 or tasks.max() >= p):
+        raise ValueError(f"task_ids range over [{tasks.min()}, {tasks.max()}] but the SPO "
+                         f"tracker has {p} entries: make it with spo_init(num_tasks > "
+                         f"{tasks.max()})")
+
+
 def _spo_residual_and_update(b, state, rho, axis_name):
     if not isinstance(state, SPOState):
         raise ValueError("spo/spo_pp need state=SPOState (make one with spo_init(num_tasks))")
@@ -163,7 +178,7 @@ def single_stream(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
 
     p_hat = alpha / (alpha + beta) of the trajectory's task (state before this batch);
     a_i = R_i - p_hat;  A_i = (a_i - mean_B a) / (std_B a + eps), one scalar per trajectory
-    (trajectory-level whitening, std unbiased).
+    (trajectory-level whitening, std unbiased; a single trajectory gives 0).
     Update: alpha <- rho alpha + sum R, beta <- rho beta + sum (1 - R) over the batch's
     trajectories of that task, R clipped to [0, 1] (outcomes are success probabilities);
     tasks absent from the batch are untouched.
@@ -179,11 +194,8 @@ def single_stream(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
     check_unit("rho", rho)
     b = segments.local_view(batch, axis_name)
     a, new = _spo_residual_and_update(b, state, rho, axis_name)
-    valid = b.traj_mask.astype(jnp.float32)
-    n = segments.psum(jnp.sum(valid), axis_name)
-    mean = segments.psum(jnp.sum(a * valid), axis_name) / jnp.maximum(n, 1.0)
-    var = segments.psum(jnp.sum(valid * (a - mean) ** 2), axis_name) / jnp.maximum(n - 1.0, 1.0)
-    return traj_advantages((a - mean) / (jnp.sqrt(var) + eps), b), new
+    mean, var = segments.masked_mean_var(a, b.traj_mask, axis_name, ddof=1)
+    return traj_advantages((a - mean) / (segments.safe_sqrt(var) + eps), b), new
 
 
 def single_stream_pp(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
@@ -226,15 +238,13 @@ def rollout_level(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
                                                scale_std=normalize_std, eps=eps), b)
     n = b.num_traj
     has_tokens = b.action_mask.any(axis=1).astype(jnp.float32)
-    w = jax.ops.segment_sum(has_tokens, b.row_traj, n) * b.traj_mask
+    rows = jax.ops.segment_sum(has_tokens, b.row_traj, n)
     r = b.outcome.astype(jnp.float32)
     gid = jnp.clip(b.group_ids, 0, n - 1)
-    wsum = jax.ops.segment_sum(w, gid, n)
-    mean = (jax.ops.segment_sum(w * r, gid, n) / jnp.maximum(wsum, 1.0))[gid]
-    var = jax.ops.segment_sum(w * (r - mean) ** 2, gid, n) / jnp.maximum(wsum - ddof, 1.0)
-    a = r - mean
+    mean, std, _ = segments.segment_stats(r, gid, b.traj_mask, n, ddof, weights=rows)
+    a = r - mean[gid]
     if normalize_std:
-        a = a / (jnp.sqrt(var)[gid] + eps)
+        a = a / (std[gid] + eps)
     count = jax.ops.segment_sum(b.traj_mask.astype(jnp.float32), gid, n)[gid]
     lone = r if singleton == "raw" else jnp.zeros_like(r)
     return traj_advantages(jnp.where(count > 1, a, lone), b)

@@ -18,6 +18,7 @@ class EstimatorSpec:
     fn: Callable
     stateful: bool = False  # takes state= and returns (Advantages, new_state)
     init_state: Callable | None = None  # init_state(num_tasks) for stateful estimators
+    check_state: Callable | None = None  # host-side check_state(batch, state)
 
     @property
     def hyper_params(self) -> dict:
@@ -30,10 +31,11 @@ class EstimatorSpec:
 _REGISTRY: dict[str, EstimatorSpec] = {}
 
 
-def register(name: str, fn: Callable, *, stateful: bool = False, init_state=None) -> None:
+def register(name: str, fn: Callable, *, stateful: bool = False, init_state=None,
+             check_state=None) -> None:
     if name in _REGISTRY:
         raise ValueError(f"estimator {name!r} is already registered")
-    _REGISTRY[name] = EstimatorSpec(name, fn, stateful, init_state)
+    _REGISTRY[name] = EstimatorSpec(name, fn, stateful, init_state, check_state)
 
 
 def names() -> list[str]:
@@ -79,6 +81,8 @@ def compute(name: str, batch: TrajectoryBatch, *, state=None, validate: bool = T
         if state is None:
             raise ValueError(f"estimator {name!r} is stateful: pass state= (see "
                              f"estimators.spec({name!r}).init_state)")
+        if spec(name).check_state is not None:
+            spec(name).check_state(batch, state)
         return fn(batch, state=state)
     if state is not None:
         raise ValueError(f"estimator {name!r} takes no state")

@@ -1,0 +1,327 @@
+"""HF checkpoint import/export: ``config.json`` + ``model.safetensors`` (or sharded with
+``model.safetensors.index.json``), HF tensor names, no torch needed.
+
+One table, ``hf_param_map(config)``, maps every HF tensor name to its NNX path and says
+whether the array is transposed (HF ``nn.Linear`` weights are ``[out, in]``, our kernels
+``[in, out]``). Loading, saving and ``to_hf_tensors`` (the weight sync to a vLLM sampler)
+all use it.
+
+The value head is not part of an HF checkpoint: ``save_hf`` writes it to
+``value_head.safetensors`` (tensors ``value_head.kernel`` [D, 1], ``value_head.bias`` [1];
+metadata ``value_stop_gradient``) next to the HF files, and ``load_hf`` loads it when present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_agent.models.config import ModelConfig
+from jaxrl_agent.models.transformer import Linear, Transformer, param_dtype
+
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+VALUE_HEAD_NAME = "value_head.safetensors"
+
+# Tensors some HF checkpoints carry that are not parameters (recomputed buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ParamSpec(NamedTuple):
+    """One row of ``hf_param_map``.
+
+    Attributes:
+      hf_name: HF tensor name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+      path: NNX path in ``Transformer``, e.g. ``("layers", 0, "self_attn", "q_proj", "kernel")``.
+      transpose: the HF array is the transpose of the NNX array (2-D linear weights).
+      shape: the NNX array shape (the HF shape is reversed when ``transpose``).
+    """
+
+    hf_name: str
+    path: tuple
+    transpose: bool
+    shape: tuple
+
+    @property
+    def hf_shape(self) -> tuple:
+        return tuple(reversed(self.shape)) if self.transpose else tuple(self.shape)
+
+
+def hf_param_map(config: ModelConfig) -> list[ParamSpec]:
+    """HF tensor name <-> NNX path (+ transpose flag and shape) for every backbone parameter of
+    ``config``, in HF order. The value head is not included (not part of HF checkpoints); nor is
+    ``lm_head.weight`` when embeddings are tied (HF drops it on save)."""
+    D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    hd, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
+    out = [ParamSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"), False, (V, D))]
+
+    def linear(hf_prefix, path, din, dout, bias):
+        rows = [ParamSpec(f"{hf_prefix}.weight", path + ("kernel",), True, (din, dout))]
+        if bias:
+            rows.append(ParamSpec(f"{hf_prefix}.bias", path + ("bias",), False, (dout,)))
+        return rows
+
+    for i in range(config.num_layers):
+        p, q = f"model.layers.{i}", ("layers", i)
+        out.append(ParamSpec(f"{p}.input_layernorm.weight", q + ("input_layernorm", "weight"),
+                             False, (D,)))
+        a, qa = f"{p}.self_attn", q + ("self_attn",)
+        out += linear(f"{a}.q_proj", qa + ("q_proj",), D, H * hd, config.qkv_bias)
+        out += linear(f"{a}.k_proj", qa + ("k_proj",), D, KV * hd, config.qkv_bias)
+        out += linear(f"{a}.v_proj", qa + ("v_proj",), D, KV * hd, config.qkv_bias)
+        out += linear(f"{a}.o_proj", qa + ("o_proj",), H * hd, D, config.o_bias)
+        if config.qk_norm:
+            out.append(ParamSpec(f"{a}.q_norm.weight", qa + ("q_norm", "weight"), False, (hd,)))
+            out.append(ParamSpec(f"{a}.k_norm.weight", qa + ("k_norm", "weight"), False, (hd,)))
+        out.append(ParamSpec(f"{p}.post_attention_layernorm.weight",
+                             q + ("post_attention_layernorm", "weight"), False, (D,)))
+        m, qm = f"{p}.mlp", q + ("mlp",)
+        out += linear(f"{m}.gate_proj", qm + ("gate_proj",), D, F, config.mlp_bias)
+        out += linear(f"{m}.up_proj", qm + ("up_proj",), D, F, config.mlp_bias)
+        out += linear(f"{m}.down_proj", qm + ("down_proj",), F, D, config.mlp_bias)
+    out.append(ParamSpec("model.norm.weight", ("norm", "weight"), False, (D,)))
+    if not config.tie_word_embeddings:
+        out.append(ParamSpec("lm_head.weight", ("lm_head", "kernel"), True, (D, V)))
+    return out
+
+
+def _variable(model, path):
+    obj = model
+    for key in path:
+        obj = obj[key] if isinstance(key, int) else getattr(obj, key)
+    return obj
+
+
+# ----------------------------------------------------------------------------- in memory
+
+
+def to_hf_tensors(model: Transformer, *, as_numpy: bool = True) -> dict:
+    """The backbone parameters under HF names and layouts (``[out, in]`` linear weights), in the
+    parameter dtype: ``{hf_name: array}`` in ``hf_param_map`` order. ``as_numpy=False`` keeps
+    them as (transposed) ``jax.Array`` s, e.g. for a jitted weight sync."""
+    out = {}
+    for spec in hf_param_map(model.config):
+        arr = _variable(model, spec.path)[...]
+        if spec.transpose:
+            arr = arr.T
+        out[spec.hf_name] = np.ascontiguousarray(np.asarray(arr)) if as_numpy else arr
+    return out
+
+
+def _check_names(config: ModelConfig, shapes: Mapping[str, tuple]):
+    """Raises ValueError for a missing, unexpected or mis-shaped tensor (naming it)."""
+    specs = hf_param_map(config)
+    expected = {s.hf_name for s in specs}
+    for name in shapes:
+        if name in expected or name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # a tied checkpoint may still carry the copy
+        raise ValueError(f"unexpected tensor {name!r} with shape {tuple(shapes[name])} in the "
+                         f"checkpoint: a {config.family} model with this config has no such "
+                         "parameter")
+    for s in specs:
+        if s.hf_name not in shapes:
+            raise ValueError(f"checkpoint lacks tensor {s.hf_name!r} (expected shape "
+                             f"{s.hf_shape})")
+        got = tuple(shapes[s.hf_name])
+        if got != s.hf_shape:
+            raise ValueError(f"tensor {s.hf_name!r} has shape {got} in the checkpoint but the "
+                             f"config expects {s.hf_shape}")
+
+
+def from_hf_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray], *,
+                    seed: int = 0,
+                    place: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> Transformer:
+    """Builds a ``Transformer`` from HF-named arrays (no random init of the backbone).
+
+    Args:
+      config: the model config (its ``dtype`` is the parameter dtype; arrays are cast).
+      tensors: ``{hf_name: array}``; every name of ``hf_param_map(config)`` must be present with
+        its HF shape. Extra tensors raise, except ``*rotary_emb.inv_freq`` buffers and a tied
+        checkpoint's ``lm_head.weight``. A value head (``config.value_head``) is freshly
+        initialised from ``seed``; ``value_head.kernel``/``value_head.bias`` in ``tensors``
+        are used instead when present.
+      place: optional ``(nnx_path, np_array) -> jax.Array`` to put each parameter (e.g.
+        ``jax.device_put`` with a sharding); default ``jnp.asarray``.
+
+    Raises:
+      ValueError: naming the missing / unexpected tensor, or the tensor and both shapes.
+    """
+    tensors = dict(tensors)
+    vh = {k: tensors.pop(k) for k in ("value_head.kernel", "value_head.bias") if k in tensors}
+    _check_names(config, {k: np.shape(v) for k, v in tensors.items()})
+    return _build(config, lambda name: tensors[name], vh, seed=seed, place=place)
+
+
+def _build(config, get, value_head_tensors, *, seed, place):
+    dtype = param_dtype(config)
+    place = place or (lambda path, a: jnp.asarray(a))
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    for spec in hf_param_map(config):
+        arr = np.asarray(get(spec.hf_name))
+        if spec.transpose:
+            arr = arr.T
+        arr = np.ascontiguousarray(arr.astype(dtype))
+        _variable(model, spec.path).set_value(place(spec.path, arr))
+    if config.value_head:
+        head = Linear(config.hidden_size, 1, use_bias=True, dtype=jnp.float32,
+                      rngs=nnx.Rngs(seed))
+        for name in ("kernel", "bias"):
+            arr = value_head_tensors.get(f"value_head.{name}")
+            want = (config.hidden_size, 1) if name == "kernel" else (1,)
+            if arr is None:
+                arr = np.asarray(getattr(head, name)[...])
+            elif tuple(np.shape(arr)) != want:
+                raise ValueError(f"tensor 'value_head.{name}' has shape {tuple(np.shape(arr))} "
+                                 f"but the config expects {want}")
+            _variable(model, ("value_head", name)).set_value(
+                place(("value_head", name), np.asarray(arr, np.float32)))
+    return model
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _shard_files(folder: str) -> list[str]:
+    index = os.path.join(folder, SAFETENSORS_INDEX_NAME)
+    single = os.path.join(folder, SAFETENSORS_NAME)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(folder, n) for n in dict.fromkeys(weight_map.values())]
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{folder}: neither {SAFETENSORS_NAME} nor {SAFETENSORS_INDEX_NAME}")
+
+
+def load_hf(folder: str, dtype: str | None = None, *, seed: int = 0,
+            place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+            **config_overrides) -> tuple[Transformer, ModelConfig]:
+    """Loads a local HF Llama/Qwen2/Qwen3 checkpoint folder into a ``Transformer``.
+
+    Reads ``config.json`` (``ModelConfig.from_hf``) and ``model.safetensors`` or the shards
+    listed in ``model.safetensors.index.json``, with the ``safetensors`` numpy API (no torch).
+    When ``value_head.safetensors`` is present the value head is enabled and loaded (unless
+    ``value_head=False`` is passed); ``value_head=True`` without that file initialises a fresh
+    head from ``seed``.
+
+    Args:
+      folder: the checkpoint folder.
+      dtype: ``"float32"`` / ``"bfloat16"`` parameter dtype; None: the checkpoint's dtype when
+        it is one of these, else float32.
+      place: see ``from_hf_tensors``.
+      config_overrides: ``ModelConfig`` fields to override (``value_head``,
+        ``value_stop_gradient``, ...).
+
+    Returns:
+      ``(model, config)``.
+
+    Raises:
+      ValueError: unsupported architecture; a missing, unexpected or mis-shaped tensor (named,
+        with both shapes).
+    """
+    from safetensors import safe_open
+
+    with open(os.path.join(folder, CONFIG_NAME)) as f:
+        hf_config = json.load(f)
+    vh_path = os.path.join(folder, VALUE_HEAD_NAME)
+    vh_tensors = {}
+    if os.path.exists(vh_path) and config_overrides.get("value_head", True):
+        with safe_open(vh_path, framework="np") as f:
+            meta = f.metadata() or {}
+            vh_tensors = {k: f.get_tensor(k) for k in f.keys()}
+        config_overrides.setdefault("value_head", True)
+        if "value_stop_gradient" in meta:
+            config_overrides.setdefault("value_stop_gradient",
+                                        meta["value_stop_gradient"].lower() == "true")
+    config = ModelConfig.from_hf(hf_config, dtype=dtype, **config_overrides)
+
+    handles, where, shapes = [], {}, {}
+    try:
+        for path in _shard_files(folder):
+            h = safe_open(path, framework="np")
+            h = h.__enter__()
+            handles.append(h)
+            for name in h.keys():
+                where[name] = h
+                shapes[name] = tuple(h.get_slice(name).get_shape())
+        _check_names(config, shapes)
+        model = _build(config, lambda name: where[name].get_tensor(name), vh_tensors,
+                       seed=seed, place=place)
+    finally:
+        for h in handles:
+            h.__exit__(None, None, None)
+    return model, config
+
+
+def _shards(names_sizes: Iterable[tuple[str, int]], max_shard_bytes: int | None):
+    shards, cur, cur_size = [], [], 0
+    for name, size in names_sizes:
+        if max_shard_bytes is not None and cur and cur_size + size > max_shard_bytes:
+            shards.append(cur)
+            cur, cur_size = [], 0
+        cur.append(name)
+        cur_size += size
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def save_hf(model: Transformer, config: ModelConfig | None, folder: str, *,
+            max_shard_bytes: int | None = None) -> None:
+    """Writes ``model`` as an HF checkpoint that ``transformers`` (and ``load_hf``) can load.
+
+    ``config`` None means ``model.config`` (a given config must describe the same shapes).
+
+    Files: ``config.json`` (``ModelConfig.to_hf``), then either ``model.safetensors`` or, when
+    ``max_shard_bytes`` is set and the tensors exceed it, ``model-0000i-of-0000n.safetensors``
+    shards (each at most ``max_shard_bytes`` unless one tensor is larger) plus
+    ``model.safetensors.index.json``. Tensors keep the parameter dtype and HF names/layouts.
+    With a value head, also ``value_head.safetensors``. Earlier ``model*.safetensors``, the
+    index and ``value_head.safetensors`` in ``folder`` are removed first so no stale file
+    shadows the new ones.
+    """
+    from safetensors.numpy import save_file
+
+    config = model.config if config is None else config
+    if hf_param_map(config) != hf_param_map(model.config):
+        raise ValueError("save_hf: config does not describe the model's parameters "
+                         f"(config {config} vs model.config {model.config})")
+    os.makedirs(folder, exist_ok=True)
+    for name in os.listdir(folder):
+        if ((name.startswith("model") and name.endswith(".safetensors"))
+                or name in (SAFETENSORS_INDEX_NAME, VALUE_HEAD_NAME)):
+            os.remove(os.path.join(folder, name))
+    with open(os.path.join(folder, CONFIG_NAME), "w") as f:
+        json.dump(config.to_hf(), f, indent=2)
+
+    tensors = to_hf_tensors(model)
+    meta = {"format": "pt"}
+    shards = _shards(((k, v.nbytes) for k, v in tensors.items()), max_shard_bytes)
+    if len(shards) == 1:
+        save_file(tensors, os.path.join(folder, SAFETENSORS_NAME), metadata=meta)
+    else:
+        n = len(shards)
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            save_file({k: tensors[k] for k in names}, os.path.join(folder, fname), metadata=meta)
+            weight_map.update({k: fname for k in names})
+        index = {"metadata": {"total_size": int(sum(v.nbytes for v in tensors.values()))},
+                 "weight_map": weight_map}
+        with open(os.path.join(folder, SAFETENSORS_INDEX_NAME), "w") as f:
+            json.dump(index, f, indent=2)
+    if model.value_head is not None:
+        vh = {"value_head.kernel": np.asarray(model.value_head.kernel[...], np.float32),
+              "value_head.bias": np.asarray(model.value_head.bias[...], np.float32)}
+        save_file(vh, os.path.join(folder, VALUE_HEAD_NAME),
+                  metadata={"format": "jaxrl_agent",
+                            "value_stop_gradient": str(bool(config.value_stop_gradient))})

@@ -1,0 +1,544 @@
+"""Flax NNX decoder-only transformer (Llama / Qwen2 / Qwen3), KV cache, value head, log-probs.
+
+Architecture (pre-norm)::
+
+    h = embed(tokens)
+    for each layer:
+        h = h + o_proj(attention(rope(q_norm?(q_proj(rms(h)))), rope(k_norm?(k_proj(rms(h)))),
+                                 v_proj(rms(h))))
+        h = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
+    hidden = rms(h)                         # ModelOutput.hidden
+    logits = hidden @ lm_head (f32)         # or @ embed.T when tied
+    values = value_head(hidden)[..., 0]     # when config.value_head
+
+Module tree (the NNX paths that ``hf.hf_param_map`` maps to HF tensor names)::
+
+    embed_tokens.embedding                                [V, D]
+    layers[i].input_layernorm.weight                      [D]
+    layers[i].self_attn.{q,k,v,o}_proj.kernel (.bias)     [in, out] (HF weight transposed)
+    layers[i].self_attn.{q,k}_norm.weight                 [head_dim]   (qk_norm / Qwen3)
+    layers[i].post_attention_layernorm.weight             [D]
+    layers[i].mlp.{gate,up,down}_proj.kernel (.bias)      [in, out]
+    norm.weight                                           [D]
+    lm_head.kernel                                        [D, V]       (untied only)
+    value_head.kernel / .bias                             [D, 1] / [1] (float32; value_head only)
+
+Precision: parameters and activations are in ``config.dtype``; RMSNorm statistics, RoPE angles,
+attention scores and softmax, logits (f32 accumulation) and log-softmax are float32. Matmuls
+use JAX's default precision (full f32 on CPU; on TPU/GPU set
+``jax.config.update("jax_default_matmul_precision", "highest")`` if trainer and sampler
+log-probs must agree tightly in float32).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from jaxrl_agent.models.config import ModelConfig
+
+# Large negative used for masked attention scores (never -inf: fully masked rows stay finite).
+MASK_VALUE = -1e30
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def param_dtype(config: ModelConfig):
+    """The jnp dtype of the parameters of ``config``."""
+    return _DTYPES[config.dtype]
+
+
+# ----------------------------------------------------------------------------- containers
+
+
+@struct.dataclass
+class KVCache:
+    """Functional key/value cache for incremental decoding (a pytree; static shapes).
+
+    Attributes:
+      layers: tuple of ``num_layers`` pairs ``(k, v)``, each ``[B, max_len, num_kv_heads,
+        head_dim]`` in the cache dtype. Keys are stored *after* q/k-norm and RoPE.
+      index: ``[B]`` int32, per row the number of valid slots = the slot the next token is
+        written to. Slots ``>= index[b]`` hold nothing valid (they may hold stale data, which
+        is masked out and overwritten later).
+
+    The cache is never mutated in place: ``Transformer.__call__`` returns an updated copy in
+    ``ModelOutput.cache``, so it can be a ``jax.jit`` argument or a ``lax.while_loop`` /
+    ``lax.scan`` carry.
+    """
+
+    layers: tuple
+    index: Any
+
+    @property
+    def batch_size(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0][0].shape[1]
+
+
+@struct.dataclass
+class ModelOutput:
+    """What ``Transformer.__call__`` returns.
+
+    Attributes:
+      logits: ``[B, L, V]`` float32 (None when called with ``compute_logits=False``).
+      hidden: ``[B, L, D]`` final-RMSNorm output, in the parameter dtype.
+      values: ``[B, L]`` float32 value-head outputs, or None without a value head.
+      cache: the updated ``KVCache`` when one was passed, else None.
+    """
+
+    logits: Any
+    hidden: Any
+    values: Any = None
+    cache: Any = None
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+    """An empty ``KVCache``: zeros ``[batch_size, max_len, num_kv_heads, head_dim]`` per layer
+    for k and v (``dtype`` default: the parameter dtype) and ``index`` = zeros ``[batch_size]``."""
+    dtype = param_dtype(config) if dtype is None else jnp.dtype(dtype)
+    shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+    layers = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                   for _ in range(config.num_layers))
+    return KVCache(layers=layers, index=jnp.zeros((batch_size,), jnp.int32))
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_frequencies(config: ModelConfig, seq_len=None):
+    """Inverse frequencies ``[head_dim // 2]`` (float32) and the cos/sin scale, as HF computes
+    them for each ``rope_type``.
+
+    * default: ``theta^(-2i/d)``;
+    * ``linear``: divided by ``factor``;
+    * ``llama3``: Llama 3.1 wavelength-dependent scaling (low/high frequency factors);
+    * ``yarn``: NTK-by-parts interpolation, and cos/sin scaled by ``attention_factor``
+      (default ``0.1 ln(factor) + 1``, or the mscale ratio);
+    * ``dynamic`` (NTK): ``theta' = theta (f s / m - (f - 1))^(d / (d - 2))`` with
+      ``s = max(seq_len, m)``, ``m = max_position_embeddings``; ``seq_len`` is
+      ``max(positions) + 1`` of the current call (traced). Within ``m`` this is plain RoPE,
+      exactly like HF. Beyond ``m`` it matches a fresh HF model's full forward; HF's
+      rotary module additionally remembers the longest length seen across calls, which this
+      stateless version does not (and with a KV cache each chunk's keys use the frequencies
+      of their own call, as in HF).
+    """
+    d = config.head_dim
+    theta = config.rope_theta
+    expo = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
+    inv = (1.0 / (np.float32(theta) ** expo)).astype(np.float32)
+    rs = config.rope_scaling
+    if rs is None:
+        return jnp.asarray(inv), 1.0
+    kind = rs["rope_type"]
+    if kind == "linear":
+        return jnp.asarray(inv / np.float32(rs["factor"])), 1.0
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        out = np.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wl < hi_wl) & ~(wl > lo_wl)
+        return jnp.asarray(np.where(medium, smoothed, out).astype(np.float32)), 1.0
+    if kind == "yarn":
+        old = rs["original_max_position_embeddings"]
+        factor = rs.get("factor") or config.max_position_embeddings / old
+        att = rs.get("attention_factor")
+        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if att is None:
+            att = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+                   if mscale and mscale_all else get_mscale(factor))
+        beta_fast = rs.get("beta_fast") or 32
+        beta_slow = rs.get("beta_slow") or 1
+        truncate = rs.get("truncate", True)
+
+        def corr_dim(rot):
+            return (d * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+        if truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extra = 1 - ramp
+        pos_freqs = np.float32(theta) ** expo
+        inv_extra = 1.0 / pos_freqs
+        inv_inter = 1.0 / (np.float32(factor) * pos_freqs)
+        out = inv_inter * (1 - extra) + inv_extra * extra
+        return jnp.asarray(out.astype(np.float32)), float(att)
+    if kind == "dynamic":
+        factor = rs["factor"]
+        m = config.max_position_embeddings
+        s = jnp.maximum(jnp.asarray(m if seq_len is None else seq_len, jnp.float32), m)
+        base = theta * ((factor * s / m) - (factor - 1)) ** (d / (d - 2))
+        return 1.0 / (base ** jnp.asarray(expo)), 1.0
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def apply_rope(x, positions, inv_freq, scale):
+    """Rotates ``x`` [B, L, heads, hd] by ``positions`` [B, L] (HF "rotate_half" convention:
+    the first and second halves of the head dimension form the pairs). Angles in float32."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, L, hd/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(ang) * scale, jnp.sin(ang) * scale
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rot * sin).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _normal(rngs, shape, dtype, std=0.02):
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel (+ bias)``; ``kernel`` is [in, out] (the transpose of HF's weight)."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
+                 rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x):
+        kernel = self.kernel[...]
+        y = jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """``weight * (x / sqrt(mean(x^2) + eps))``, statistics in float32, result cast back to the
+    input dtype before the scale (as HF does)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(_normal(rngs, (vocab, dim), dtype))
+
+    def __call__(self, tokens):
+        # mode="clip": an out-of-range id never produces NaN (the default "fill" would).
+        return jnp.take(self.embedding[...], tokens, axis=0, mode="clip")
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dt, b = param_dtype(config), config.mlp_bias
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(d, f, use_bias=b, dtype=dt, rngs=rngs)
+        self.up_proj = Linear(d, f, use_bias=b, dtype=dt, rngs=rngs)
+        self.down_proj = Linear(f, d, use_bias=b, dtype=dt, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _attend(q, k, v, mask):
+    """Grouped-query attention. q [B,L,H,hd], k/v [B,S,KV,hd], mask [B,L,S] bool.
+
+    Query head h uses key/value head ``h // (H // KV)`` (HF ``repeat_kv``). Scores and softmax
+    in float32; masked scores are ``MASK_VALUE``; a query whose mask row is empty gets a zero
+    output (finite, never NaN).
+    """
+    B, L, H, hd = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(B, L, kvh, H // kvh, hd)
+    scores = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(hd))
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(jnp.any(m, axis=-1, keepdims=True), probs, 0.0)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs.astype(v.dtype), v)
+    return out.reshape(B, L, H * hd)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dt, d, hd = param_dtype(config), config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_heads,
+                                                           config.num_kv_heads, hd)
+        self.q_proj = Linear(d, config.num_heads * hd, use_bias=config.qkv_bias, dtype=dt, rngs=rngs)
+        self.k_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.qkv_bias, dtype=dt,
+                             rngs=rngs)
+        self.v_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.qkv_bias, dtype=dt,
+                             rngs=rngs)
+        self.o_proj = Linear(config.num_heads * hd, d, use_bias=config.o_bias, dtype=dt, rngs=rngs)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dt)
+            self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dt)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x, positions, rope, mask, kv_cache=None, slots=None):
+        """x [B,L,D]. Without a cache, ``mask`` is [B,L,L]; with ``kv_cache`` = (k, v) the new
+        keys/values are scattered to ``slots`` [B,L] and ``mask`` is [B,L,max_len]. Returns
+        (output [B,L,D], updated (k, v) or None)."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq, scale = rope
+        q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
+        new_cache = None
+        if kv_cache is not None:
+            ck, cv = kv_cache
+            rows = jnp.arange(B)[:, None]
+            ck = ck.at[rows, slots].set(k.astype(ck.dtype), mode="drop")
+            cv = cv.at[rows, slots].set(v.astype(cv.dtype), mode="drop")
+            new_cache = (ck, cv)
+            k, v = ck.astype(q.dtype), cv.astype(q.dtype)
+        return self.o_proj(_attend(q, k, v, mask)), new_cache
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        dt = param_dtype(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dt)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                                                dtype=dt)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, h, positions, rope, mask, kv_cache=None, slots=None):
+        a, new_cache = self.self_attn(self.input_layernorm(h), positions, rope, mask, kv_cache,
+                                      slots)
+        h = h + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, new_cache
+
+
+def segment_positions(segment_ids):
+    """Per-segment positions: for each row, the index of each token within its run of equal
+    ``segment_ids`` (a new run starts wherever the id changes). [B, L] int32."""
+    L = segment_ids.shape[1]
+    t = jnp.arange(L, dtype=jnp.int32)[None, :]
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    start_idx = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+    return (t - start_idx).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class Transformer(nnx.Module):
+    """Decoder-only Llama/Qwen2/Qwen3 transformer with an optional value head.
+
+    ``Transformer(config, rngs=nnx.Rngs(0))`` initialises weights as HF does (normal(0.02)
+    for matrices, ones for norms, zeros for biases); use ``hf.load_hf`` to load a checkpoint.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dt = param_dtype(config)
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dt, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dt)
+        self.lm_head = (None if config.tie_word_embeddings else
+                        Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dt,
+                               rngs=rngs))
+        self.value_head = (Linear(config.hidden_size, 1, use_bias=True, dtype=jnp.float32,
+                                  rngs=rngs) if config.value_head else None)
+
+    # -- pieces the sampler may call directly
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """An empty ``KVCache`` for this model; see ``init_cache``."""
+        return init_cache(self.config, batch_size, max_len, dtype)
+
+    def logits_from_hidden(self, hidden):
+        """float32 logits ``[..., V]`` from final hidden states ``[..., D]`` (the LM head only:
+        lets a sampler compute logits at the last position of a prefill without the full
+        ``[B, L, V]`` tensor)."""
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...]
+            return jnp.einsum("...d,vd->...v", hidden.astype(w.dtype), w,
+                              preferred_element_type=jnp.float32)
+        w = self.lm_head.kernel[...]
+        return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w,
+                          preferred_element_type=jnp.float32)
+
+    def values_from_hidden(self, hidden):
+        """float32 values ``[...]`` from final hidden states ``[..., D]`` (None without a value
+        head). Applies ``stop_gradient`` first when ``config.value_stop_gradient``."""
+        if self.value_head is None:
+            return None
+        h = hidden.astype(jnp.float32)
+        if self.config.value_stop_gradient:
+            h = jax.lax.stop_gradient(h)
+        return self.value_head(h)[..., 0]
+
+    def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
+                 *, compute_logits: bool = True) -> ModelOutput:
+        """Runs the model.
+
+        Args:
+          tokens: ``[B, L]`` int32 token ids.
+          positions: ``[B, L]`` int32 RoPE positions. Default: without a cache,
+            ``arange(L)`` restarted at every segment boundary (``segment_positions``; plain
+            ``arange(L)`` when ``segment_ids`` is None); with a cache,
+            ``cache.index[:, None] + arange(L)``.
+          segment_ids: ``[B, L]`` int32. Without a cache: token i attends to token j iff
+            ``j <= i`` and ``segment_ids[i] == segment_ids[j] != 0``; id 0 is padding (attends
+            to nothing, its attention output is 0, its outputs are finite and meaningless).
+            Several sequences packed in one row with distinct ids and per-sequence positions
+            give exactly the per-sequence results. Default: all ones. With a cache it only
+            marks padding (0) vs real tokens (non-zero); see ``cache``.
+          cache: a ``KVCache`` (``init_cache``) for prefill/decode. The L new tokens of row b
+            are written to slots ``cache.index[b] + arange(L)`` (slots past ``max_len`` are
+            dropped: keep ``index + L <= max_len``), and query i of row b attends to slots
+            ``s <= cache.index[b] + i``. The returned cache has ``index + n_b``, where ``n_b``
+            is the number of tokens of row b with ``segment_ids != 0`` (L when segment_ids is
+            None): give each row's real tokens first and its padding last, so a padded prompt
+            batch prefills in one call and every row continues at its own length. A padding
+            query attends to nothing. One sequence per row (no packing) in cache mode.
+          compute_logits: False skips the LM head (``logits`` is None); use
+            ``logits_from_hidden`` on the positions you need.
+
+        Returns:
+          ``ModelOutput(logits [B,L,V] f32, hidden [B,L,D], values [B,L] f32 or None,
+          cache)``.
+        """
+        cfg = self.config
+        tokens = jnp.asarray(tokens, jnp.int32)
+        B, L = tokens.shape
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids, jnp.int32)
+        t = jnp.arange(L, dtype=jnp.int32)
+
+        if cache is None:
+            if positions is None:
+                positions = (jnp.broadcast_to(t, (B, L)) if segment_ids is None
+                             else segment_positions(segment_ids))
+            seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
+            mask = ((t[:, None] >= t[None, :])[None]
+                    & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0))
+            slots = None
+        else:
+            if len(cache.layers) != cfg.num_layers:
+                raise ValueError(f"cache has {len(cache.layers)} layers, model has {cfg.num_layers}")
+            idx = jnp.asarray(cache.index, jnp.int32)
+            slots = idx[:, None] + t[None, :]                      # [B, L]
+            if positions is None:
+                positions = slots
+            s = jnp.arange(cache.max_len, dtype=jnp.int32)
+            mask = s[None, None, :] <= slots[:, :, None]           # [B, L, S]
+            if segment_ids is not None:
+                mask = mask & (segment_ids != 0)[:, :, None]
+        positions = jnp.asarray(positions, jnp.int32)
+
+        seq_len = jnp.max(positions) + 1 if (cfg.rope_scaling is not None and
+                                             cfg.rope_scaling["rope_type"] == "dynamic") else None
+        rope = rope_frequencies(cfg, seq_len)
+
+        h = self.embed_tokens(tokens)
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else cache.layers[i]
+            h, new_kv = layer(h, positions, rope, mask, kv, slots)
+            new_layers.append(new_kv)
+        hidden = self.norm(h)
+
+        new_cache = None
+        if cache is not None:
+            n = L if segment_ids is None else jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)
+            new_cache = KVCache(layers=tuple(new_layers), index=cache.index + n)
+        logits = self.logits_from_hidden(hidden) if compute_logits else None
+        return ModelOutput(logits=logits, hidden=hidden, values=self.values_from_hidden(hidden),
+                           cache=new_cache)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def token_logprobs(logits, tokens, temperature: float = 1.0):
+    """Log-probability of each token given the tokens before it, ``[B, L]`` float32.
+
+    ``out[:, t] = log_softmax(logits[:, t-1] / temperature)[tokens[:, t]]`` for t >= 1, i.e.
+    ``log p(tokens[:, t] | tokens[:, :t])``, and ``out[:, 0] = 0`` (nothing predicts the
+    first token). Computed in float32 as ``z[tok] - logsumexp(z)``.
+
+    Args:
+      logits: ``[B, L, V]`` (``ModelOutput.logits``; logits[:, t] predicts tokens[:, t+1]).
+      tokens: ``[B, L]`` int ids.
+      temperature: the sampling temperature the log-probs should refer to (may be traced).
+    """
+    z = jnp.asarray(logits, jnp.float32)[:, :-1] / temperature  # exact for temperature 1
+    nxt = jnp.asarray(tokens, jnp.int32)[:, 1:]
+    picked = jnp.take_along_axis(z, nxt[..., None], axis=-1, mode="clip")[..., 0]
+    lp = picked - jax.nn.logsumexp(z, axis=-1)
+    return jnp.concatenate([jnp.zeros_like(lp[:, :1]), lp], axis=1)
+
+
+def values_at(values, positions):
+    """Gathers ``values`` [B, L] at ``positions`` [B, M] (int) -> [B, M].
+
+    Positions are clipped into ``[0, L - 1]`` (so e.g. -1 for "no such turn" reads position 0;
+    mask such entries yourself).
+    """
+    positions = jnp.clip(jnp.asarray(positions, jnp.int32), 0, values.shape[1] - 1)
+    return jnp.take_along_axis(values, positions, axis=1)
+
+
+def policy_forward(model: Transformer, batch, *, temperature: float = 1.0):
+    """Log-probs and values of a ``TrajectoryBatch``'s tokens under ``model``.
+
+    Runs ``model(batch.tokens, positions, segment_ids)`` where ``positions`` /
+    ``segment_ids`` come from ``batch.extras`` when present (packed rows) and default to
+    ``arange(T)`` / all ones. Trailing padding needs no mask: attention is causal and the
+    rows are left-aligned, so padding never changes the real tokens' outputs.
+
+    Returns:
+      ``(logprobs, values)``:
+
+      * ``logprobs`` [R, T] float32, aligned to ``batch.tokens``:
+        ``logprobs[r, t] = log p(tokens[r, t] | tokens[r, :t])``, 0 at t = 0
+        (``token_logprobs``); mask with ``batch.action_mask``.
+      * ``values`` [R, T] float32 or None (no value head): ``values[r, t]`` is the value head
+        read at position **t - 1**, i.e. the value of the causal state just *before* token t
+        was generated (it has seen ``tokens[r, :t]``); ``values[r, 0] = 0``. So the value
+        "before action k" of a turn is ``values[r, t0]`` where ``t0`` is the turn's first action
+        token (the head read at the last observation token ``t0 - 1``). With packed rows,
+        an action token must never be the first token of its segment (it never is: a prompt
+        precedes it).
+    """
+    tokens = jnp.asarray(batch.tokens, jnp.int32)
+    extras = getattr(batch, "extras", None) or {}
+    out = model(tokens, positions=extras.get("positions"), segment_ids=extras.get("segment_ids"))
+    logprobs = token_logprobs(out.logits, tokens, temperature)
+    values = None
+    if out.values is not None:
+        values = jnp.concatenate([jnp.zeros_like(out.values[:, :1]), out.values[:, :-1]], axis=1)
+    return logprobs, values
