@@ -173,7 +173,8 @@ class ModelConfig:
             set_("head_dim", self.hidden_size // self.num_heads)
         if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) \
                 or self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim must be a positive even int, got {self.head_dim!r}")
+            raise ValueError("ModelConfig.head_dim must be a positive even int, got "
+                             f"{self.head_dim!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"ModelConfig: num_heads {self.num_heads} must be a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
@@ -301,7 +302,8 @@ class ModelConfig:
         fam = self.family
         if fam == "qwen2" and not (self.qkv_bias and not self.o_bias and not self.mlp_bias):
             raise ValueError("to_hf: Qwen2 always has q/k/v biases and no o/mlp bias; got "
-                             f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, mlp_bias={self.mlp_bias}")
+                             f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, "
+                             f"mlp_bias={self.mlp_bias}")
         if fam in ("llama", "qwen3") and self.qkv_bias != self.o_bias:
             raise ValueError(f"to_hf: {fam} has one attention_bias for q/k/v/o; got "
                              f"qkv_bias={self.qkv_bias}, o_bias={self.o_bias}")

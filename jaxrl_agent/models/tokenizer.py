@@ -69,10 +69,8 @@ class Tokenizer:
         return list(self._impl.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        ids = [int(i) for i in ids]
-        if self.backend == "transformers":
-            return self._impl.decode(ids, skip_special_tokens=skip_special_tokens)
-        return self._impl.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Text of ``ids`` (both backends take the same call)."""
+        return self._impl.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
                     **template_kwargs) -> str:

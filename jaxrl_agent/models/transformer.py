@@ -287,7 +287,8 @@ class Attention(nnx.Module):
         dt, d, hd = param_dtype(config), config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_heads,
                                                            config.num_kv_heads, hd)
-        self.q_proj = Linear(d, config.num_heads * hd, use_bias=config.qkv_bias, dtype=dt, rngs=rngs)
+        self.q_proj = Linear(d, config.num_heads * hd, use_bias=config.qkv_bias, dtype=dt,
+                             rngs=rngs)
         self.k_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.qkv_bias, dtype=dt,
                              rngs=rngs)
         self.v_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.qkv_bias, dtype=dt,
@@ -448,7 +449,8 @@ class Transformer(nnx.Module):
             slots = None
         else:
             if len(cache.layers) != cfg.num_layers:
-                raise ValueError(f"cache has {len(cache.layers)} layers, model has {cfg.num_layers}")
+                raise ValueError(f"cache has {len(cache.layers)} layers, model has "
+                                 f"{cfg.num_layers}")
             idx = jnp.asarray(cache.index, jnp.int32)
             slots = idx[:, None] + t[None, :]                      # [B, L]
             if positions is None:
@@ -512,7 +514,11 @@ def values_at(values, positions):
     return jnp.take_along_axis(values, positions, axis=1)
 
 
-def policy_forward(model: Transformer, batch, *, temperature: float = 1.0):
+VALUE_ALIGNMENTS = ("before_token", "at_token")
+
+
+def policy_forward(model: Transformer, batch, *, temperature: float = 1.0,
+                   value_alignment: str = "before_token"):
     """Log-probs and values of a ``TrajectoryBatch``'s tokens under ``model``.
 
     Runs ``model(batch.tokens, positions, segment_ids)`` where ``positions`` /
@@ -526,19 +532,30 @@ def policy_forward(model: Transformer, batch, *, temperature: float = 1.0):
       * ``logprobs`` [R, T] float32, aligned to ``batch.tokens``:
         ``logprobs[r, t] = log p(tokens[r, t] | tokens[r, :t])``, 0 at t = 0
         (``token_logprobs``); mask with ``batch.action_mask``.
-      * ``values`` [R, T] float32 or None (no value head): ``values[r, t]`` is the value head
-        read at position **t - 1**, i.e. the value of the causal state just *before* token t
-        was generated (it has seen ``tokens[r, :t]``); ``values[r, 0] = 0``. So the value
-        "before action k" of a turn is ``values[r, t0]`` where ``t0`` is the turn's first action
-        token (the head read at the last observation token ``t0 - 1``). With packed rows,
-        an action token must never be the first token of its segment (it never is: a prompt
-        precedes it).
+      * ``values`` [R, T] float32, or None without a value head.
+
+        ``value_alignment="before_token"`` (default): ``values[r, t]`` is the value head read
+        at position **t - 1**, i.e. the value of the causal state just *before* token t was
+        generated (it has seen ``tokens[r, :t]``); ``values[r, 0] = 0``. The value "before
+        action k" of a turn is then ``values[r, t0]`` with ``t0`` the turn's first action token
+        (the head read at the last observation token ``t0 - 1``). With packed rows, an action
+        token must never be the first token of its segment (it never is: a prompt precedes
+        it).
+
+        ``value_alignment="at_token"``: ``values[r, t]`` is the head read at position t
+        itself (the state after ``tokens[r, :t + 1]``), the layout
+        ``segments.turn_values_from_tokens`` expects (it reads "before_action" at
+        ``t0 - 1`` and SAPO's "last_action" Q at the turn's last action token).
+        ``before_token[:, t] == at_token[:, t - 1]``.
     """
+    if value_alignment not in VALUE_ALIGNMENTS:
+        raise ValueError(f"value_alignment must be one of {VALUE_ALIGNMENTS}, "
+                         f"got {value_alignment!r}")
     tokens = jnp.asarray(batch.tokens, jnp.int32)
     extras = getattr(batch, "extras", None) or {}
     out = model(tokens, positions=extras.get("positions"), segment_ids=extras.get("segment_ids"))
     logprobs = token_logprobs(out.logits, tokens, temperature)
-    values = None
-    if out.values is not None:
-        values = jnp.concatenate([jnp.zeros_like(out.values[:, :1]), out.values[:, :-1]], axis=1)
+    values = out.values
+    if values is not None and value_alignment == "before_token":
+        values = jnp.concatenate([jnp.zeros_like(values[:, :1]), values[:, :-1]], axis=1)
     return logprobs, values
