@@ -1,0 +1,453 @@
+"""``JaxSampler``: batched KV-cache sampling with the project's Flax NNX ``Transformer``.
+
+The model is kept as ``(graphdef, state)`` (``nnx.split``); the jitted functions take the
+state as an argument, so ``sync_weights`` only swaps arrays and never recompiles.
+
+One ``generate`` call, per chunk of at most ``max(batch_buckets)`` requests:
+
+1. host: validate every request (``base.validate_requests``), pad the batch to a batch
+   bucket (the extra rows are dummies whose outputs are dropped) and right-pad the prompts
+   to a length bucket;
+2. ``prefill`` (one jitted call): write all prompts to a fresh ``KVCache`` (the padding of
+   each row is marked with ``segment_ids == 0``, so every row's cache index ends at its own
+   prompt length) and compute the logits at each row's last prompt token;
+3. ``decode`` (one jitted call): sample the first token from those logits, then a
+   ``lax.while_loop`` feeds the last token of every unfinished row, samples the next one with
+   the row's own temperature / top-k / top-p (per-row arrays, so mixed parameters share one
+   compilation) and PRNG stream, and stops a row at a stop token or at its own
+   ``max_new_tokens``. The loop ends as soon as every row is done (at the latest after the
+   new-token bucket).
+
+Shapes are static: batch size, prompt length, new-token budget and the number of stop ids
+are rounded up to buckets, so repeated calls compile once per bucket combination
+(``compile_counts`` counts the traces).
+
+Log-prob semantics (see docs/sampling.md): for ``temperature > 0`` each reported log-prob is
+``log q(token)`` where ``q = softmax(z)`` restricted to the kept set and renormalised,
+``z = logits / temperature``, and the kept set is the top-k set of ``z`` (ties at the k-th
+value kept) intersected with the top-p nucleus of the top-k distribution (``process_logits``).
+For ``temperature == 0`` (greedy) the token is ``argmax(logits)`` and its log-prob is
+``log_softmax(logits)[token]`` (temperature 1, no truncation), whatever top-k/top-p say.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.sampling.base import SampleOutput, SamplingParams, validate_requests
+
+# Root of the streams of requests that carry an explicit seed (a fixed constant, so a seeded
+# request does not depend on the sampler's own seed either).
+_SEEDED_ROOT = 0x5EED5EED
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def process_logits(logits, temperature, top_k, top_p):
+    """Temperature, top-k and top-p applied to logits: the logits of the distribution a row
+    samples from (``-inf`` outside the kept set).
+
+    ``z = logits / temperature`` (rows with ``temperature <= 0`` use 1: greedy rows ignore the
+    result). The kept set is:
+
+    * top-k (``top_k > 0``): tokens with ``z >= `` the k-th largest ``z`` (ties at the boundary
+      are all kept, so more than k tokens survive only on exact ties);
+    * top-p (``top_p < 1``), applied to ``q = softmax(z over the top-k set)``: tokens ``v``
+      whose strictly-more-likely mass ``sum(q_u for q_u > q_v)`` is ``< top_p`` (the smallest
+      prefix of the sorted distribution whose mass reaches ``top_p``, plus ties with its last
+      token). The most likely token is always kept.
+
+    ``log_softmax`` of the result is the renormalised log-distribution over the kept set.
+
+    Args:
+      logits: ``[B, V]`` float.
+      temperature, top_p: ``[B]`` float; top_k: ``[B]`` int (0 = off; values above V act as V).
+
+    Returns:
+      ``[B, V]`` float32.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    top_k = jnp.asarray(top_k, jnp.int32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    V = logits.shape[-1]
+    z = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+    def truncate(z):
+        zs = -jnp.sort(-z, axis=-1)                                   # descending
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+        kth = jnp.take_along_axis(zs, (k - 1)[:, None], axis=-1)      # [B, 1]
+        keep = z >= kth
+        zs_k = jnp.where(zs >= kth, zs, -jnp.inf)                     # top-k set, sorted
+        ps = jax.nn.softmax(zs_k, axis=-1)
+        cum = jnp.cumsum(ps, axis=-1)
+        excl = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], axis=-1)
+        in_nucleus = excl < top_p[:, None]                            # a prefix; rank 0 in it
+        thr = jnp.min(jnp.where(in_nucleus, zs_k, jnp.inf), axis=-1, keepdims=True)
+        keep = keep & ((z >= thr) | (top_p >= 1.0)[:, None])
+        return jnp.where(keep, z, -jnp.inf)
+
+    need = jnp.any((top_k > 0) | (top_p < 1.0))
+    return jax.lax.cond(need, truncate, lambda z: z, z)
+
+
+def sample_tokens(logits, keys, temperature, top_k, top_p):
+    """Samples one token per row and returns ``(tokens [B] int32, logprobs [B] float32)``.
+
+    Rows with ``temperature > 0`` sample ``categorical(process_logits(...))`` with their own
+    key and report the log-prob under that (truncated, renormalised) distribution; rows with
+    ``temperature == 0`` take ``argmax(logits)`` and report ``log_softmax(logits)`` of it.
+    ``keys``: ``[B]`` typed PRNG keys.
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    z = process_logits(logits, temperature, top_k, top_p)
+    sampled = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+    lp_sampled = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), sampled[:, None],
+                                     axis=-1)[:, 0]
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lp_greedy = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), greedy_tok[:, None],
+                                    axis=-1)[:, 0]
+    greedy = jnp.asarray(temperature) <= 0
+    return (jnp.where(greedy, greedy_tok, sampled),
+            jnp.where(greedy, lp_greedy, lp_sampled).astype(jnp.float32))
+
+
+def request_keys(root, call_id, request_index, has_seed, seed_hi, seed_lo):
+    """Per-request PRNG keys ``[B]``.
+
+    A request with a seed gets ``fold_in(fold_in(key(_SEEDED_ROOT), seed >> 32),
+    seed & 0xffffffff)``: a function of its seed alone. Otherwise
+    ``fold_in(fold_in(root, call_id), request_index)``: distinct per sampler seed, per call
+    and per request. The key of generation step j is ``fold_in(request_key, j)``.
+    """
+    seeded_root = jax.random.key(_SEEDED_ROOT)
+    seeded = jax.vmap(lambda hi, lo: jax.random.fold_in(
+        jax.random.fold_in(seeded_root, hi), lo))(seed_hi, seed_lo)
+    call_root = jax.random.fold_in(root, call_id)
+    derived = jax.vmap(lambda i: jax.random.fold_in(call_root, i))(request_index)
+    data = jnp.where(has_seed[:, None], jax.random.key_data(seeded),
+                     jax.random.key_data(derived))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(root))
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+def _doubling_buckets(start: int, limit: int) -> tuple[int, ...]:
+    """``start, 2 start, 4 start, ...`` below ``limit``, then ``limit``."""
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return tuple(out)
+
+
+def _check_buckets(name: str, buckets, limit: int | None = None) -> tuple[int, ...]:
+    try:
+        bs = sorted({int(b) for b in buckets})
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of positive ints, got {buckets!r}") from None
+    if not bs or bs[0] < 1:
+        raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {buckets!r}")
+    if limit is not None:
+        bs = [b for b in bs if b < limit] + [limit]
+    return tuple(bs)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise AssertionError(f"{n} exceeds the largest bucket {buckets[-1]}")  # validated before
+
+
+def _stop_bucket(n: int) -> int:
+    b = 4
+    while b < n:
+        b *= 2
+    return b
+
+
+# ----------------------------------------------------------------------------- the sampler
+
+
+class JaxSampler:
+    """KV-cache sampler for a ``jaxrl_agent.models.Transformer`` (implements ``Sampler``).
+
+    Args:
+      model: the policy (its current weights are copied; later in-place changes to ``model``
+        do not reach the sampler until ``sync_weights``).
+      max_len: the longest prompt + generation (default ``config.max_position_embeddings``);
+        it also caps the KV cache length.
+      batch_buckets: batch sizes compiled for; a call is padded to the smallest bucket that
+        holds it, and calls larger than the largest bucket are split into chunks of it.
+      len_buckets: prompt-length buckets (default ``64, 128, 256, ...``); ``max_len`` is
+        always appended as the last bucket.
+      new_token_buckets: buckets of the largest ``max_new_tokens`` in a chunk (default
+        ``16, 32, 64, ...``, capped by ``max_len``). They size the output buffers; the decode
+        loop still stops as soon as every row is done.
+      seed: the sampler's PRNG seed (requests without their own seed draw from it).
+      policy_version: version stamped on outputs until the first ``sync_weights``.
+    """
+
+    def __init__(self, model: Transformer, *, max_len: int | None = None,
+                 batch_buckets: Sequence[int] = (8, 32, 128),
+                 len_buckets: Sequence[int] | None = None,
+                 new_token_buckets: Sequence[int] | None = None, seed: int = 0,
+                 policy_version: int = 0):
+        if not isinstance(model, Transformer):
+            raise ValueError(f"model must be a jaxrl_agent.models.Transformer, got "
+                             f"{type(model).__name__}")
+        self.config = model.config
+        max_len = self.config.max_position_embeddings if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+            raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
+        self.max_len = max_len
+        self.batch_buckets = _check_buckets("batch_buckets", batch_buckets)
+        self.len_buckets = _check_buckets(
+            "len_buckets", _doubling_buckets(64, max_len) if len_buckets is None else len_buckets,
+            max_len)
+        self.new_token_buckets = _check_buckets(
+            "new_token_buckets",
+            _doubling_buckets(16, max_len) if new_token_buckets is None else new_token_buckets,
+            max_len)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self._root = jax.random.key(int(seed) % (2 ** 32))
+        graphdef, state = nnx.split(model)
+        self._graphdef = graphdef
+        self._weights = (self._snapshot(state), self._check_version(policy_version))
+        self._calls = 0
+        self._lock = threading.Lock()
+        #: number of traces (= compilations) of each jitted function.
+        self.compile_counts: collections.Counter = collections.Counter()
+        self._prefill_jit = jax.jit(self._prefill, static_argnames=("cache_len",))
+        self._decode_jit = jax.jit(self._decode)
+
+    # ------------------------------------------------------------------------- weights
+
+    @staticmethod
+    def _check_version(version) -> int:
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"version must be an int, got {version!r}")
+        return int(version)
+
+    @staticmethod
+    def _snapshot(state):
+        # New Variable objects holding committed copies: in-place updates of the source
+        # module (which replace its Variables' values) never reach the sampler.
+        return jax.tree.map(lambda x: jax.device_put(jnp.array(x, copy=True), x.sharding), state)
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the next ``generate`` call uses."""
+        return self._weights[1]
+
+    @property
+    def state(self):
+        """The sampler's current weights (an ``nnx.State``)."""
+        return self._weights[0]
+
+    @property
+    def num_compilations(self) -> int:
+        """Total traces of the prefill and decode functions so far."""
+        return sum(self.compile_counts.values())
+
+    def sync_weights(self, model_or_state: Any, version: int, *, copy: bool = True) -> None:
+        """Replaces the weights and the policy version; no recompilation.
+
+        Args:
+          model_or_state: a ``Transformer``, an ``nnx.State`` of its parameters (e.g. the
+            trainer's ``nnx.split(model, nnx.Param)[1]``) or the nested pure dict of arrays
+            (``nnx.to_pure_dict(state)``). It must hold every parameter the sampler's model has,
+            with the same shapes; extra entries (a trainer's value head) are ignored. Arrays
+            are cast to the sampler's dtypes (e.g. float32 trainer -> bfloat16 sampler) and
+            placed like the sampler's current arrays.
+          version: the policy version stamped on the outputs of later ``generate`` calls.
+          copy: copy the arrays (default), so the trainer may donate or reuse its buffers.
+
+        Raises:
+          ValueError: a missing parameter or a shape mismatch (naming the path), a non-int
+            version.
+        """
+        version = self._check_version(version)
+        src = model_or_state
+        if isinstance(src, nnx.Module):
+            src = nnx.state(src)
+        if isinstance(src, nnx.State):
+            src = nnx.to_pure_dict(src)
+        if not isinstance(src, Mapping):
+            raise ValueError("sync_weights takes a Transformer, an nnx.State or a pure dict of "
+                             f"arrays, got {type(model_or_state).__name__}")
+        flat_src = nnx.traversals.flatten_mapping(src)
+        cur_state = self._weights[0]
+        flat_cur = nnx.traversals.flatten_mapping(nnx.to_pure_dict(cur_state))
+        new_flat = {}
+        for path, cur in flat_cur.items():
+            name = ".".join(str(p) for p in path)
+            if path not in flat_src:
+                raise ValueError(f"sync_weights: parameter {name} is missing")
+            x = flat_src[path]
+            if isinstance(x, nnx.Variable):
+                x = x[...]
+            if tuple(np.shape(x)) != tuple(cur.shape):
+                raise ValueError(f"sync_weights: parameter {name} has shape {tuple(np.shape(x))}, "
+                                 f"the sampler's model has {tuple(cur.shape)}")
+            x = jnp.asarray(x, dtype=cur.dtype)
+            new_flat[path] = jax.device_put(x, cur.sharding, may_alias=not copy)
+        new_state = jax.tree.map(lambda x: x, cur_state)    # fresh Variables, same structure
+        nnx.replace_by_pure_dict(new_state, nnx.traversals.unflatten_mapping(new_flat))
+        self._weights = (new_state, version)
+
+    # ------------------------------------------------------------------------- jitted parts
+
+    def _prefill(self, state, tokens, lengths, *, cache_len: int):
+        """Prompts ``[B, L]`` (right-padded; ``lengths`` [B]) -> (KV cache, logits at each row's
+        last prompt token ``[B, V]``)."""
+        self.compile_counts["prefill"] += 1
+        model = nnx.merge(self._graphdef, state)
+        B, L = tokens.shape
+        seg = (jnp.arange(L, dtype=jnp.int32)[None, :] < lengths[:, None]).astype(jnp.int32)
+        cache = model.init_cache(B, cache_len)
+        out = model(tokens, segment_ids=seg, cache=cache, compute_logits=False)
+        last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return out.cache, model.logits_from_hidden(last)
+
+    def _decode(self, state, cache, logits, rows, root, call_id, out_like):
+        """The decode loop. ``rows``: dict of per-row arrays (``temperature, top_k, top_p,
+        max_new, stop_ids [B, S], done, request_index, has_seed, seed_hi, seed_lo``);
+        ``out_like``: ``[B, N]`` zeros fixing the new-token bucket N. Returns ``(tokens [B, N],
+        logprobs [B, N], num_generated [B])``."""
+        self.compile_counts["decode"] += 1
+        model = nnx.merge(self._graphdef, state)
+        B, N = out_like.shape
+        keys = request_keys(root, call_id, rows["request_index"], rows["has_seed"],
+                            rows["seed_hi"], rows["seed_lo"])
+        temperature, top_k, top_p = rows["temperature"], rows["top_k"], rows["top_p"]
+        max_new, stop_ids = rows["max_new"], rows["stop_ids"]
+
+        def sample(logits, j):
+            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, j)
+            return sample_tokens(logits, step_keys, temperature, top_k, top_p)
+
+        def is_stop(tok):
+            return jnp.any(stop_ids == tok[:, None], axis=-1)
+
+        tok, lp = sample(logits, 0)
+        out_tok = jnp.zeros((B, N), jnp.int32).at[:, 0].set(tok)
+        out_lp = jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp)
+        n_gen = jnp.ones((B,), jnp.int32)
+        done = rows["done"] | is_stop(tok) | (n_gen >= max_new)
+
+        def cond(carry):
+            j, _, _, _, _, _, done = carry
+            return (j < N) & ~jnp.all(done)
+
+        def body(carry):
+            j, cache, tok, out_tok, out_lp, n_gen, done = carry
+            active = ~done
+            out = model(tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=cache)
+            new_tok, lp = sample(out.logits[:, 0], j)
+            tok = jnp.where(active, new_tok, tok)
+            out_tok = out_tok.at[:, j].set(jnp.where(active, new_tok, 0))
+            out_lp = out_lp.at[:, j].set(jnp.where(active, lp, 0.0))
+            n_gen = n_gen + active.astype(jnp.int32)
+            done = done | (active & (is_stop(new_tok) | (n_gen >= max_new)))
+            return j + 1, out.cache, tok, out_tok, out_lp, n_gen, done
+
+        carry = (jnp.int32(1), cache, tok, out_tok, out_lp, n_gen, done)
+        _, _, _, out_tok, out_lp, n_gen, _ = jax.lax.while_loop(cond, body, carry)
+        return out_tok, out_lp, n_gen
+
+    # ------------------------------------------------------------------------- generate
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[SampleOutput]:
+        """Samples one continuation per prompt (see the module docstring).
+
+        Args:
+          prompts: token-id sequences (non-empty, ids in ``[0, vocab_size)``).
+          params: one ``SamplingParams`` for all prompts, or one per prompt.
+
+        Returns:
+          ``SampleOutput``s in prompt order, each stamped with the policy version of the
+          weights used (captured once at the start of the call).
+
+        Raises:
+          ValueError: an invalid request (naming its index and the field), before any work.
+        """
+        arrays, plist = validate_requests(prompts, params, vocab_size=self.config.vocab_size,
+                                          max_len=self.max_len)
+        state, version = self._weights
+        with self._lock:
+            call_id = self._calls
+            self._calls += 1
+        results: list[SampleOutput] = []
+        chunk = self.batch_buckets[-1]
+        for start in range(0, len(arrays), chunk):
+            results.extend(self._generate_chunk(state, version, call_id, start,
+                                                arrays[start:start + chunk],
+                                                plist[start:start + chunk]))
+        return results
+
+    def _generate_chunk(self, state, version, call_id, start, arrays, plist):
+        n = len(arrays)
+        B = _bucket(n, self.batch_buckets)
+        L = _bucket(max(a.size for a in arrays), self.len_buckets)
+        N = _bucket(max(p.max_new_tokens for p in plist), self.new_token_buckets)
+        S = _stop_bucket(max(len(p.stop_token_ids) for p in plist))
+        cache_len = min(L + N, self.max_len)
+
+        tokens = np.zeros((B, L), np.int32)
+        lengths = np.ones((B,), np.int32)
+        stop_ids = np.full((B, S), -1, np.int32)
+        temperature = np.zeros((B,), np.float32)
+        top_k = np.zeros((B,), np.int32)
+        top_p = np.ones((B,), np.float32)
+        max_new = np.ones((B,), np.int32)
+        has_seed = np.zeros((B,), bool)
+        seed_hi = np.zeros((B,), np.uint32)
+        seed_lo = np.zeros((B,), np.uint32)
+        for i, (a, p) in enumerate(zip(arrays, plist)):
+            tokens[i, :a.size] = a
+            lengths[i] = a.size
+            stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
+            temperature[i] = p.temperature
+            top_k[i] = p.top_k
+            top_p[i] = p.top_p
+            max_new[i] = p.max_new_tokens
+            if p.seed is not None:
+                has_seed[i] = True
+                seed_hi[i] = (int(p.seed) >> 32) & 0xFFFFFFFF
+                seed_lo[i] = int(p.seed) & 0xFFFFFFFF
+        rows = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new=max_new,
+                    stop_ids=stop_ids, done=np.arange(B) >= n,
+                    request_index=(start + np.arange(B)).astype(np.uint32), has_seed=has_seed,
+                    seed_hi=seed_hi, seed_lo=seed_lo)
+
+        cache, logits = self._prefill_jit(state, tokens, lengths, cache_len=cache_len)
+        out_tok, out_lp, n_gen = self._decode_jit(state, cache, logits, rows, self._root,
+                                                  np.uint32(call_id % (2 ** 32)),
+                                                  np.zeros((B, N), np.int32))
+        out_tok, out_lp, n_gen = jax.device_get((out_tok, out_lp, n_gen))
+
+        results = []
+        for i, (a, p) in enumerate(zip(arrays, plist)):
+            k = int(n_gen[i])
+            toks = out_tok[i, :k].tolist()
+            reason = "stop" if toks[-1] in p.stop_token_ids else "length"
+            results.append(SampleOutput(prompt_token_ids=a.tolist(), token_ids=toks,
+                                        logprobs=out_lp[i, :k].tolist(), finish_reason=reason,
+                                        policy_version=version))
+        return results
