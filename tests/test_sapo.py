@@ -166,3 +166,66 @@ def test_sarsa_one_step_target_is_reward_and_no_reward_grad():
     assert np.all(np.asarray(g) == 0)
     with pytest.raises(ValueError, match="q_values"):
         sarsa(jnp.zeros((2, 2)), batch)
+
+
+# ----------------------------------------------------------------------------- with the model
+
+
+def test_sapo_objective_end_to_end_with_the_value_head():
+    """Policy and value from one backbone: V read before each action, Q after it; the value
+    terms train the value head (and the backbone unless value_stop_gradient)."""
+    from flax import nnx
+
+    from jaxrl_agent import estimators, losses
+    from jaxrl_agent.models import ModelConfig, policy_forward
+    from tests.test_models import BASE, _model
+
+    recs = random_records(np.random.default_rng(4), num_traj=4, max_turns=3, logprobs=True)
+    for r in recs:
+        for t in r["turns"]:
+            t["observation"] = [1] + t["observation"]  # a prompt token before every action
+    batch, _ = _pack(recs, "per_step")
+    coefs = {"policy": 1.0, "value": 0.5, "sarsa": 0.25}
+
+    def objective(model, batch, coefs):
+        logprobs, values = policy_forward(model, batch, value_alignment="at_token")
+        v_turn = segments.turn_values_from_tokens(values, batch, "before_action")
+        adv = estimators.sapo(batch.replace(extras={**batch.extras,
+                                                    "turn_values": jax.lax.stop_gradient(v_turn)}))
+        terms = losses.sapo_terms(logprobs, values, batch, adv, gamma=0.9)
+        return losses.weighted_total(terms, coefs), terms
+
+    for stop in (False, True):
+        model = _model(ModelConfig(**BASE, family="qwen2", qkv_bias=True, value_head=True,
+                                   value_stop_gradient=stop))
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def grads(state, coefs):
+            def f(state):
+                return objective(nnx.merge(graphdef, state), batch, coefs)
+            return jax.grad(f, has_aux=True)(state)
+
+        g_all, terms = grads(state, coefs)
+        for name, (total, denom) in terms.items():
+            assert np.isfinite(float(total)) and float(denom) > 0, name
+        g_value, _ = grads(state, {"value": 1.0, "sarsa": 1.0})
+        flat = {"/".join(map(str, k)): np.asarray(v) for k, v in
+                nnx.to_flat_state(g_value)}
+        head = [v for k, v in flat.items() if k.startswith("value_head")]
+        backbone = [v for k, v in flat.items() if not k.startswith("value_head")]
+        assert max(np.abs(h).max() for h in head) > 0
+        backbone_max = max(np.abs(b).max() for b in backbone)
+        assert (backbone_max == 0) if stop else (backbone_max > 0)
+        g_pol, _ = grads(state, {"policy": 1.0})
+        flat = {"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(g_pol)}
+        assert all(np.all(v == 0) for k, v in flat.items() if k.startswith("value_head"))
+
+
+def test_weighted_total_and_errors():
+    from jaxrl_agent.losses import weighted_total
+
+    terms = {"a": (jnp.float32(3.0), jnp.float32(2.0)), "b": (jnp.float32(1.0), jnp.float32(0.0))}
+    assert float(weighted_total(terms, {"a": 2.0, "b": 5.0})) == 3.0
+    with pytest.raises(ValueError, match="unknown terms"):
+        weighted_total(terms, {"c": 1.0})

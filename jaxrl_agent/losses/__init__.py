@@ -17,6 +17,7 @@ from jaxrl_agent.losses.policy import (advantage_array, cispo, clipped_surrogate
                                        reinforce, soft_gate, soft_gate_fn,
                                        truncated_is_weights)
 from jaxrl_agent.losses.value import sarsa, value
+from jaxrl_agent.losses.objective import sapo_terms, weighted_total
 
 _REGISTRY = {
     "ppo": ppo,
@@ -53,5 +54,6 @@ __all__ = [
     "clipped_surrogate", "entropy", "entropy_from_logits", "get", "gspo", "gspo_log_ratio",
     "k1", "k1_st", "k2", "k3", "k3_st", "kl_k1", "kl_k1_st", "kl_k2", "kl_k3", "kl_k3_st",
     "log_ratio", "names", "policy_metrics", "ppo", "reinforce", "safe_ratio", "soft_gate",
-    "soft_gate_fn", "sarsa", "truncated_is_weights", "value",
+    "soft_gate_fn", "sapo_terms", "sarsa", "truncated_is_weights", "value",
+    "weighted_total",
 ]
