@@ -2,6 +2,8 @@
 
   jaxrl-agent credit ROLLOUTS.jsonl --estimator NAME [--set key=value ...] [--layout ...] --out OUT
   jaxrl-agent estimators
+  jaxrl-agent convert HF_DIR OUT_DIR [--dtype ...] [--max-shard-bytes N]
+  jaxrl-agent sample HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
 """
 
 from __future__ import annotations
@@ -168,6 +170,95 @@ def cmd_estimators(args) -> int:
     return 0
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+                   "generation_config.json")
+
+
+def cmd_convert(args) -> int:
+    import shutil
+
+    import numpy as np
+
+    from jaxrl_agent.models import load_hf, save_hf, to_hf_tensors
+
+    start = time.perf_counter()
+    try:
+        model, config = load_hf(args.src, dtype=args.dtype)
+    except (OSError, ValueError) as e:
+        raise CliError(f"{args.src}: {e}") from None
+    tensors = to_hf_tensors(model)
+    n_params = sum(int(np.prod(x.shape)) for x in tensors.values())
+    print(f"loaded {args.src}: {config.family}, {config.num_layers} layers, hidden "
+          f"{config.hidden_size}, {n_params:,} parameters, {config.dtype} "
+          f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    if os.path.abspath(args.src) == os.path.abspath(args.out):
+        raise CliError("OUT_DIR must differ from HF_DIR")
+    save_hf(model, config, args.out, max_shard_bytes=args.max_shard_bytes)
+    copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(args.src, f))]
+    for name in copied:
+        shutil.copy2(os.path.join(args.src, name), os.path.join(args.out, name))
+    back, _ = load_hf(args.out)
+    again = to_hf_tensors(back)
+    same = all(np.array_equal(tensors[k], again[k]) for k in tensors)
+    if not same:
+        raise CliError(f"{args.out}: the written checkpoint does not read back identically")
+    print(f"wrote {args.out} (HF format{', sharded' if args.max_shard_bytes else ''}; "
+          f"tokenizer files: {', '.join(copied) or 'none'}); read back identically",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from jaxrl_agent.models import load_hf, load_tokenizer
+    from jaxrl_agent.sampling import JaxSampler, SamplingParams
+
+    try:
+        model, config = load_hf(args.model, dtype=args.dtype)
+    except (OSError, ValueError) as e:
+        raise CliError(f"{args.model}: {e}") from None
+    tok = None
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise CliError("--prompt-ids must be comma-separated integers") from None
+    else:
+        try:
+            tok = load_tokenizer(args.model)
+        except Exception as e:  # noqa: BLE001 - missing files, missing packages, bad JSON
+            raise CliError(f"{args.model}: cannot load a tokenizer ({e}); pass --prompt-ids "
+                           f"instead") from None
+        if args.raw:
+            prompt = tok.encode(args.prompt)
+        else:
+            try:
+                prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+            except ValueError as e:
+                raise CliError(f"{e} (use --raw to encode the prompt as plain text)") from None
+    stop = tuple(args.stop_ids) if args.stop_ids else tuple(
+        x for x in (tok.eos_token_id if tok else config.eos_token_id,) if x is not None)
+    params = [SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             max_new_tokens=args.max_new_tokens, stop_token_ids=stop,
+                             seed=args.seed + i) for i in range(args.num_samples)]
+    sampler = JaxSampler(model)
+    start = time.perf_counter()
+    try:
+        outs = sampler.generate([prompt] * args.num_samples, params)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    elapsed = time.perf_counter() - start
+    for i, o in enumerate(outs):
+        text = tok.decode(o.token_ids) if tok else ""
+        print(json.dumps({"sample": i, "text": text, "token_ids": list(o.token_ids),
+                          "logprob": _round(sum(o.logprobs)),
+                          "finish_reason": o.finish_reason}))
+    n_tok = sum(len(o.token_ids) for o in outs)
+    print(f"{len(outs)} samples, {n_tok} tokens in {elapsed:.2f} s including compilation "
+          f"(prompt: {len(prompt)} tokens)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxrl_agent import __version__
 
@@ -187,6 +278,32 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_credit)
     e = sub.add_parser("estimators", help="list the registered estimators")
     e.set_defaults(func=cmd_estimators)
+    v = sub.add_parser("convert", help="load a Hugging Face checkpoint folder into the NNX "
+                                      "model and write it back (optionally re-typed/sharded)")
+    v.add_argument("src", metavar="HF_DIR")
+    v.add_argument("out", metavar="OUT_DIR")
+    v.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="parameter dtype (default: the checkpoint's)")
+    v.add_argument("--max-shard-bytes", type=int, default=None,
+                   help="write sharded safetensors with an index")
+    v.set_defaults(func=cmd_convert)
+    g = sub.add_parser("sample", help="sample completions from a Hugging Face checkpoint "
+                                     "folder with the JAX sampler")
+    g.add_argument("model", metavar="HF_DIR")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="user message (chat template applied unless --raw)")
+    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    g.add_argument("--raw", action="store_true", help="encode --prompt as plain text")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--stop-ids", type=int, nargs="*", default=None,
+                   help="stop token ids (default: the tokenizer's EOS)")
+    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    g.set_defaults(func=cmd_sample)
     return p
 
 

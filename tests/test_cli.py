@@ -166,3 +166,44 @@ def test_console_script(tmp_path):
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr
     assert len(read_jsonl(out_path)) == len(read_jsonl(EXAMPLE))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import make_tiny_checkpoint
+    finally:
+        sys.path.pop(0)
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    make_tiny_checkpoint.main(str(folder))
+    return folder
+
+
+def test_convert_round_trip(tiny_checkpoint, tmp_path, capsys):
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "converted"
+    rc, _, err = run(["convert", tiny_checkpoint, out, "--max-shard-bytes", "400000"], capsys)
+    assert rc == 0, err
+    assert "read back identically" in err
+    assert (out / "model.safetensors.index.json").exists() and (out / "tokenizer.json").exists()
+    src = load_file(str(tiny_checkpoint / "model.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for name, shard in index["weight_map"].items():
+        np.testing.assert_array_equal(load_file(str(out / shard))[name], src[name])
+    assert set(index["weight_map"]) == set(src)
+    rc, _, err = run(["convert", tmp_path / "missing", out], capsys)
+    assert rc == 2 and "config.json" in err
+
+
+def test_sample_from_a_checkpoint(tiny_checkpoint, capsys):
+    rc, out, err = run(["sample", tiny_checkpoint, "--prompt", "add 3 and 4", "--max-new-tokens",
+                        "6", "--num-samples", "2", "--temperature", "0"], capsys)
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 2 and rows[0]["token_ids"] == rows[1]["token_ids"]  # greedy
+    assert 1 <= len(rows[0]["token_ids"]) <= 6 and rows[0]["finish_reason"] in ("stop", "length")
+    rc, _, err = run(["sample", tiny_checkpoint, "--prompt-ids", "1,2,100000"], capsys)
+    assert rc == 2 and "outside the vocabulary" in err
