@@ -229,3 +229,35 @@ def test_weighted_total_and_errors():
     assert float(weighted_total(terms, {"a": 2.0, "b": 5.0})) == 3.0
     with pytest.raises(ValueError, match="unknown terms"):
         weighted_total(terms, {"c": 1.0})
+
+
+def test_sarsa_padding_and_shard_invariance():
+    rng = np.random.default_rng(7)
+    recs = random_records(rng, num_traj=16)
+    for i, r in enumerate(recs):
+        r["group"] = i // 2
+    small, idx_s = pack_records(recs, pad_to={"num_traj": 16, "num_turns": 4, "row_len": 32})
+    big, idx_b = pack_records(recs, pad_to={"num_traj": 32, "num_turns": 8, "row_len": 32})
+    q_rows = [rng.normal(size=len(r["turns"])).astype(np.float32) for r in recs]
+
+    def q_of(batch, index):
+        q = np.full(batch.turn_mask.shape, np.nan, np.float32)  # padding holds NaN
+        for i, n in enumerate(index.traj):
+            q[n, :len(q_rows[i])] = q_rows[i]
+        return jnp.asarray(q)
+
+    s1, d1 = sarsa(q_of(small, idx_s), small, gamma=0.9)
+    s2, d2 = sarsa(q_of(big, idx_b), big, gamma=0.9)
+    assert float(d1) == float(d2) and abs(float(s1) - float(s2)) < 1e-5 and np.isfinite(float(s1))
+    sharded_b, idx_8 = pack_records(recs, num_shards=8,
+                                    pad_to={"num_traj": 16, "num_turns": 4, "row_len": 32})
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+
+    def per_shard(q, b):
+        s, d = sarsa(q, b, gamma=0.9)
+        return jax.lax.psum(s, "data"), jax.lax.psum(d, "data")
+
+    fn = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("data"), P("data")),
+                               out_specs=(P(), P())))
+    s3, d3 = fn(q_of(sharded_b, idx_8), sharded_b)
+    assert float(d3) == float(d1) and abs(float(s3) - float(s1)) < 1e-5
