@@ -167,6 +167,8 @@ def load_tokenizer(folder: str, backend: str | None = None) -> Tokenizer:
         ``tokenizer_config.json`` / ``chat_template.jinja``) or None: transformers when
         importable, else tokenizers.
     """
+    # We use only transformers' tokenizers: its "PyTorch was not found" advice is noise here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if backend is None:
         try:
             import transformers  # noqa: F401
