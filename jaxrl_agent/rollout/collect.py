@@ -1,0 +1,297 @@
+"""The rollout collector: ``G`` group-reset copies of each task, driven turn by turn by one
+batched ``sampler.generate`` call per turn, recorded as token-exact trajectory records.
+
+Token bookkeeping (the invariant the trainer relies on)::
+
+    prompt_k = obs_0 + act_0 + obs_1 + act_1 + ... + obs_k        (token ids)
+
+- ``obs_k`` = ``codec.encode(config.observation_template.format(observation=text))`` of the
+  *new* observation text only; the history is kept as token ids and never re-tokenised.
+- ``act_k`` = the sampler's ``token_ids`` exactly as sampled (stop token included when hit);
+  the text given to the env is ``codec.decode`` of them with one trailing stop token removed.
+- Each record turn holds ``observation`` (= ``obs_k``), ``action`` (= ``act_k``), ``logprobs``
+  (the sampler's, ``len == len(action)``), ``reward`` and ``state_key`` (the env's key of the
+  state *before* the action), so a ``concatenated`` row of a record is exactly
+  ``prompt_K + act_K`` and a ``per_step`` row is ``obs_k + act_k``.
+
+Record-level fields: ``group`` and ``task`` (the task id; ``"<id>#<i>"`` when a task occurs more
+than once in ``tasks``), ``outcome`` = the total (summed) reward of the trajectory (the same
+convention as ``Episode.to_record`` and ``pack_records``' default), ``success`` = 1.0 / 0.0 (the
+env's terminal ``info["success"]``; this is what learning curves should use), ``policy_version``
+(min over the turns), ``env_error`` (str or None), ``invalid`` (count of invalid actions),
+``truncated`` (bool: ended by the env's or the config's ``max_turns`` or by the context limit),
+``context_truncated`` (bool), ``num_turns``. ``pack_records`` ignores the extra fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from jaxrl_agent.envs.base import SafeEnv, reset_group
+from jaxrl_agent.sampling.base import SamplingParams
+
+__all__ = ["TextCodec", "ByteCodec", "RolloutConfig", "collect_groups"]
+
+
+@runtime_checkable
+class TextCodec(Protocol):
+    """What the collector needs from a tokenizer; ``jaxrl_agent.models.Tokenizer`` fits."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteCodec:
+    """Byte-level codec for tests and tiny models: ``id = byte + offset``.
+
+    Ids below ``offset`` are specials (``pad_token_id=0``, ``bos_token_id=1``,
+    ``eos_token_id=2`` by default); ``vocab_size = offset + 256`` (260 by default). ``decode``
+    skips ids that are not bytes and replaces invalid UTF-8.
+    """
+
+    def __init__(self, offset: int = 4, eos_token_id: int = 2, pad_token_id: int = 0,
+                 bos_token_id: int = 1):
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        self.offset = int(offset)
+        self.eos_token_id = int(eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+        self.bos_token_id = int(bos_token_id)
+        if offset <= self.eos_token_id < offset + 256:
+            raise ValueError("eos_token_id collides with a byte id")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.offset + 256
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.offset + 256)
+        return data.decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How to collect.
+
+    Attributes:
+      group_size: ``G`` rollouts per task (group-reset copies).
+      max_turns: the most actions per trajectory (the env's own ``max_turns`` also applies);
+        a trajectory stopped here is ``truncated``.
+      max_new_tokens: the most tokens per action.
+      max_context_tokens: a turn runs only if ``len(prompt) + max_new_tokens <=
+        max_context_tokens``; otherwise the trajectory ends *before* that turn (the new
+        observation is not recorded) and is flagged ``truncated``/``context_truncated``. A
+        trajectory that cannot even take its first turn is dropped (counted in
+        ``stats["dropped"]``). Set it to at most the sampler's ``max_len``.
+      temperature, top_k, top_p: sampling parameters (``SamplingParams`` semantics).
+      stop_token_ids: ``None`` = ``(codec.eos_token_id,)``.
+      on_invalid: ``"penalise"`` (the env's invalid penalty, the episode goes on) or ``"fail"``
+        (an invalid action ends the trajectory, ``success = 0``).
+      observation_template: how a new observation text becomes prompt text.
+    """
+
+    group_size: int = 8
+    max_turns: int = 16
+    max_new_tokens: int = 32
+    max_context_tokens: int = 4096
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] | None = None
+    on_invalid: str = "penalise"
+    observation_template: str = "{observation}\n"
+
+    def __post_init__(self):
+        for name in ("group_size", "max_turns", "max_new_tokens", "max_context_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {v!r}")
+        if self.on_invalid not in ("penalise", "fail"):
+            raise ValueError(f"RolloutConfig.on_invalid must be 'penalise' or 'fail', got "
+                             f"{self.on_invalid!r}")
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+
+
+def _request_seed(seed: int, traj: int, turn: int) -> int:
+    h = hashlib.blake2b(f"{seed}:{traj}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little")
+
+
+def _base_env(env_factory_or_env):
+    if not isinstance(env_factory_or_env, type) and hasattr(env_factory_or_env, "reset") \
+            and hasattr(env_factory_or_env, "clone"):
+        return env_factory_or_env
+    if callable(env_factory_or_env):
+        return env_factory_or_env()
+    raise TypeError("env_factory_or_env must be an env (reset/step/clone) or a zero-argument "
+                    f"factory, got {type(env_factory_or_env).__name__}")
+
+
+@dataclasses.dataclass
+class _Live:
+    index: int
+    env: Any
+    group: str
+    task: str
+    history: list
+    pending_obs: list  # tokens of the observation not yet followed by an action
+    state_key: Any
+    turns: list = dataclasses.field(default_factory=list)
+    done: bool = False
+    success: bool = False
+    env_error: str | None = None
+    invalid: int = 0
+    truncated: bool = False
+    context_truncated: bool = False
+    dropped: bool = False
+
+
+def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCodec,
+                   config: RolloutConfig, *, seed: int | None = 0,
+                   ) -> tuple[list[dict], dict]:
+    """Collects ``config.group_size`` trajectories of every task.
+
+    Args:
+      env_factory_or_env: an env (each task gets ``env.clone()`` copies; the env itself is
+        never stepped) or a zero-argument factory. Envs are wrapped in ``SafeEnv`` unless they
+        already are one, so env faults end a trajectory (``env_error``), never the run.
+      tasks: ``Task`` objects of the env's family.
+      sampler: a ``Sampler``; ``generate`` is called once per turn with the prompts of every
+        live trajectory (of all groups), in a stable order.
+      codec: a ``TextCodec`` (``Tokenizer`` or ``ByteCodec``).
+      seed: ``None`` lets the sampler draw from its own stream; an int gives every request a
+        seed derived from ``(seed, trajectory index, turn)``, so a run is reproducible whatever
+        the batching.
+
+    Returns:
+      ``(records, stats)``; records are in task order, ``G`` consecutive per task, and pack
+      with ``pack_records`` in both layouts. ``stats``: ``trajectories``, ``successes``,
+      ``success_rate``, ``mean_reward`` (mean outcome), ``env_errors``, ``invalid_actions``,
+      ``truncated``, ``context_truncated``, ``dropped``, ``turns``, ``generate_calls``,
+      ``tokens_generated``, ``wall_time_s``, ``tokens_per_s``.
+    """
+    t0 = time.perf_counter()
+    stop_ids = config.stop_token_ids
+    if stop_ids is None:
+        if codec.eos_token_id is None:
+            raise ValueError("codec has no eos_token_id: give RolloutConfig.stop_token_ids")
+        stop_ids = (int(codec.eos_token_id),)
+    stop_set = set(stop_ids)
+    base = _base_env(env_factory_or_env)
+    tasks = list(tasks)
+    ids = [t.id for t in tasks]
+    live: list[_Live] = []
+    for ti, task in enumerate(tasks):
+        root = base.clone()
+        root = root if isinstance(root, SafeEnv) else SafeEnv(root)
+        label = task.id if ids.count(task.id) == 1 else f"{task.id}#{ti}"
+        for env, obs, info in reset_group(root, task, config.group_size):
+            tr = _Live(len(live), env, label, label, [], [], None)
+            if info.get("done") or info.get("env_error"):  # reset failed: nothing to record
+                tr.done, tr.dropped, tr.env_error = True, True, str(info.get("env_error"))
+            else:
+                _observe(tr, obs, info, codec, config)
+            live.append(tr)
+
+    calls = tokens_generated = 0
+    for turn in range(config.max_turns):
+        running = [tr for tr in live if not tr.done]
+        ready = []
+        for tr in running:
+            if len(tr.history) + len(tr.pending_obs) + config.max_new_tokens > \
+                    config.max_context_tokens:
+                tr.done = tr.truncated = tr.context_truncated = True
+                tr.dropped = not tr.turns
+            else:
+                ready.append(tr)
+        if not ready:
+            break
+        prompts = [tr.history + tr.pending_obs for tr in ready]
+        params = [SamplingParams(temperature=config.temperature, top_k=config.top_k,
+                                 top_p=config.top_p, max_new_tokens=config.max_new_tokens,
+                                 stop_token_ids=stop_ids,
+                                 seed=None if seed is None else _request_seed(seed, tr.index, turn))
+                  for tr in ready]
+        outputs = sampler.generate(prompts, params)
+        calls += 1
+        if len(outputs) != len(ready):
+            raise RuntimeError(f"sampler returned {len(outputs)} outputs for {len(ready)} prompts")
+        for tr, prompt, out in zip(ready, prompts, outputs):
+            act = [int(t) for t in out.token_ids]
+            lps = [float(x) for x in out.logprobs]
+            if not act or len(lps) != len(act):
+                raise RuntimeError(f"sampler output for trajectory {tr.index}: {len(act)} tokens "
+                                   f"and {len(lps)} logprobs (need equal and >= 1)")
+            tokens_generated += len(act)
+            text_ids = act[:-1] if act[-1] in stop_set else act
+            text = codec.decode(text_ids)
+            res = tr.env.step(text)
+            info = res.info or {}
+            invalid = bool(info.get("invalid_action", False))
+            tr.invalid += invalid
+            tr.turns.append({"observation": tr.pending_obs, "action": act, "logprobs": lps,
+                             "reward": float(res.reward), "state_key": tr.state_key,
+                             "action_text": text, "finish_reason": out.finish_reason,
+                             "policy_version": int(out.policy_version)})
+            tr.history = prompt + act
+            if info.get("env_error"):
+                tr.env_error = str(info["env_error"])
+            done = bool(res.done) or tr.env_error is not None
+            if invalid and config.on_invalid == "fail":
+                done = True
+            if done:
+                tr.done = True
+                tr.success = bool(info.get("success", False)) and not (
+                    invalid and config.on_invalid == "fail")
+                tr.truncated = tr.truncated or bool(info.get("truncated", False))
+            else:
+                _observe(tr, res.observation, info, codec, config)
+    for tr in live:  # still running after config.max_turns
+        if not tr.done:
+            tr.done = tr.truncated = True
+
+    records = []
+    for tr in live:
+        if tr.dropped:
+            continue
+        outcome = float(sum(t["reward"] for t in tr.turns))
+        records.append({
+            "group": tr.group, "task": tr.task, "outcome": outcome,
+            "success": 1.0 if tr.success else 0.0, "turns": tr.turns,
+            "policy_version": min(t["policy_version"] for t in tr.turns),
+            "env_error": tr.env_error, "invalid": tr.invalid, "truncated": tr.truncated,
+            "context_truncated": tr.context_truncated, "num_turns": len(tr.turns)})
+    wall = time.perf_counter() - t0
+    n = len(records)
+    successes = int(sum(r["success"] for r in records))
+    stats = {
+        "trajectories": n, "successes": successes, "success_rate": successes / n if n else 0.0,
+        "mean_reward": sum(r["outcome"] for r in records) / n if n else 0.0,
+        "env_errors": sum(tr.env_error is not None for tr in live),
+        "invalid_actions": sum(tr.invalid for tr in live),
+        "truncated": sum(r["truncated"] for r in records),
+        "context_truncated": sum(tr.context_truncated for tr in live),
+        "dropped": sum(tr.dropped for tr in live),
+        "turns": sum(len(tr.turns) for tr in live), "generate_calls": calls,
+        "tokens_generated": tokens_generated, "wall_time_s": wall,
+        "tokens_per_s": tokens_generated / wall if wall > 0 else 0.0,
+    }
+    return records, stats
+
+
+def _observe(tr: _Live, obs_text: str, info: dict, codec: TextCodec, config: RolloutConfig):
+    tr.pending_obs = [int(i) for i in codec.encode(
+        config.observation_template.format(observation=obs_text))]
+    key = info.get("state_key")
+    tr.state_key = key if isinstance(key, (str, int)) and not isinstance(key, bool) else obs_text
