@@ -1,0 +1,544 @@
+"""Typed run configuration for ``jaxrl-agent train``: frozen dataclasses, YAML, ``--set`` overrides.
+
+Layout (every section optional in YAML; missing keys take the CPU-default values below)::
+
+    name: str
+    model:      hf_path (None = tiny built-in model), vocab_size, hidden_size, intermediate_size,
+                num_layers, num_heads, num_kv_heads, max_position_embeddings, dtype,
+                value_head, value_stop_gradient
+    env:        name, kwargs {}
+    rollout:    tasks_per_step, group_size, max_turns, max_new_tokens, max_context_tokens,
+                temperature, top_k, top_p, on_invalid
+    estimator:  name, params {}              (params keys = estimators.spec(name).hyper_params)
+    loss:       policy, params {}, agg, kl_coef, kl_estimator, entropy_coef, value_coef
+    optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
+    trainer:    steps, micro_batches, max_policy_lag, seed, warmup_sft_steps, eval_every,
+                eval_tasks, layout
+    checkpoint: dir, every, keep
+    metrics:    dir, tensorboard, plots
+    mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
+
+API:
+
+* ``from_dict(d)`` -> ``RunConfig``: structural check (unknown keys, types). Errors are
+  ``ConfigError`` (a ``ValueError``) naming the dotted key.
+* ``apply_overrides(d, ["trainer.steps=5", "estimator.params.eps=1e-6"])`` on a raw dict.
+* ``load(path_or_None, overrides=(), *, validate=True)``: YAML (``None`` = the defaults, which equal
+  ``configs/cpu_default.yaml``), then overrides, then ``from_dict`` and (by default) ``validate``.
+* ``validate(cfg)``: semantic checks against the registries (estimators, losses, envs, agg modes).
+  It never touches the file system; ``check_paths(cfg)`` does (``model.hf_path`` exists).
+* ``check_mesh(cfg, num_devices)`` -> resolved ``(data, fsdp, tensor)``.
+* ``to_dict(cfg)``, ``dump_yaml(cfg, path)``, ``describe(cfg)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import re
+import types
+import typing
+from typing import Any, Union
+
+import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """``SafeLoader`` that also reads ``1e-5`` / ``3E+2`` as floats (YAML 1.1 wants ``1.0e-5``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _yaml_load(text_or_stream):
+    return yaml.load(text_or_stream, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+class ConfigError(ValueError):
+    """A bad run configuration; the message names the dotted key."""
+
+
+# --- sections ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """``hf_path=None`` builds the tiny built-in model from the dims below (byte codec, ids < 260);
+    with an ``hf_path`` the dims come from its ``config.json`` and are ignored."""
+    hf_path: str | None = None
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 2048
+    dtype: str = "float32"
+    value_head: bool = False
+    value_stop_gradient: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+    name: str = "gridworld"
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """Mirrors ``rollout.collect.RolloutConfig``; a step samples ``tasks_per_step * group_size``
+    trajectories."""
+    tasks_per_step: int = 4
+    group_size: int = 4
+    max_turns: int = 8
+    max_new_tokens: int = 16
+    max_context_tokens: int = 512
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    on_invalid: str = "penalise"
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSection:
+    name: str = "grpo"
+    params: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSection:
+    policy: str = "ppo"
+    params: dict = dataclasses.field(default_factory=dict)
+    agg: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    value_coef: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    decay: str = "cosine"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    steps: int = 20
+    micro_batches: int = 1
+    max_policy_lag: int = 0
+    seed: int = 0
+    warmup_sft_steps: int = 0
+    eval_every: int = 10
+    eval_tasks: int = 16
+    layout: str = "concatenated"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    dir: str = "runs/cpu_default/checkpoints"
+    every: int = 10
+    keep: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsSection:
+    dir: str = "runs/cpu_default/metrics"
+    tensorboard: bool = False
+    plots: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str = "cpu_default"
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    env: EnvSection = dataclasses.field(default_factory=EnvSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    estimator: EstimatorSection = dataclasses.field(default_factory=EstimatorSection)
+    loss: LossSection = dataclasses.field(default_factory=LossSection)
+    optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
+    trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+
+
+DECAYS = ("cosine", "constant")
+LAYOUTS = ("concatenated", "per_step")
+ON_INVALID = ("penalise", "fail")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "soft_gate", "reinforce")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k1_st", "k3_st")
+# Keyword arguments of a policy loss that the trainer supplies, not the config.
+_TRAINER_SUPPLIED = ("old_logprobs", "is_weights", "agg", "agg_constant", "axis_name")
+
+
+# --- structure: dict -> RunConfig ---------------------------------------------------------------
+
+
+def _fields(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _type_name(tp) -> str:
+    if _is_union(tp):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _coerce(value, tp, key: str):
+    """``value`` as type ``tp`` or ``ConfigError``. ints pass as floats; bools never pass as numbers."""
+    if _is_union(tp):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if value is None:
+            return {}
+        if isinstance(value, dict):
+            bad = [k for k in value if not isinstance(k, str)]
+            if not bad:
+                return dict(value)
+    else:  # pragma: no cover - only the types above are used
+        raise TypeError(f"unsupported field type {tp!r} for {key}")
+    raise ConfigError(f"key '{key}' must be {_type_name(tp)}, got {value!r} "
+                      f"({type(value).__name__})")
+
+
+def _unknown(key: str, valid, hint: str = "") -> ConfigError:
+    where = key.rsplit(".", 1)[0] if "." in key else None
+    what = f"valid keys of {where}" if where else "valid top-level keys"
+    return ConfigError(f"unknown key '{key}'; {what}: {', '.join(valid)}{hint}")
+
+
+def _build(cls, data, prefix: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"key '{prefix}' must be a mapping, got {data!r} ({type(data).__name__})")
+    fields = _fields(cls)
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in fields:
+            raise _unknown(key, list(fields), _suggest(str(k)) if prefix else "")
+        tp = fields[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _build(tp, v, key)
+        else:
+            kwargs[k] = _coerce(v, tp, key)
+    return cls(**kwargs)
+
+
+def _suggest(leaf: str) -> str:
+    """`` (did you mean optimizer.lr?)`` when ``leaf`` is a field of another section."""
+    hits = [f"{sec}.{leaf}" for sec, tp in _fields(RunConfig).items()
+            if dataclasses.is_dataclass(tp) and leaf in _fields(tp)]
+    return f" (did you mean {' or '.join(hits)}?)" if hits else ""
+
+
+def from_dict(d: dict | None) -> RunConfig:
+    """A ``RunConfig`` from a nested dict (as read from YAML); missing keys take their defaults.
+    Raises ``ConfigError`` naming the key for unknown keys and wrong types. No semantic checks."""
+    return _build(RunConfig, d, "")
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    """Plain nested dict (YAML-safe); ``from_dict(to_dict(cfg)) == cfg``."""
+    return dataclasses.asdict(cfg)
+
+
+# --- overrides / loading ------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b.c=v"`` -> (``["a", "b", "c"]``, ``v`` parsed as YAML; ``1e-5`` is a float)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.path=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = _yaml_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+    return parts, value
+
+
+def apply_overrides(d: dict | None, overrides) -> dict:
+    """A copy of raw config dict ``d`` with ``--set`` overrides applied in order. Intermediate
+    mappings are created as needed (``estimator.params.gamma=0.99``); unknown keys are reported by
+    ``from_dict`` afterwards, with the same message as in a YAML file."""
+    import copy
+    out = copy.deepcopy(d) if d else {}
+    for text in overrides or ():
+        parts, value = parse_override(text)
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"override {text!r}: '{'.'.join(parts[:i + 1])}' is not a mapping")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def read_yaml(path) -> dict:
+    with open(path) as f:
+        data = _yaml_load(f)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
+    """YAML file (``None`` = defaults, i.e. ``configs/cpu_default.yaml``), then ``--set`` overrides,
+    then ``from_dict``, then (unless ``validate=False``) ``validate``."""
+    raw = read_yaml(path) if path is not None else {}
+    cfg = from_dict(apply_overrides(raw, overrides))
+    if validate:
+        _semantic_check(cfg)
+    return cfg
+
+
+def dump_yaml(cfg: RunConfig, path) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+
+
+# --- semantics ----------------------------------------------------------------------------------
+
+
+def _choice(value, choices, key):
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def _positive(section, prefix, *names, allow_zero=False):
+    for n in names:
+        v = getattr(section, n)
+        if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+            need = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{prefix}.{n} must be {need}; got {v!r}")
+
+
+def _check_params(params: dict, allowed, key: str, what: str):
+    bad = sorted(set(params) - set(allowed))
+    if bad:
+        raise ConfigError(f"unknown key '{key}.{bad[0]}' for {what}; valid keys: "
+                          f"{', '.join(allowed) if allowed else '(none)'}")
+
+
+def _kwonly(fn, exclude=()) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in exclude]
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Semantic checks against the registries; raises ``ConfigError`` with a clear message,
+    returns ``cfg`` otherwise. Does not touch the file system (see ``check_paths``)."""
+    from jaxrl_agent import envs, estimators, losses
+    from jaxrl_agent.models.config import DTYPES
+
+    if not cfg.name:
+        raise ConfigError("name must be a non-empty string")
+
+    m = cfg.model
+    _choice(m.dtype, DTYPES, "model.dtype")
+    if m.hf_path is not None and not m.hf_path.strip():
+        raise ConfigError("model.hf_path must be a path or null (null = tiny built-in model)")
+    _positive(m, "model", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+              "num_heads", "num_kv_heads", "max_position_embeddings")
+    if m.hf_path is None:
+        if m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.num_heads ({m.num_heads}) must be a multiple of "
+                              f"model.num_kv_heads ({m.num_kv_heads})")
+        if m.vocab_size < 260:
+            raise ConfigError(f"model.vocab_size must be >= 260 for the built-in byte codec; "
+                              f"got {m.vocab_size}")
+    if m.value_stop_gradient and not m.value_head:
+        raise ConfigError("model.value_stop_gradient needs model.value_head: true")
+
+    env_names = envs.names()
+    if cfg.env.name not in env_names:
+        raise ConfigError(f"env.name: unknown environment {cfg.env.name!r}; known: "
+                          f"{', '.join(env_names)}")
+    env_cls = getattr(envs.base, "_REGISTRY", {}).get(cfg.env.name)
+    if env_cls is not None:
+        sig = inspect.signature(env_cls)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+            allowed = [p.name for p in sig.parameters.values()
+                       if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                     inspect.Parameter.KEYWORD_ONLY)]
+            _check_params(cfg.env.kwargs, allowed, "env.kwargs", f"environment {cfg.env.name!r}")
+
+    r = cfg.rollout
+    _positive(r, "rollout", "tasks_per_step", "group_size", "max_turns", "max_new_tokens",
+              "max_context_tokens")
+    _positive(r, "rollout", "top_k", allow_zero=True)
+    if not (r.temperature >= 0 and math.isfinite(r.temperature)):
+        raise ConfigError(f"rollout.temperature must be >= 0; got {r.temperature!r}")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1]; got {r.top_p!r}")
+    if r.max_new_tokens >= r.max_context_tokens:
+        raise ConfigError(f"rollout.max_new_tokens ({r.max_new_tokens}) must be < "
+                          f"rollout.max_context_tokens ({r.max_context_tokens})")
+    _choice(r.on_invalid, ON_INVALID, "rollout.on_invalid")
+
+    est = cfg.estimator
+    known = estimators.names()
+    if est.name not in known:
+        raise ConfigError(f"estimator {est.name!r} is not available yet (known: {', '.join(known)})")
+    _check_params(est.params, list(estimators.spec(est.name).hyper_params), "estimator.params",
+                  f"estimator {est.name!r}")
+
+    lo = cfg.loss
+    loss_names = [n for n in POLICY_LOSSES if n in losses.names()]
+    if lo.policy not in loss_names:
+        raise ConfigError(f"loss.policy: unknown policy loss {lo.policy!r}; known: "
+                          f"{', '.join(loss_names)}")
+    _check_params(lo.params, _kwonly(losses.get(lo.policy), _TRAINER_SUPPLIED), "loss.params",
+                  f"loss {lo.policy!r}")
+    _choice(lo.agg, losses.AGG_MODES, "loss.agg")
+    _choice(lo.kl_estimator, [k for k in KL_ESTIMATORS if k in losses.names()], "loss.kl_estimator")
+    _positive(lo, "loss", "kl_coef", "entropy_coef", "value_coef", allow_zero=True)
+
+    o = cfg.optimizer
+    _positive(o, "optimizer", "lr")
+    _positive(o, "optimizer", "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
+    _choice(o.decay, DECAYS, "optimizer.decay")
+    for n in ("b1", "b2"):
+        if not 0 <= getattr(o, n) < 1:
+            raise ConfigError(f"optimizer.{n} must be in [0, 1); got {getattr(o, n)!r}")
+
+    t = cfg.trainer
+    _positive(t, "trainer", "steps", "micro_batches", "eval_tasks")
+    _positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
+              allow_zero=True)
+    _choice(t.layout, LAYOUTS, "trainer.layout")
+    if o.warmup_steps > t.steps:
+        raise ConfigError(f"optimizer.warmup_steps ({o.warmup_steps}) must be <= trainer.steps "
+                          f"({t.steps})")
+    n_traj = r.tasks_per_step * r.group_size
+    if n_traj % t.micro_batches:
+        raise ConfigError(f"trainer.micro_batches ({t.micro_batches}) must divide the "
+                          f"trajectories per step (rollout.tasks_per_step * rollout.group_size "
+                          f"= {n_traj})")
+
+    _positive(cfg.checkpoint, "checkpoint", "every", "keep", allow_zero=True)
+    if not cfg.checkpoint.dir:
+        raise ConfigError("checkpoint.dir must be a non-empty path")
+    if not cfg.metrics.dir:
+        raise ConfigError("metrics.dir must be a non-empty path")
+
+    axes = {n: getattr(cfg.mesh, n) for n in ("data", "fsdp", "tensor")}
+    for n, v in axes.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"mesh.{n} must be >= 1 or -1 (all remaining devices); got {v}")
+    if sum(v == -1 for v in axes.values()) > 1:
+        raise ConfigError("at most one mesh axis may be -1; got "
+                          + ", ".join(f"{n}={v}" for n, v in axes.items()))
+    if m.hf_path is None and axes["tensor"] > 0 and (m.num_kv_heads % axes["tensor"]):
+        raise ConfigError(f"mesh.tensor ({axes['tensor']}) must divide model.num_kv_heads "
+                          f"({m.num_kv_heads})")
+    return cfg
+
+
+_semantic_check = validate  # ``load``'s keyword ``validate`` shadows the function
+
+
+def check_mesh(cfg: RunConfig, num_devices: int) -> tuple[int, int, int]:
+    """Resolved ``(data, fsdp, tensor)`` for ``num_devices``; ``ConfigError`` if they don't fit."""
+    axes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+    fixed = math.prod(a for a in axes if a != -1)
+    if -1 in axes:
+        if num_devices % fixed:
+            raise ConfigError(f"mesh: fixed axes (product {fixed}) do not divide the "
+                              f"{num_devices} devices")
+        axes[axes.index(-1)] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(f"mesh: data*fsdp*tensor = {fixed}, but there are {num_devices} devices")
+    return tuple(axes)
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """File-system checks, separate from ``validate``: ``model.hf_path`` must exist when set."""
+    p = cfg.model.hf_path
+    if p is not None and not os.path.exists(p):
+        raise ConfigError(f"model.hf_path: {p!r} does not exist")
+
+
+def describe(cfg: RunConfig) -> str:
+    """A short multi-line summary for logs."""
+    m, r, t, o, lo = cfg.model, cfg.rollout, cfg.trainer, cfg.optimizer, cfg.loss
+    model = (m.hf_path or f"tiny built-in ({m.num_layers}L d={m.hidden_size} "
+             f"h={m.num_heads}/{m.num_kv_heads} V={m.vocab_size})")
+    est = cfg.estimator.name + (f" {cfg.estimator.params}" if cfg.estimator.params else "")
+    kl = f", kl {lo.kl_estimator}*{lo.kl_coef:g}" if lo.kl_coef else ""
+    ent = f", entropy*{lo.entropy_coef:g}" if lo.entropy_coef else ""
+    return "\n".join([
+        f"run {cfg.name!r}: {t.steps} steps, seed {t.seed}, layout {t.layout}",
+        f"  model     {model}, {m.dtype}" + (", value head" if m.value_head else ""),
+        f"  env       {cfg.env.name}" + (f" {cfg.env.kwargs}" if cfg.env.kwargs else ""),
+        f"  rollout   {r.tasks_per_step} tasks x {r.group_size} = "
+        f"{r.tasks_per_step * r.group_size} traj/step, <= {r.max_turns} turns, "
+        f"{r.max_new_tokens} new tokens/turn, T={r.temperature:g}",
+        f"  estimator {est}",
+        f"  loss      {lo.policy} ({lo.agg}){kl}{ent}",
+        f"  optimizer adamw lr {o.lr:g} ({o.decay}, warmup {o.warmup_steps}), clip {o.grad_clip:g}",
+        f"  mesh      data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}",
+    ])
+
+
+__all__ = [
+    "CheckpointSection", "ConfigError", "EnvSection", "EstimatorSection", "LossSection",
+    "MeshSection", "MetricsSection", "ModelSection", "OptimizerSection", "RolloutSection",
+    "RunConfig", "TrainerSection", "apply_overrides", "check_mesh", "check_paths", "describe",
+    "dump_yaml", "from_dict", "load", "parse_override", "read_yaml", "to_dict", "validate",
+]

@@ -1,0 +1,300 @@
+"""Run configuration: YAML files in configs/, overrides, structural and semantic errors, round trips."""
+
+import dataclasses
+import pathlib
+
+import pytest
+import yaml
+
+from jaxrl_agent import config as C
+from jaxrl_agent import estimators
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+ALL_YAML = sorted(CONFIGS.glob("*.yaml"))
+VALID_YAML = [p for p in ALL_YAML if p.name != "gridworld_gigpo.yaml"]
+
+
+def test_config_dir_has_the_expected_files():
+    names = {p.name for p in ALL_YAML}
+    assert {"cpu_default.yaml", "gridworld_grpo.yaml", "gridworld_gigpo.yaml", "gpu_example.yaml",
+            "tpu_example.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", VALID_YAML, ids=lambda p: p.name)
+def test_every_yaml_loads_and_validates(path):
+    cfg = C.load(path)
+    assert isinstance(cfg, C.RunConfig)
+    assert C.validate(cfg) is cfg
+    assert cfg.name in C.describe(cfg)
+
+
+def test_gigpo_config_fails_with_clear_message():
+    path = CONFIGS / "gridworld_gigpo.yaml"
+    cfg = C.load(path, validate=False)  # structurally fine
+    assert cfg.estimator.name == "gigpo"
+    with pytest.raises(C.ConfigError, match=r"estimator 'gigpo' is not available yet \(known: .*grpo"):
+        C.validate(cfg)
+    with pytest.raises(ValueError, match="not available yet"):
+        C.load(path)
+
+
+def test_grpo_and_gigpo_configs_differ_only_in_estimator_and_name():
+    a = C.to_dict(C.load(CONFIGS / "gridworld_grpo.yaml"))
+    b = C.to_dict(C.load(CONFIGS / "gridworld_gigpo.yaml", validate=False))
+    for d in (a, b):
+        del d["estimator"], d["name"], d["checkpoint"]["dir"], d["metrics"]["dir"]
+    assert a == b
+
+
+def test_cpu_default_yaml_equals_dataclass_defaults():
+    assert C.load(None) == C.RunConfig() == C.load(CONFIGS / "cpu_default.yaml")
+
+
+def test_hf_examples_validate_without_checkpoint_on_disk():
+    for name in ("gpu_example.yaml", "tpu_example.yaml"):
+        cfg = C.load(CONFIGS / name)
+        assert cfg.model.hf_path and cfg.model.dtype == "bfloat16"
+        with pytest.raises(C.ConfigError, match="does not exist"):
+            C.check_paths(cfg)
+    C.check_paths(C.RunConfig())  # no hf_path: nothing to check
+
+
+def test_tpu_mesh_resolves():
+    cfg = C.load(CONFIGS / "tpu_example.yaml")
+    assert C.check_mesh(cfg, 16) == (2, 4, 2)
+    with pytest.raises(C.ConfigError, match="do not divide"):
+        C.check_mesh(cfg, 12)
+    assert C.check_mesh(C.RunConfig(), 8) == (8, 1, 1)
+    fixed = C.from_dict({"mesh": {"data": 2, "fsdp": 2, "tensor": 1}})
+    assert C.check_mesh(fixed, 4) == (2, 2, 1)
+    with pytest.raises(C.ConfigError, match="there are 8 devices"):
+        C.check_mesh(fixed, 8)
+
+
+# --- overrides ---------------------------------------------------------------------------------
+
+
+def test_scalar_overrides():
+    cfg = C.load(None, ["trainer.steps=5", "optimizer.lr=1e-5", "model.value_head=true",
+                        "name=exp1", "model.hf_path=null", "rollout.temperature=0"])
+    assert cfg.trainer.steps == 5
+    assert cfg.optimizer.lr == 1e-5 and isinstance(cfg.optimizer.lr, float)  # YAML 1.1 string
+    assert cfg.model.value_head is True
+    assert cfg.name == "exp1" and cfg.model.hf_path is None
+    assert cfg.rollout.temperature == 0.0 and isinstance(cfg.rollout.temperature, float)
+
+
+def test_nested_dict_overrides():
+    cfg = C.load(CONFIGS / "gridworld_grpo.yaml",
+                 ["estimator.params.eps=1e-8", "env.kwargs.size=7", "loss.params.clip_high=0.3"])
+    assert cfg.estimator.params == {"eps": 1e-8, "ddof": 1}  # 1e-8 is a float, not YAML 1.1's str
+    assert cfg.env.kwargs == {"size": 7, "extra_walls": 2}
+    assert cfg.loss.params == {"clip_low": 0.2, "clip_high": 0.3}
+    cfg = C.load(None, ["estimator.name=gae", "estimator.params.gamma=0.99",
+                        "estimator.params.lam=0.95", "model.value_head=true"])
+    assert cfg.estimator.params == {"gamma": 0.99, "lam": 0.95}
+
+
+def test_list_and_mapping_overrides():
+    cfg = C.load(None, ["env.kwargs={size: 4, extra_walls: 0}", "estimator.params={eps: 0.5}"])
+    assert cfg.env.kwargs == {"size": 4, "extra_walls": 0}
+    assert cfg.estimator.params == {"eps": 0.5}
+    d = C.apply_overrides({}, ["env.kwargs.layout=[1, 2, 3]"])
+    assert d == {"env": {"kwargs": {"layout": [1, 2, 3]}}}
+    cfg = C.from_dict(d)  # structurally fine; env kwargs checked by validate
+    assert cfg.env.kwargs["layout"] == [1, 2, 3]
+    with pytest.raises(C.ConfigError, match=r"unknown key 'env.kwargs.layout'.*valid keys: size"):
+        C.validate(cfg)
+
+
+def test_overrides_apply_in_order_and_do_not_mutate_input():
+    raw = {"trainer": {"steps": 3}}
+    out = C.apply_overrides(raw, ["trainer.steps=4", "trainer.steps=6"])
+    assert out["trainer"]["steps"] == 6 and raw == {"trainer": {"steps": 3}}
+
+
+@pytest.mark.parametrize("bad", ["trainer.steps", "=3", "trainer..steps=3", "a.b=[unclosed"])
+def test_malformed_overrides(bad):
+    with pytest.raises(C.ConfigError, match="override"):
+        C.load(None, [bad])
+
+
+def test_override_through_scalar_is_an_error():
+    with pytest.raises(C.ConfigError, match="'trainer.steps' is not a mapping"):
+        C.apply_overrides({"trainer": {"steps": 3}}, ["trainer.steps.x=1"])
+    with pytest.raises(C.ConfigError, match=r"key 'trainer.steps' must be int, got \{'x': 1\}"):
+        C.load(None, ["trainer.steps.x=1"])
+
+
+# --- structural errors -------------------------------------------------------------------------
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, ["trainer.lrr=1e-5"])
+    msg = str(e.value)
+    assert "unknown key 'trainer.lrr'" in msg and "valid keys of trainer:" in msg
+    for f in dataclasses.fields(C.TrainerSection):
+        assert f.name in msg
+
+
+def test_unknown_key_suggests_other_section():
+    with pytest.raises(C.ConfigError, match=r"unknown key 'trainer.lr'.*did you mean optimizer.lr"):
+        C.load(None, ["trainer.lr=1e-5"])
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(C.ConfigError, match=r"unknown key 'trainr'; valid top-level keys: name, model"):
+        C.from_dict({"trainr": {}})
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("rollout:\n  group_sizee: 4\n")
+    with pytest.raises(C.ConfigError, match=r"unknown key 'rollout.group_sizee'.*group_size"):
+        C.load(p)
+
+
+@pytest.mark.parametrize("d, key, expected", [
+    ({"trainer": {"steps": "ten"}}, "trainer.steps", "int"),
+    ({"trainer": {"steps": 2.5}}, "trainer.steps", "int"),
+    ({"trainer": {"steps": True}}, "trainer.steps", "int"),
+    ({"optimizer": {"lr": "fast"}}, "optimizer.lr", "float"),
+    ({"optimizer": {"lr": True}}, "optimizer.lr", "float"),
+    ({"optimizer": {"lr": "1e-5"}}, "optimizer.lr", "float"),  # quoted: a str, not a float
+    ({"model": {"value_head": "yes please"}}, "model.value_head", "bool"),
+    ({"model": {"value_head": 1}}, "model.value_head", "bool"),
+    ({"model": {"hf_path": 3}}, "model.hf_path", "str | null"),
+    ({"estimator": {"params": [1, 2]}}, "estimator.params", "dict"),
+    ({"env": {"name": 5}}, "env.name", "str"),
+    ({"trainer": 3}, "trainer", "mapping"),
+])
+def test_type_errors_name_key_type_and_value(d, key, expected):
+    with pytest.raises(C.ConfigError) as e:
+        C.from_dict(d)
+    msg = str(e.value)
+    assert f"'{key}'" in msg and expected in msg
+    value = d[key.split(".")[0]] if "." not in key else d[key.split(".")[0]][key.split(".")[1]]
+    assert repr(value) in msg
+
+
+def test_scientific_notation_is_float_everywhere(tmp_path):
+    p = tmp_path / "sci.yaml"
+    p.write_text("optimizer: {lr: 1e-5}\nestimator: {params: {eps: 1E-7}}\nname: 1e3run\n")
+    cfg = C.load(p)
+    assert cfg.optimizer.lr == 1e-5 and cfg.estimator.params == {"eps": 1e-7}
+    assert cfg.name == "1e3run"
+
+
+def test_ints_accepted_for_floats():
+    cfg = C.from_dict({"optimizer": {"lr": 1, "grad_clip": 0}, "rollout": {"top_p": 1}})
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert isinstance(cfg.optimizer.grad_clip, float) and isinstance(cfg.rollout.top_p, float)
+
+
+def test_empty_sections_and_files(tmp_path):
+    assert C.from_dict({"trainer": None, "env": {"kwargs": None}}) == C.RunConfig()
+    p = tmp_path / "empty.yaml"
+    p.write_text("# nothing\n")
+    assert C.load(p) == C.RunConfig()
+    p.write_text("- a\n- b\n")
+    with pytest.raises(C.ConfigError, match="top level must be a mapping"):
+        C.load(p)
+
+
+# --- semantic errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, match", [
+    ("estimator.name=nope", r"estimator 'nope' is not available yet \(known: dr_grpo"),
+    ("estimator.params.gamma=0.9", r"unknown key 'estimator.params.gamma' for estimator 'grpo'; "
+                                   r"valid keys: eps, ddof, singleton"),
+    ("loss.policy=ppo2", r"unknown policy loss 'ppo2'; known: ppo, gspo"),
+    ("loss.params.clip=0.2", r"unknown key 'loss.params.clip' for loss 'ppo'.*clip_low"),
+    ("loss.agg=mean", r"loss.agg must be one of token_mean"),
+    ("loss.kl_estimator=k4", r"loss.kl_estimator must be one of k1"),
+    ("loss.kl_coef=-1", r"loss.kl_coef must be >= 0"),
+    ("env.name=maze", r"unknown environment 'maze'; known: calculator, chain, gridworld"),
+    ("env.kwargs.sise=5", r"unknown key 'env.kwargs.sise' for environment 'gridworld'.*size"),
+    ("rollout.group_size=0", r"rollout.group_size must be > 0"),
+    ("rollout.tasks_per_step=-2", r"rollout.tasks_per_step must be > 0"),
+    ("rollout.max_turns=0", r"rollout.max_turns must be > 0"),
+    ("rollout.temperature=-0.1", r"rollout.temperature must be >= 0"),
+    ("rollout.top_p=0", r"rollout.top_p must be in \(0, 1\]"),
+    ("rollout.top_p=1.5", r"rollout.top_p must be in \(0, 1\]"),
+    ("rollout.top_k=-1", r"rollout.top_k must be >= 0"),
+    ("rollout.max_new_tokens=600", r"max_new_tokens \(600\) must be < rollout.max_context_tokens"),
+    ("rollout.on_invalid=ignore", r"rollout.on_invalid must be one of penalise, fail"),
+    ("model.dtype=float16", r"model.dtype must be one of float32, bfloat16"),
+    ("model.num_kv_heads=3", r"num_heads \(4\) must be a multiple of model.num_kv_heads \(3\)"),
+    ("model.vocab_size=100", r"model.vocab_size must be >= 260"),
+    ("model.value_stop_gradient=true", r"needs model.value_head"),
+    ("optimizer.lr=0", r"optimizer.lr must be > 0"),
+    ("optimizer.lr=.nan", r"optimizer.lr must be > 0"),
+    ("optimizer.decay=linear", r"optimizer.decay must be one of cosine, constant"),
+    ("optimizer.b2=1", r"optimizer.b2 must be in \[0, 1\)"),
+    ("optimizer.warmup_steps=50", r"warmup_steps \(50\) must be <= trainer.steps \(20\)"),
+    ("trainer.layout=flat", r"trainer.layout must be one of concatenated, per_step"),
+    ("trainer.steps=0", r"trainer.steps must be > 0"),
+    ("trainer.micro_batches=3", r"micro_batches \(3\) must divide .* = 16"),
+    ("trainer.max_policy_lag=-1", r"trainer.max_policy_lag must be >= 0"),
+    ("checkpoint.keep=-1", r"checkpoint.keep must be >= 0"),
+    ("mesh.fsdp=0", r"mesh.fsdp must be >= 1 or -1"),
+    ("mesh.tensor=-1", r"at most one mesh axis may be -1"),
+    ("mesh.tensor=4", r"mesh.tensor \(4\) must divide model.num_kv_heads \(2\)"),
+    ("name=''", r"name must be a non-empty string"),
+])
+def test_semantic_errors(override, match):
+    cfg = C.load(None, [override], validate=False)
+    with pytest.raises(C.ConfigError, match=match):
+        C.validate(cfg)
+
+
+def test_every_registered_estimator_and_its_params_validate():
+    for name in estimators.names():
+        params = dict(estimators.spec(name).hyper_params)
+        cfg = C.from_dict({"estimator": {"name": name, "params": params},
+                           "model": {"value_head": True}})
+        C.validate(cfg)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(C.ConfigError, ValueError)
+
+
+# --- round trips -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.name)
+def test_round_trip_to_dict_from_dict(path):
+    cfg = C.load(path, validate=False)
+    d = C.to_dict(cfg)
+    assert C.from_dict(d) == cfg
+    assert yaml.safe_load(yaml.safe_dump(d)) == d  # YAML-safe
+
+
+@pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.name)
+def test_round_trip_dump_load(path, tmp_path):
+    cfg = C.load(path, ["trainer.seed=7", "estimator.params.extra=[1, 2]"], validate=False)
+    out = tmp_path / "dumped.yaml"
+    C.dump_yaml(cfg, out)
+    assert C.load(out, validate=False) == cfg
+
+
+def test_to_dict_is_a_copy():
+    cfg = C.load(None, ["env.kwargs.size=4"])
+    d = C.to_dict(cfg)
+    d["env"]["kwargs"]["size"] = 9
+    assert cfg.env.kwargs["size"] == 4
+
+
+def test_frozen():
+    cfg = C.RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.trainer.steps = 3  # type: ignore[misc]
+
+
+def test_describe_mentions_the_essentials():
+    s = C.describe(C.load(CONFIGS / "gridworld_grpo.yaml"))
+    assert "gridworld_grpo" in s and "grpo" in s and "ppo" in s and "8 tasks x 8 = 64" in s
+    assert "tiny built-in" in C.describe(C.RunConfig())
