@@ -111,14 +111,15 @@ def segment_stats(x, ids, valid, num_segments: int, ddof: int = 1, weights=None)
     return top + mean_s, std, count
 
 
-def group_stats(x, group_ids, valid, ddof: int = 1):
+def group_stats(x, group_ids, valid, ddof: int = 1, weights=None):
     """``segment_stats`` over dense group ids in [0, len(x)), gathered back to every member.
 
     Returns:
-      (mean [N], std [N], count [N]): the statistics of each entry's own group.
+      (mean [N], std [N], count [N]): the statistics of each entry's own group (``count`` is
+      the total weight when ``weights`` are given).
     """
     n = x.shape[0]
-    mean, std, count = segment_stats(x, group_ids, valid, n, ddof)
+    mean, std, count = segment_stats(x, group_ids, valid, n, ddof, weights)
     gid = jnp.clip(group_ids, 0, n - 1)
     return mean[gid], std[gid], count[gid]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxrl_agent import segments
@@ -29,9 +30,11 @@ def traj_advantages(a, batch: TrajectoryBatch) -> Advantages:
     return Advantages(token=segments.traj_to_token(a, batch), turn=turn)
 
 
-def _group_centered(batch, *, ddof, singleton, scale_std, eps, rloo=False):
+def _group_centered(batch, *, ddof, singleton, scale_std, eps, rloo=False, weights=None):
     r = batch.outcome.astype(jnp.float32)
-    mean, std, count = segments.group_stats(r, batch.group_ids, batch.traj_mask, ddof)
+    mean, std, count = segments.group_stats(r, batch.group_ids, batch.traj_mask, ddof, weights)
+    if weights is not None:  # a singleton is one member, whatever its weight
+        count = segments.group_stats(r, batch.group_ids, batch.traj_mask)[2]
     a = r - mean
     if scale_std:
         a = a / (std + eps)
@@ -143,8 +146,6 @@ def spo_init(num_tasks: int, alpha0: float = 0.5, beta0: float = 0.5) -> SPOStat
 def check_spo_state(batch: TrajectoryBatch, state: SPOState) -> None:
     """Host-side check that every real task id has a tracker entry (inside jit an id past the
     end would silently share the last entry)."""
-    import numpy as np
-
     if not isinstance(state, SPOState):
         raise ValueError("spo/spo_pp need state=SPOState (make one with spo_init(num_tasks))")
     tasks = np.asarray(batch.task_ids)[np.asarray(batch.traj_mask)]
@@ -233,18 +234,9 @@ def rollout_level(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
     check_positive("eps", eps)
     check_choice("singleton", singleton, _SINGLETON)
     b = segments.local_view(batch, axis_name)
-    if not row_weighted:
-        return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton,
-                                               scale_std=normalize_std, eps=eps), b)
-    n = b.num_traj
-    has_tokens = b.action_mask.any(axis=1).astype(jnp.float32)
-    rows = jax.ops.segment_sum(has_tokens, b.row_traj, n)
-    r = b.outcome.astype(jnp.float32)
-    gid = jnp.clip(b.group_ids, 0, n - 1)
-    mean, std, _ = segments.segment_stats(r, gid, b.traj_mask, n, ddof, weights=rows)
-    a = r - mean[gid]
-    if normalize_std:
-        a = a / (std[gid] + eps)
-    count = jax.ops.segment_sum(b.traj_mask.astype(jnp.float32), gid, n)[gid]
-    lone = r if singleton == "raw" else jnp.zeros_like(r)
-    return traj_advantages(jnp.where(count > 1, a, lone), b)
+    rows = None
+    if row_weighted:
+        has_tokens = b.action_mask.any(axis=1).astype(jnp.float32)
+        rows = jax.ops.segment_sum(has_tokens, b.row_traj, b.num_traj)
+    return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton,
+                                           scale_std=normalize_std, eps=eps, weights=rows), b)
