@@ -1,5 +1,7 @@
 """The ``jaxrl-agent`` command line.
 
+  jaxrl-agent train [CONFIG.yaml] [--set section.key=value ...] [--resume]
+  jaxrl-agent eval CHECKPOINT_DIR [--step N] [--tasks N] [--split test|train]
   jaxrl-agent credit ROLLOUTS.jsonl --estimator NAME [--set key=value ...] [--layout ...] --out OUT
   jaxrl-agent estimators
   jaxrl-agent convert HF_DIR OUT_DIR [--dtype ...] [--max-shard-bytes N]
@@ -259,12 +261,67 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from jaxrl_agent import config as config_lib
+
+    try:
+        cfg = config_lib.load(args.config, args.set or ())
+    except FileNotFoundError as e:
+        raise CliError(str(e)) from None
+    from jaxrl_agent.train.loop import Trainer
+
+    if args.print_config:
+        print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
+        return 0
+    trainer = Trainer(cfg, resume=args.resume, progress=not args.quiet)
+    try:
+        trainer.run()
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from jaxrl_agent.train.loop import evaluate_checkpoint
+
+    if not os.path.isdir(args.checkpoint):
+        raise CliError(f"{args.checkpoint!r} is not a directory (give a run's checkpoint.dir)")
+    res = evaluate_checkpoint(args.checkpoint, step=args.step, num_tasks=args.tasks,
+                              split=args.split, overrides=args.set or ())
+    print(json.dumps(res))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxrl_agent import __version__
 
     p = argparse.ArgumentParser(prog="jaxrl-agent", description=__doc__.strip().splitlines()[0])
     p.add_argument("--version", action="version", version=f"jaxrl-agent {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="multi-turn agentic RL (default: the built-in CPU run)",
+                       description="Trains a policy with RL on a multi-turn environment. "
+                                   "Without CONFIG: the built-in CPU default (tiny model, "
+                                   "supervised warm-up, GRPO on the grid world).")
+    t.add_argument("config", nargs="?", default=None, metavar="CONFIG.yaml",
+                   help="a YAML run config (see configs/); default: the built-in CPU default")
+    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override a config value, e.g. --set optimizer.lr=1e-5 (repeatable)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in checkpoint.dir")
+    t.add_argument("--quiet", action="store_true", help="no progress output")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML and exit")
+    t.set_defaults(func=cmd_train)
+    ev = sub.add_parser("eval", help="greedy held-out evaluation of a training checkpoint")
+    ev.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                    help="a run's checkpoint.dir (e.g. runs/cpu_default/checkpoints)")
+    ev.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
+    ev.add_argument("--tasks", type=int, default=None,
+                    help="number of tasks (default: the run's trainer.eval_tasks)")
+    ev.add_argument("--split", choices=("test", "train"), default="test")
+    ev.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                    help="override a value of the run's config (e.g. env.kwargs)")
+    ev.set_defaults(func=cmd_eval)
     c = sub.add_parser("credit", help="assign credit to logged rollouts (offline)",
                        description="Reads rollout records (JSONL), computes advantages with "
                                    "an estimator, writes per-turn and per-token credit.")
@@ -312,6 +369,15 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except CliError as e:
+        print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:  # config and input errors: no traceback
+        from jaxrl_agent.config import ConfigError
+        from jaxrl_agent.train.loop import StaleBatchError
+
+        if not (isinstance(e, (ConfigError, StaleBatchError))
+                or (isinstance(e, FileNotFoundError) and args.command == "eval")):
+            raise
         print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and the like

@@ -81,6 +81,7 @@ class ModelSection:
     dtype: str = "float32"
     value_head: bool = False
     value_stop_gradient: bool = False
+    builtin_dir: str = "runs/cpu_default/base_model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +103,8 @@ class RolloutSection:
     top_k: int = 0
     top_p: float = 1.0
     on_invalid: str = "penalise"
+    history: str = "full"
+    bos: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +142,14 @@ class TrainerSection:
     max_policy_lag: int = 0
     seed: int = 0
     warmup_sft_steps: int = 0
+    sft_batch_size: int = 32
+    sft_lr: float = 3e-3
+    sft_tasks: int = 1000
     eval_every: int = 10
     eval_tasks: int = 16
+    eval_temperature: float = 1.0
     layout: str = "concatenated"
+    task_capacity: int = 65536
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +157,7 @@ class CheckpointSection:
     dir: str = "runs/cpu_default/checkpoints"
     every: int = 10
     keep: int = 2
+    export_dir: str | None = "runs/cpu_default/final_model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +192,7 @@ class RunConfig:
 DECAYS = ("cosine", "constant")
 LAYOUTS = ("concatenated", "per_step")
 ON_INVALID = ("penalise", "fail")
+HISTORY_MODES = ("full", "last")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "soft_gate", "reinforce")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k1_st", "k3_st")
 # Keyword arguments of a policy loss that the trainer supplies, not the config.
@@ -430,6 +440,7 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"rollout.max_new_tokens ({r.max_new_tokens}) must be < "
                           f"rollout.max_context_tokens ({r.max_context_tokens})")
     _choice(r.on_invalid, ON_INVALID, "rollout.on_invalid")
+    _choice(r.history, HISTORY_MODES, "rollout.history")
 
     est = cfg.estimator
     known = estimators.names()
@@ -462,6 +473,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
               allow_zero=True)
     _choice(t.layout, LAYOUTS, "trainer.layout")
+    _positive(t, "trainer", "eval_temperature", allow_zero=True)
+    _positive(t, "trainer", "sft_batch_size", "sft_lr", "sft_tasks", "task_capacity")
+    if r.history == "last" and t.layout != "per_step":
+        raise ConfigError("rollout.history 'last' (prompts hold only the newest observation) "
+                          "needs trainer.layout: per_step, whose rows are exactly those prompts; "
+                          "got trainer.layout: concatenated")
     if o.warmup_steps > t.steps:
         raise ConfigError(f"optimizer.warmup_steps ({o.warmup_steps}) must be <= trainer.steps "
                           f"({t.steps})")

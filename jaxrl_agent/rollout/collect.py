@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 from jaxrl_agent.envs.base import SafeEnv, reset_group
 from jaxrl_agent.sampling.base import SamplingParams
 
-__all__ = ["TextCodec", "ByteCodec", "RolloutConfig", "collect_groups"]
+__all__ = ["TextCodec", "ByteCodec", "RolloutConfig", "collect_groups", "HISTORY_MODES"]
 
 
 @runtime_checkable
@@ -79,6 +79,9 @@ class ByteCodec:
         return data.decode("utf-8", errors="replace")
 
 
+HISTORY_MODES = ("full", "last")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How to collect.
@@ -98,6 +101,12 @@ class RolloutConfig:
       on_invalid: ``"penalise"`` (the env's invalid penalty, the episode goes on) or ``"fail"``
         (an invalid action ends the trajectory, ``success = 0``).
       observation_template: how a new observation text becomes prompt text.
+      history: ``"full"`` (the prompt of turn k is the whole token history, above) or
+        ``"last"`` (the prompt is only ``prompt_prefix + obs_k``: for fully observed, Markov
+        environments such as the grid world; such records must be packed ``per_step``, whose
+        rows are then exactly what the sampler saw).
+      prompt_prefix: token ids put before the first observation (``"full"``) or before every
+        observation (``"last"``), e.g. a BOS token; recorded as part of the observation.
     """
 
     group_size: int = 8
@@ -110,6 +119,8 @@ class RolloutConfig:
     stop_token_ids: tuple[int, ...] | None = None
     on_invalid: str = "penalise"
     observation_template: str = "{observation}\n"
+    history: str = "full"
+    prompt_prefix: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("group_size", "max_turns", "max_new_tokens", "max_context_tokens"):
@@ -119,6 +130,10 @@ class RolloutConfig:
         if self.on_invalid not in ("penalise", "fail"):
             raise ValueError(f"RolloutConfig.on_invalid must be 'penalise' or 'fail', got "
                              f"{self.on_invalid!r}")
+        if self.history not in HISTORY_MODES:
+            raise ValueError(f"RolloutConfig.history must be one of {HISTORY_MODES}, got "
+                             f"{self.history!r}")
+        object.__setattr__(self, "prompt_prefix", tuple(int(i) for i in self.prompt_prefix))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
 
@@ -244,7 +259,7 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
                              "reward": float(res.reward), "state_key": tr.state_key,
                              "action_text": text, "finish_reason": out.finish_reason,
                              "policy_version": int(out.policy_version)})
-            tr.history = prompt + act
+            tr.history = prompt + act if config.history == "full" else []
             if info.get("env_error"):
                 tr.env_error = str(info["env_error"])
             done = bool(res.done) or tr.env_error is not None
@@ -291,7 +306,8 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
 
 
 def _observe(tr: _Live, obs_text: str, info: dict, codec: TextCodec, config: RolloutConfig):
-    tr.pending_obs = [int(i) for i in codec.encode(
+    prefix = list(config.prompt_prefix) if (config.history == "last" or not tr.turns) else []
+    tr.pending_obs = prefix + [int(i) for i in codec.encode(
         config.observation_template.format(observation=obs_text))]
     key = info.get("state_key")
     tr.state_key = key if isinstance(key, (str, int)) and not isinstance(key, bool) else obs_text

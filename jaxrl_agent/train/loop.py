@@ -1,0 +1,485 @@
+"""The training loop behind ``jaxrl-agent train``.
+
+Per step ``s`` (all randomness is a function of ``(trainer.seed, s)``, so a resumed run repeats
+an uninterrupted one exactly)::
+
+    tasks    = env.sample_tasks(rng(seed, s), tasks_per_step, "train")
+    records  = collect_groups(env, tasks, sampler @ policy version s, ...)   # G per task
+    records  = refuse_stale(records, version=s, max_lag)                    # whole groups
+    batch    = pack_records(records, layout, num_shards = data * micro_batches)
+    state    = train_step(state, batch)                                     # version s + 1
+    sampler.sync_weights(state.params, version=s + 1)
+    log, evaluate (greedy, held-out "test" tasks), checkpoint
+
+Before step 0 of a fresh run: the optional supervised warm-up on solver demonstrations, then a
+held-out evaluation (step 0 of the learning curve).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl_agent import config as config_lib
+from jaxrl_agent import envs, estimators, segments
+from jaxrl_agent.batch import bucket, pack_records
+from jaxrl_agent.models.config import ModelConfig
+from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig, collect_groups
+from jaxrl_agent.sampling.jax_sampler import JaxSampler
+from jaxrl_agent.train import sft as sft_lib
+from jaxrl_agent.train.checkpoint import Checkpointer
+from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
+from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, make_optimizer,
+                                    make_train_step)
+
+__all__ = ["Trainer", "StaleBatchError", "refuse_stale", "step_seed", "build_model"]
+
+
+class StaleBatchError(ValueError):
+    """Every trajectory of a step was sampled by a policy older than ``max_policy_lag``."""
+
+
+def step_seed(seed: int, step: int, what: str) -> int:
+    """A 63-bit seed for one purpose at one step (stable across processes and resumes)."""
+    h = hashlib.blake2b(f"{seed}:{step}:{what}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+def refuse_stale(records: list[dict], version: int, max_lag: int) -> tuple[list[dict], int]:
+    """Drops every group that holds a turn sampled by a policy older than ``version - max_lag``
+    (a turn's ``policy_version`` is that of all its tokens). Whole groups go, so group baselines
+    are never computed from a partial group. Returns ``(kept, refused trajectory count)``."""
+    oldest_ok = version - max_lag
+    stale_groups = {r["group"] for r in records
+                    if any(int(t.get("policy_version", version)) < oldest_ok for t in r["turns"])}
+    kept = [r for r in records if r["group"] not in stale_groups]
+    return kept, len(records) - len(kept)
+
+
+def build_model(cfg: config_lib.RunConfig, seed: int):
+    """``(model, codec, where)`` for the config: a local HF folder, or the tiny built-in model
+    with the byte codec (saved as an HF folder at ``model.builtin_dir`` on first use and loaded
+    from there afterwards)."""
+    m = cfg.model
+    if m.hf_path is not None:
+        from jaxrl_agent.models.hf import load_hf
+        from jaxrl_agent.models.tokenizer import load_tokenizer
+        model, _ = load_hf(m.hf_path, dtype=m.dtype, seed=seed, value_head=m.value_head,
+                           value_stop_gradient=m.value_stop_gradient)
+        return model, load_tokenizer(m.hf_path), m.hf_path
+    from jaxrl_agent.models.hf import load_hf, save_hf
+    codec = ByteCodec()
+    mc = ModelConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                     intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                     max_position_embeddings=m.max_position_embeddings, dtype=m.dtype,
+                     family="qwen3", qk_norm=True, value_head=m.value_head,
+                     value_stop_gradient=m.value_stop_gradient,
+                     bos_token_id=codec.bos_token_id, eos_token_id=codec.eos_token_id,
+                     pad_token_id=codec.pad_token_id)
+    folder = pathlib.Path(m.builtin_dir)
+    if (folder / "config.json").exists():
+        model, loaded = load_hf(str(folder), dtype=m.dtype, seed=seed, value_head=m.value_head,
+                                value_stop_gradient=m.value_stop_gradient)
+        same = {k: getattr(loaded, k) for k in ("vocab_size", "hidden_size", "num_layers",
+                                                 "num_heads", "num_kv_heads")}
+        want = {k: getattr(mc, k) for k in same}
+        if same != want:
+            raise config_lib.ConfigError(
+                f"model.builtin_dir {str(folder)!r} holds a model with {same}, but the config "
+                f"asks for {want}; point model.builtin_dir elsewhere or delete that folder")
+        return model, codec, f"{folder} (built-in, loaded)"
+    model = Transformer(mc, rngs=nnx.Rngs(seed))
+    save_hf(model, mc, str(folder))
+    return model, codec, f"{folder} (built-in, created now)"
+
+
+@dataclasses.dataclass
+class Summary:
+    steps: int
+    eval_before: float | None
+    eval_after_sft: float | None
+    eval_final: float | None
+    wall_s: float
+    checkpoint_dir: str
+    metrics_dir: str
+    plots: list
+
+
+class Trainer:
+    """Builds everything a run needs from a ``RunConfig`` and runs it (``run()``)."""
+
+    def __init__(self, cfg: config_lib.RunConfig, *, resume: bool = False, progress: bool = True,
+                 stream=None):
+        config_lib.validate(cfg)
+        config_lib.check_paths(cfg)
+        self.cfg, self.resume = cfg, resume
+        self.out = stream if stream is not None else sys.stderr
+        self.progress = progress
+        t = cfg.trainer
+        self.mesh = self._make_mesh()
+        self.data_shards = self.mesh.shape["data"]
+        self.model, self.codec, self.model_from = build_model(cfg, t.seed)
+        self.env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
+        r = cfg.rollout
+        bos = getattr(self.codec, "bos_token_id", None)
+        self.rollout_cfg = RolloutConfig(
+            group_size=r.group_size, max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
+            max_context_tokens=r.max_context_tokens, temperature=r.temperature, top_k=r.top_k,
+            top_p=r.top_p, on_invalid=r.on_invalid, history=r.history,
+            prompt_prefix=(bos,) if (r.bos and bos is not None) else ())
+        self.eval_cfg = dataclasses.replace(self.rollout_cfg, group_size=1,
+                                            temperature=t.eval_temperature)
+        self.eval_tasks = self.env.sample_tasks(step_seed(t.seed, -1, "eval"), t.eval_tasks,
+                                                "test")
+        n_train = r.tasks_per_step * r.group_size
+        self.sampler = JaxSampler(
+            self.model, max_len=r.max_context_tokens,
+            batch_buckets=sorted({bucket(n_train, 8), bucket(t.eval_tasks, 8)}), seed=t.seed)
+        self.optimizer = make_optimizer(
+            cfg.optimizer.lr, total_steps=t.steps, warmup_steps=cfg.optimizer.warmup_steps,
+            decay=cfg.optimizer.decay, weight_decay=cfg.optimizer.weight_decay,
+            grad_clip=cfg.optimizer.grad_clip, b1=cfg.optimizer.b1, b2=cfg.optimizer.b2)
+        self.spec = estimators.spec(cfg.estimator.name)
+        self.step_cfg = StepConfig(
+            estimator=cfg.estimator.name,
+            estimator_params=tuple(sorted(cfg.estimator.params.items())),
+            policy_loss=cfg.loss.policy, policy_params=tuple(sorted(cfg.loss.params.items())),
+            agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
+            entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
+            micro_batches=t.micro_batches, data_shards=self.data_shards)
+        self.train_step = make_train_step(self.model, self.optimizer, self.step_cfg)
+        self.task_index: dict = {}
+        self.checkpointer = Checkpointer(cfg.checkpoint.dir, every=cfg.checkpoint.every,
+                                         keep=max(cfg.checkpoint.keep, 1))
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _make_mesh(self):
+        devices = jax.devices()
+        m = self.cfg.mesh
+        fixed = m.data * m.fsdp * m.tensor
+        if -1 not in (m.data, m.fsdp, m.tensor) and fixed < len(devices):
+            devices = devices[:fixed]  # an explicit smaller mesh uses the first devices
+        data, fsdp, tensor = config_lib.check_mesh(self.cfg, len(devices))
+        if fsdp != 1 or tensor != 1:
+            raise config_lib.ConfigError(
+                f"mesh.fsdp={fsdp}, mesh.tensor={tensor}: only data parallelism is implemented "
+                "so far (FSDP/tensor partition rules come with the sharding work); set them to 1")
+        # Auto axes: XLA (GSPMD) places the collectives; params replicated, batch rows sharded.
+        return jax.sharding.Mesh(np.asarray(devices[:data]), ("data",))
+
+    def _print(self, text: str):
+        if self.progress:
+            if getattr(self, "logger", None) is not None:
+                self.logger.event(text)
+            else:
+                print(text, file=self.out, flush=True)
+
+    def _fresh_state(self) -> TrainState:
+        est_state = ()
+        if self.spec.stateful:
+            est_state = self.spec.init_state(self.cfg.trainer.task_capacity)
+        state = init_state(self.model, self.optimizer, seed=self.cfg.trainer.seed,
+                           est_state=est_state, with_reference=self.cfg.loss.kl_coef > 0)
+        return self._place(state)
+
+    def _place(self, tree):
+        repl = NamedSharding(self.mesh, P())
+        return jax.device_put(tree, repl)
+
+    def _shard_batch(self, batch):
+        rows = NamedSharding(self.mesh, P("data"))
+        return jax.device_put(batch, rows)
+
+    # ------------------------------------------------------------------ rollouts & eval
+
+    def _collect(self, tasks, cfg: RolloutConfig, seed: int):
+        return collect_groups(self.env, tasks, self.sampler, self.codec, cfg, seed=seed)
+
+    def evaluate(self, step: int) -> dict:
+        """Greedy rollouts on the held-out tasks: ``{"eval/success", "eval/reward", ...}``."""
+        _, stats = self._collect(self.eval_tasks, self.eval_cfg,
+                                 step_seed(self.cfg.trainer.seed, step, "eval"))
+        return {"eval/success": stats["success_rate"], "eval/reward": stats["mean_reward"],
+                "eval/turns": stats["turns"] / max(stats["trajectories"], 1),
+                "eval/invalid": stats["invalid_actions"] / max(stats["trajectories"], 1)}
+
+    def _sync(self, state: TrainState):
+        self.sampler.sync_weights(state.params, int(state.step))
+
+    # ------------------------------------------------------------------ warm-up
+
+    def _warmup(self):
+        t = self.cfg.trainer
+        if t.warmup_sft_steps <= 0:
+            return
+        demo_tasks = self.env.sample_tasks(step_seed(t.seed, -2, "sft"), t.sft_tasks, "train")
+        records = sft_lib.demonstration_records(self.env, demo_tasks, self.codec,
+                                                self.rollout_cfg)
+        self._print(f"supervised warm-up: {t.warmup_sft_steps} steps on solver demonstrations "
+                    f"({len(demo_tasks)} episodes, {sum(len(r['turns']) for r in records)} turns)")
+        t0 = time.time()
+
+        def on_step(i, loss):
+            if i == 1 or i % max(1, t.warmup_sft_steps // 5) == 0 or i == t.warmup_sft_steps:
+                self._print(f"  warm-up step {i}/{t.warmup_sft_steps}: nll {loss:.3f} "
+                            f"({time.time() - t0:.0f}s)")
+
+        losses = sft_lib.run_sft(self.model, records, steps=t.warmup_sft_steps,
+                                 batch_size=t.sft_batch_size, lr=t.sft_lr, layout=t.layout,
+                                 seed=step_seed(t.seed, -3, "sft"), on_step=on_step)
+        return losses
+
+    # ------------------------------------------------------------------ the loop
+
+    def _meta(self, step: int, extra: dict) -> dict:
+        return {"step": step, "config": config_lib.to_dict(self.cfg),
+                "task_index": self.task_index, **extra}
+
+    def _pack(self, records):
+        t = self.cfg.trainer
+        shards = self.data_shards * t.micro_batches
+        pad_to = None
+        if t.layout == "per_step":  # fixed shapes: one compile for the whole run
+            n_traj = shards * math.ceil(bucket(len(records), 8) / shards)
+            k = self.cfg.rollout.max_turns
+            longest = max(len(u["observation"]) + len(u["action"])
+                          for r in records for u in r["turns"])
+            pad_to = {"num_traj": n_traj, "num_turns": k, "num_rows": n_traj * k,
+                      "row_len": 16 * math.ceil(longest / 16)}
+        batch, _ = pack_records(records, layout=t.layout, num_shards=shards, pad_to=pad_to,
+                                task_index=self.task_index)
+        if len(self.task_index) > t.task_capacity and self.spec.stateful:
+            raise RuntimeError(f"more than trainer.task_capacity={t.task_capacity} distinct "
+                               f"tasks seen; raise it for {self.cfg.estimator.name!r}")
+        return batch
+
+    def run(self) -> Summary:
+        cfg, t = self.cfg, self.cfg.trainer
+        wall0 = time.time()
+        self._print(config_lib.describe(cfg))
+        self._print(f"model: {self.model_from}; devices: {jax.device_count()} x "
+                    f"{jax.devices()[0].platform} (data-parallel {self.data_shards})")
+        start, eval_before, eval_after_sft = 0, None, None
+        latest = self.checkpointer.latest_step() if self.resume else None
+        if self.resume and latest is None:
+            self._print(f"--resume: no checkpoint in {cfg.checkpoint.dir}; starting fresh")
+        if latest is not None:
+            state, meta = self.checkpointer.restore(self._fresh_state(), latest)
+            self._check_resume_config(meta)
+            self.task_index = {k: int(v) for k, v in meta.get("task_index", {}).items()}
+            start = int(meta["step"])
+            eval_before, eval_after_sft = meta.get("eval_before"), meta.get("eval_after_sft")
+            self._print(f"resumed from {cfg.checkpoint.dir} at step {start}")
+        else:
+            for stale in (cfg.checkpoint.dir,):
+                if self.checkpointer.all_steps():
+                    raise config_lib.ConfigError(
+                        f"{stale} already holds checkpoints {self.checkpointer.all_steps()}: "
+                        "pass --resume to continue that run, or use another checkpoint.dir")
+        self.logger = None
+        try:
+            if latest is None:
+                self._sync_model_to_sampler(version=0)
+                eval_before = self.evaluate(-1)["eval/success"] if t.eval_every else None
+                if t.warmup_sft_steps:
+                    self._print(f"held-out success before warm-up: {eval_before:.2f}"
+                                if eval_before is not None else "")
+                    self._warmup()
+                state = self._fresh_state()
+                self._sync(state)
+                self._open_logger(None)
+                if t.eval_every:
+                    ev = self.evaluate(0)
+                    eval_after_sft = ev["eval/success"]
+                    self.logger.log(0, ev)
+                    self._print(f"held-out success at step 0"
+                                f"{' (after warm-up)' if t.warmup_sft_steps else ''}: "
+                                f"{eval_after_sft:.2f}")
+            else:
+                self._sync(state)
+                self._open_logger(start)
+            extra = {"eval_before": eval_before, "eval_after_sft": eval_after_sft}
+            last_eval = None
+            for s in range(start, t.steps):
+                state, metrics, out = self._one_step(state, s)
+                step = s + 1
+                if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+                    ev = self.evaluate(step)
+                    metrics.update(ev)
+                    last_eval = ev["eval/success"]
+                self.logger.log(step, metrics)
+                self._last_out = out
+                self.checkpointer.save(step, state, self._meta(step, extra),
+                                       force=step == t.steps)
+            return self._finish(state, wall0, eval_before, eval_after_sft, last_eval)
+        except KeyboardInterrupt:
+            self._print("interrupted: the newest checkpoint is kept; continue with --resume")
+            raise
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+            self.checkpointer.close()
+
+    def _open_logger(self, resume_from_step):
+        self.logger = MetricsLogger(self.cfg.metrics.dir, total_steps=self.cfg.trainer.steps,
+                                    tensorboard=self.cfg.metrics.tensorboard,
+                                    progress=self.progress, stream=self.out,
+                                    resume_from_step=resume_from_step)
+
+    def _sync_model_to_sampler(self, version: int):
+        self.sampler.sync_weights(self.model, version)
+
+    def _check_resume_config(self, meta: dict):
+        saved = meta.get("config", {})
+        now = config_lib.to_dict(self.cfg)
+        keys = ("model", "env", "rollout", "estimator", "loss", "optimizer")
+        diff = [k for k in keys if saved.get(k) != now.get(k)]
+        if diff:
+            raise config_lib.ConfigError(
+                f"--resume: the checkpoint was written with different settings in section(s) "
+                f"{diff}; resume with the same config (only trainer.steps, eval and output "
+                f"settings may change)")
+
+    def _one_step(self, state: TrainState, s: int):
+        cfg, t, r = self.cfg, self.cfg.trainer, self.cfg.rollout
+        t0 = time.perf_counter()
+        tasks = self.env.sample_tasks(step_seed(t.seed, s, "tasks"), r.tasks_per_step, "train")
+        records, stats = self._collect(tasks, self.rollout_cfg, step_seed(t.seed, s, "rollout"))
+        version = int(state.step)
+        records, refused = refuse_stale(records, version, t.max_policy_lag)
+        if not records:
+            raise StaleBatchError(f"step {s}: all {refused} trajectories were sampled by "
+                                  f"policies older than version {version} - "
+                                  f"trainer.max_policy_lag ({t.max_policy_lag})")
+        t1 = time.perf_counter()
+        batch = self._shard_batch(self._pack(records))
+        state, out = self.train_step(state, batch)
+        m = jax.device_get(out["metrics"])
+        t2 = time.perf_counter()
+        self._sync(state)
+        if m["update_skipped"]:
+            self._print(f"step {s + 1}: non-finite loss or gradient, update skipped "
+                        f"({int(state.skipped)} so far)")
+        n = max(stats["trajectories"], 1)
+        metrics = {
+            "train/reward": stats["mean_reward"], "train/success": stats["success_rate"],
+            "train/turns": stats["turns"] / n, "train/invalid": stats["invalid_actions"] / n,
+            "train/env_errors": stats["env_errors"], "train/stale_refused": refused,
+            "train/tokens_per_s": stats["tokens_generated"] / max(t2 - t0, 1e-9),
+            "time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
+            **{f"train/{k}": float(v) for k, v in m.items()},
+            "train/skipped_total": int(state.skipped),
+        }
+        return state, metrics, (records, batch, out["advantages"])
+
+    # ------------------------------------------------------------------ the end
+
+    def _finish(self, state, wall0, eval_before, eval_after_sft, last_eval) -> Summary:
+        cfg = self.cfg
+        plots = []
+        if cfg.metrics.plots:
+            from jaxrl_agent.train import plots as plots_lib
+            rows = read_metrics(self.logger.path)
+            d = pathlib.Path(cfg.metrics.dir)
+            plots.append(plots_lib.learning_curve(rows, d / "learning_curve.png",
+                                                  title=f"{cfg.name}: {cfg.estimator.name} on "
+                                                        f"{cfg.env.name}"))
+            if getattr(self, "_last_out", None) is not None:
+                plots.append(plots_lib.credit_picture(credit_trajectories(*self._last_out),
+                                                      d / "credit.png",
+                                                      title=f"per-turn credit "
+                                                            f"({cfg.estimator.name})"))
+        export = None
+        if cfg.checkpoint.export_dir:
+            from jaxrl_agent.models.hf import save_hf
+            nnx.update(self.model, jax.device_get(state.params))
+            save_hf(self.model, None, cfg.checkpoint.export_dir)
+            export = cfg.checkpoint.export_dir
+        wall = time.time() - wall0
+        lines = [f"done: {int(state.step)} steps in {wall / 60:.1f} min"]
+        if eval_before is not None:
+            lines.append(f"  held-out success: {eval_before:.2f} at start"
+                         + (f", {eval_after_sft:.2f} after warm-up"
+                            if cfg.trainer.warmup_sft_steps and eval_after_sft is not None else "")
+                         + (f", {last_eval:.2f} at the end" if last_eval is not None else ""))
+        lines.append(f"  checkpoints: {os.path.abspath(cfg.checkpoint.dir)}")
+        lines.append(f"  metrics:     {os.path.abspath(self.logger.path)}"
+                     + (" (+ TensorBoard: tb/)" if cfg.metrics.tensorboard else ""))
+        for p in plots:
+            lines.append(f"  plot:        {os.path.abspath(p)}")
+        if export:
+            lines.append(f"  final model: {os.path.abspath(export)} (HF format)")
+        self._print("\n".join(lines))
+        return Summary(int(state.step), eval_before, eval_after_sft, last_eval, wall,
+                       cfg.checkpoint.dir, cfg.metrics.dir, [str(p) for p in plots])
+
+
+def _printable(text: str) -> str:
+    return "".join(c if 32 <= ord(c) < 127 else "?" for c in text) or "''"
+
+
+def credit_trajectories(records, batch, advantages, limit: int = 4) -> list[dict]:
+    """Per-turn credit of the first few trajectories of a step, for ``plots.credit_picture``:
+    the estimator's turn-level credit when it has one, else the token-mean over each turn."""
+    if advantages.turn is not None:
+        turn = np.asarray(jax.device_get(advantages.turn))
+    else:
+        turn = np.asarray(jax.device_get(
+            segments.token_to_turn(jnp.asarray(advantages.token), batch, reduce="mean")))
+    # show successes and failures side by side when both exist
+    order = sorted(range(len(records)), key=lambda i: -records[i].get("success", 0.0))
+    picked = order[:limit // 2] + order[::-1][:limit - limit // 2]
+    out = []
+    for i in dict.fromkeys(picked):
+        rec = records[i]
+        out.append({"title": f"{rec['task'][:40]}  success={rec.get('success', 0):.0f}",
+                    "turns": [{"action": _printable(t.get("action_text", "?")),
+                               "reward": t["reward"],
+                               "credit": float(turn[i, k])} for k, t in enumerate(rec["turns"])]})
+    return out
+
+
+def evaluate_checkpoint(directory, *, step: int | None = None, num_tasks: int | None = None,
+                        split: str = "test", overrides=()) -> dict:
+    """Greedy evaluation of a checkpoint written by ``Trainer``: rebuilds the run from the
+    config stored in the checkpoint (``overrides`` as in ``--set``), restores the parameters
+    and rolls out ``num_tasks`` tasks of ``split`` (default: the run's held-out eval set)."""
+    from jaxrl_agent.train.checkpoint import latest_step, read_meta
+
+    directory = os.path.abspath(directory)
+    if latest_step(directory) is None:
+        raise FileNotFoundError(f"no complete checkpoint in {directory}")
+    meta = read_meta(directory, step)
+    d = config_lib.apply_overrides(meta["config"], overrides)
+    d["checkpoint"] = dict(d["checkpoint"], dir=directory)
+    cfg = config_lib.from_dict(d)
+    trainer = Trainer(cfg, resume=True, progress=False)
+    try:
+        state, meta = trainer.checkpointer.restore(trainer._fresh_state(), step)
+        trainer._sync(state)
+        if num_tasks is not None or split != "test":
+            n = num_tasks if num_tasks is not None else cfg.trainer.eval_tasks
+            trainer.eval_tasks = trainer.env.sample_tasks(
+                step_seed(cfg.trainer.seed, -1, "eval" if split == "test" else "eval-train"),
+                n, split)
+        res = trainer.evaluate(int(meta["step"]))
+    finally:
+        trainer.checkpointer.close()
+    return {"step": int(meta["step"]), "split": split, "tasks": len(trainer.eval_tasks),
+            **{k.split("/", 1)[1]: float(v) for k, v in res.items()}}

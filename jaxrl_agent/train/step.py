@@ -1,0 +1,273 @@
+"""The train state and the jitted RL train step.
+
+One step, for a packed ``TrajectoryBatch``::
+
+    values   = V_theta(batch)                        (only for critic estimators)
+    A, est'  = estimator(batch [+ values], est)      (registry; on the whole batch)
+    for each micro-batch m (rows of whole trajectories):
+        g += grad_theta [ P_m / D_P + kl_coef K_m / D_K - ent_coef H_m / D_H + v_coef V_m / D_V ]
+    theta', opt' = optax update(g)   -- skipped (and counted) when the loss or g is not finite
+
+where each term is a ``(sum, denominator)`` pair of a registry loss: the denominators are
+those of the whole batch, so the micro-batched gradient equals the one-pass gradient (for
+every aggregation mode, because micro-batches never split a trajectory). Under ``jit`` with a
+batch sharded over the mesh's data axis, XLA reduces the sums across devices (GSPMD); the
+parameters carry their own shardings (replicated by default), so FSDP/TP partition rules only
+change the shardings passed in, not this code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from jaxrl_agent import estimators, losses, segments
+from jaxrl_agent.batch import Advantages, TrajectoryBatch
+from jaxrl_agent.losses.kl import entropy_from_logits
+from jaxrl_agent.models.transformer import token_logprobs
+
+# What critic estimators read from the value head.
+TOKEN_VALUE_ESTIMATORS = ("gae", "lambda_returns")
+TURN_VALUE_ESTIMATORS = ("turn_gae", "sapo")
+CRITIC_ESTIMATORS = TOKEN_VALUE_ESTIMATORS + TURN_VALUE_ESTIMATORS
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a resumed run needs on the device side.
+
+    Attributes:
+      params: ``nnx.State`` of the policy's ``nnx.Param`` leaves (value head included).
+      opt_state: the optax state.
+      step: int32, updates attempted so far = the policy version that the next rollouts use.
+      rng: uint32 [2] PRNG key data (``jax.random.key_data``), split once per step.
+      est_state: the estimator's state (SPO's tracker) or ``()``.
+      ref_params: frozen reference parameters for the KL term, or ``()``.
+      skipped: int32, updates skipped because the loss or the gradient was not finite.
+    """
+
+    params: Any
+    opt_state: Any
+    step: Any
+    rng: Any
+    est_state: Any = ()
+    ref_params: Any = ()
+    skipped: Any = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The static part of a train step (hashable: one compile per setting and batch shape)."""
+
+    estimator: str = "grpo"
+    estimator_params: tuple = ()
+    policy_loss: str = "ppo"
+    policy_params: tuple = ()
+    agg: str = "token_mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    value_coef: float = 0.5
+    micro_batches: int = 1
+    data_shards: int = 1
+
+    @property
+    def needs_values(self) -> bool:
+        return self.estimator in CRITIC_ESTIMATORS
+
+
+def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay: str = "cosine",
+                   weight_decay: float = 0.0, grad_clip: float = 1.0, b1: float = 0.9,
+                   b2: float = 0.999) -> optax.GradientTransformation:
+    """AdamW with linear warm-up, cosine (to 10% of ``lr``) or constant schedule, and global-norm
+    clipping (``grad_clip <= 0`` turns it off)."""
+    total_steps = max(int(total_steps), 1)
+    warmup_steps = min(max(int(warmup_steps), 0), total_steps - 1) if total_steps > 1 else 0
+    if decay == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0 if warmup_steps else lr, lr, warmup_steps, total_steps, end_value=0.1 * lr)
+    elif decay == "constant":
+        sched = (optax.linear_schedule(0.0, lr, warmup_steps) if warmup_steps
+                 else optax.constant_schedule(lr))
+        if warmup_steps:
+            sched = optax.join_schedules([sched, optax.constant_schedule(lr)], [warmup_steps])
+    else:
+        raise ValueError(f"decay must be 'cosine' or 'constant', got {decay!r}")
+    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
+    return optax.chain(*parts)
+
+
+def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, seed: int,
+               est_state=(), with_reference: bool = False) -> TrainState:
+    params = nnx.state(model, nnx.Param)
+    return TrainState(
+        params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(seed)), est_state=est_state,
+        ref_params=jax.tree.map(jnp.copy, params) if with_reference else (),
+        skipped=jnp.zeros((), jnp.int32))
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward(graphdef, params, rest, tokens, extras, *, want_entropy: bool):
+    model = nnx.merge(graphdef, params, rest)
+    out = model(tokens, positions=extras.get("positions"), segment_ids=extras.get("segment_ids"))
+    lp = token_logprobs(out.logits, tokens)
+    ent = None
+    if want_entropy:  # the entropy of the distribution token t was drawn from (logits at t - 1)
+        h = entropy_from_logits(out.logits)
+        ent = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
+    values = out.values
+    if values is not None:  # value of the state before token t (head read at t - 1)
+        values = jnp.concatenate([jnp.zeros_like(values[:, :1]), values[:, :-1]], axis=1)
+    return lp, ent, values
+
+
+def _row_extras(extras: dict, num_rows: int) -> dict:
+    return {k: v for k, v in extras.items() if v.ndim >= 1 and v.shape[0] == num_rows}
+
+
+def _attach_values(batch: TrajectoryBatch, values, cfg: StepConfig) -> TrajectoryBatch:
+    values = jax.lax.stop_gradient(values)
+    extras = dict(batch.extras)
+    if cfg.estimator in TOKEN_VALUE_ESTIMATORS:
+        extras["token_values"] = jnp.where(batch.action_mask, values, 0.0)
+    else:  # before_token values at the first action token = V(s_k) ("before_action")
+        at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+        extras["turn_values"] = segments.turn_values_from_tokens(at_token, batch, "before_action")
+    return batch.replace(extras=extras)
+
+
+def _split_rows(x, cfg: StepConfig):
+    """[R, ...] -> [M, R / M, ...] such that micro-batch m holds block m of every data shard."""
+    d, m = cfg.data_shards, cfg.micro_batches
+    r = x.shape[0] // (d * m)
+    x = x.reshape((d, m, r) + x.shape[1:])
+    return jnp.moveaxis(x, 1, 0).reshape((m, d * r) + x.shape[3:])
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: StepConfig):
+    """(sum, denominator) of every loss term on one (micro-)batch."""
+    pol = losses.get(cfg.policy_loss)
+    out = {"policy": pol(lp, mb, adv_tok, agg=cfg.agg, **dict(cfg.policy_params))}
+    if cfg.kl_coef:
+        out["kl"] = losses.get(cfg.kl_estimator)(lp, mb, ref_logprobs=ref_lp, agg=cfg.agg)
+    if cfg.entropy_coef:
+        out["entropy"] = losses.get("entropy")(ent, mb, agg=cfg.agg)
+    if cfg.needs_values and cfg.value_coef:
+        out["value"] = losses.get("value")(values, returns, mb.action_mask)
+    return out
+
+
+def _coefs(cfg: StepConfig) -> dict:
+    return {"policy": 1.0, "kl": cfg.kl_coef, "entropy": -cfg.entropy_coef,
+            "value": cfg.value_coef}
+
+
+def _token_returns(adv: Advantages, batch: TrajectoryBatch):
+    if adv.token_returns is not None:
+        return adv.token_returns
+    if adv.turn_returns is not None:
+        return segments.turn_to_token(adv.turn_returns, batch)
+    return jnp.zeros(batch.tokens.shape, jnp.float32)
+
+
+def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
+               batch: TrajectoryBatch):
+    """One update; pure (jit it with ``graphdef``, ``rest``, ``optimizer``, ``cfg`` static, or
+    use ``make_train_step``). Returns ``(new_state, metrics)``."""
+    fwd = functools.partial(_forward, graphdef, rest=rest)
+    spec = estimators.spec(cfg.estimator)
+    est_batch = batch
+    if cfg.needs_values:
+        _, _, v0 = fwd(state.params, tokens=batch.tokens, extras=batch.extras, want_entropy=False)
+        est_batch = _attach_values(batch, v0, cfg)
+    est_fn = functools.partial(spec.fn, **dict(cfg.estimator_params))
+    if spec.stateful:
+        adv, est_state = est_fn(est_batch, state=state.est_state)
+    else:
+        adv, est_state = est_fn(est_batch), state.est_state
+    adv_tok = jax.lax.stop_gradient(adv.token)
+    returns = _token_returns(adv, batch)
+    ref_lp = None
+    if cfg.kl_coef:
+        ref_lp, _, _ = fwd(state.ref_params, tokens=batch.tokens, extras=batch.extras,
+                           want_entropy=False)
+        ref_lp = jax.lax.stop_gradient(ref_lp)
+
+    # Whole-batch denominators (they depend on masks only: evaluate the terms at lp = lp_old).
+    zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
+    dens = {k: d for k, (_, d) in _terms(batch.old_logprobs, zeros, zeros, batch, adv_tok,
+                                         ref_lp if ref_lp is not None else zeros, returns,
+                                         cfg).items()}
+    coefs = _coefs(cfg)
+
+    n_rows = batch.num_rows
+    row_fields = dict(tokens=batch.tokens, action_mask=batch.action_mask, turn_ids=batch.turn_ids,
+                      row_traj=batch.row_traj, old_logprobs=batch.old_logprobs)
+    per_row = dict(fields=row_fields, extras=_row_extras(batch.extras, n_rows), adv=adv_tok,
+                   returns=returns, ref=ref_lp if ref_lp is not None else zeros)
+    split = jax.tree.map(lambda x: _split_rows(x, cfg), per_row)
+
+    def micro_loss(params, mbd):
+        mb = batch.replace(**mbd["fields"], extras={**batch.extras, **mbd["extras"]})
+        lp, ent, values = fwd(params, tokens=mb.tokens, extras=mb.extras,
+                              want_entropy=bool(cfg.entropy_coef))
+        terms = _terms(lp, ent, values, mb, mbd["adv"], mbd["ref"], mbd["returns"], cfg)
+        total = sum(coefs[k] * s / jnp.maximum(dens[k], 1.0) for k, (s, _) in terms.items())
+        return total, {k: s for k, (s, _) in terms.items()}
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def body(carry, mbd):
+        g_acc, l_acc, s_acc = carry
+        (loss, sums), g = grad_fn(state.params, mbd)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                jax.tree.map(jnp.add, s_acc, sums)), None
+
+    g0 = jax.tree.map(jnp.zeros_like, state.params)
+    s0 = {k: jnp.zeros((), jnp.float32) for k in dens}
+    (grads, loss, sums), _ = jax.lax.scan(body, (g0, jnp.zeros((), jnp.float32), s0), split)
+
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
+    new_state = state.replace(
+        params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
+        est_state=keep(est_state, state.est_state), step=state.step + 1,
+        rng=jax.random.key_data(rng), skipped=state.skipped + (~finite).astype(jnp.int32))
+
+    m = batch.action_mask
+    mf = m.astype(jnp.float32)
+    n_tok = jnp.maximum(jnp.sum(mf), 1.0)
+    metrics = {
+        "loss": loss, "grad_norm": grad_norm, "update_skipped": (~finite).astype(jnp.float32),
+        "adv_mean": jnp.sum(jnp.where(m, adv_tok, 0.0)) / n_tok,
+        "adv_abs": jnp.sum(jnp.where(m, jnp.abs(adv_tok), 0.0)) / n_tok,
+        "adv_zero_frac": jnp.sum(jnp.where(m, (adv_tok == 0).astype(jnp.float32), 0.0)) / n_tok,
+    }
+    for k, s in sums.items():
+        metrics[f"loss_{k}"] = s / jnp.maximum(dens[k], 1.0)
+    return new_state, {"metrics": metrics, "advantages": adv}
+
+
+def make_train_step(model: nnx.Module, optimizer, cfg: StepConfig, *, donate: bool = False):
+    """``step(state, batch) -> (state, out)`` jitted; ``model`` supplies the graph and any
+    non-parameter state (e.g. RoPE tables are computed, so usually nothing)."""
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    fn = functools.partial(train_step, graphdef, rest, optimizer, cfg)
+    return jax.jit(fn, donate_argnums=(0,) if donate else ())

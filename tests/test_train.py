@@ -1,0 +1,240 @@
+"""The training loop: end-to-end smoke run, resume equality, env faults, staleness, config errors,
+and the train step's own invariants (micro-batching, data parallelism, non-finite skips)."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_agent import cli, envs
+from jaxrl_agent import config as config_lib
+from jaxrl_agent.batch import pack_records
+from jaxrl_agent.envs.gridworld import GridWorld
+from jaxrl_agent.models.config import ModelConfig
+from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.train import loop
+from jaxrl_agent.train.checkpoint import Checkpointer
+from jaxrl_agent.train.metrics import read_metrics
+from jaxrl_agent.train.step import StepConfig, init_state, make_optimizer, make_train_step
+
+TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
+        "model.num_heads=2", "model.num_kv_heads=2", "model.vocab_size=260",
+        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_turns=4",
+        "rollout.max_new_tokens=8", "rollout.history=last", "trainer.layout=per_step",
+        "trainer.eval_tasks=4", "trainer.eval_every=2", "trainer.sft_tasks=8",
+        "trainer.sft_batch_size=8", "metrics.tensorboard=false", "mesh.data=1",
+        "checkpoint.every=2", "checkpoint.keep=3", "optimizer.lr=1e-3"]
+
+
+def tiny_config(tmp_path, *extra):
+    d = tmp_path
+    return config_lib.load(None, TINY + [
+        f"checkpoint.dir={d}/ckpt", f"metrics.dir={d}/metrics", f"model.builtin_dir={d}/base",
+        f"checkpoint.export_dir={d}/final", *extra])
+
+
+# Wall-clock metrics differ between runs; everything else must match exactly.
+def _deterministic(rows):
+    return [{k: v for k, v in r.items()
+             if k not in ("time",) and not k.startswith("time/") and k != "train/tokens_per_s"}
+            for r in rows]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("full")
+    cfg = tiny_config(d, "trainer.steps=4", "trainer.warmup_sft_steps=2")
+    summary = loop.Trainer(cfg, progress=False).run()
+    return d, cfg, summary
+
+
+def test_smoke_run_writes_everything(full_run):
+    d, cfg, summary = full_run
+    assert summary.steps == 4
+    rows = read_metrics(d / "metrics" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for r in rows[1:]:
+        for k in ("train/reward", "train/success", "train/loss", "train/grad_norm"):
+            assert math.isfinite(r[k]), (k, r)
+        assert r["train/update_skipped"] == 0
+    assert "eval/success" in rows[2] and "eval/success" in rows[4]
+    assert Checkpointer(d / "ckpt", every=2, keep=3).all_steps() == [2, 4]
+    for p in summary.plots:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert (d / "final" / "config.json").exists()
+
+
+def test_resume_equals_uninterrupted_run(full_run, tmp_path, monkeypatch):
+    d_full, _, full_summary = full_run
+    cfg = tiny_config(tmp_path, "trainer.steps=4", "trainer.warmup_sft_steps=2")
+    real_step = loop.Trainer._one_step
+
+    def crash_at_3(self, state, s):
+        if s == 3:
+            raise KeyboardInterrupt
+        return real_step(self, state, s)
+
+    monkeypatch.setattr(loop.Trainer, "_one_step", crash_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        loop.Trainer(cfg, progress=False).run()
+    assert Checkpointer(tmp_path / "ckpt", every=2, keep=3).latest_step() == 2
+    monkeypatch.setattr(loop.Trainer, "_one_step", real_step)
+    with pytest.raises(config_lib.ConfigError, match="--resume"):
+        loop.Trainer(cfg, progress=False).run()  # a fresh run must not overwrite checkpoints
+    summary = loop.Trainer(cfg, resume=True, progress=False).run()
+    assert summary.steps == 4
+    full = _deterministic(read_metrics(d_full / "metrics" / "metrics.jsonl"))
+    resumed = _deterministic(read_metrics(tmp_path / "metrics" / "metrics.jsonl"))
+    assert resumed == full
+    assert summary.eval_final == full_summary.eval_final
+
+
+def test_resume_refuses_changed_config(full_run, tmp_path):
+    d, _, _ = full_run
+    cfg = tiny_config(tmp_path, "trainer.steps=6", "optimizer.lr=5e-4")
+    cfg = config_lib.from_dict({**config_lib.to_dict(cfg),
+                                "checkpoint": {**config_lib.to_dict(cfg)["checkpoint"],
+                                               "dir": str(d / "ckpt")}})
+    with pytest.raises(config_lib.ConfigError, match="optimizer"):
+        loop.Trainer(cfg, resume=True, progress=False).run()
+
+
+def test_eval_command(full_run, capsys):
+    d, _, _ = full_run
+    assert cli.main(["eval", str(d / "ckpt"), "--tasks", "3"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["step"] == 4 and res["tasks"] == 3 and 0.0 <= res["success"] <= 1.0
+
+
+class _Flaky(GridWorld):
+    """Raises on every third step of every episode."""
+
+    def _apply(self, act):
+        if self.turn % 3 == 2:
+            raise RuntimeError("simulated env crash")
+        return super()._apply(act)
+
+
+def test_env_faults_do_not_end_the_run(tmp_path):
+    envs.register("flaky_grid_test", _Flaky)
+    cfg = tiny_config(tmp_path, "env.name=flaky_grid_test", "trainer.steps=2",
+                      "trainer.eval_every=0", "rollout.max_turns=4", "checkpoint.every=0",
+                      "rollout.temperature=0.0")
+    summary = loop.Trainer(cfg, progress=False).run()
+    rows = read_metrics(tmp_path / "metrics" / "metrics.jsonl")
+    assert summary.steps == 2
+    assert sum(r["train/env_errors"] for r in rows) > 0
+
+
+def test_refuse_stale_drops_whole_groups():
+    recs = [{"group": "a", "turns": [{"policy_version": 3}, {"policy_version": 4}]},
+            {"group": "a", "turns": [{"policy_version": 4}]},
+            {"group": "b", "turns": [{"policy_version": 4}]}]
+    kept, refused = loop.refuse_stale(recs, version=4, max_lag=0)
+    assert [r["group"] for r in kept] == ["b"] and refused == 2
+    kept, refused = loop.refuse_stale(recs, version=4, max_lag=1)
+    assert len(kept) == 3 and refused == 0
+
+
+def test_staleness_guard_in_the_loop(tmp_path, monkeypatch):
+    # A sampler that never receives new weights keeps stamping version 0.
+    monkeypatch.setattr(loop.Trainer, "_sync", lambda self, state: None)
+    cfg = tiny_config(tmp_path, "trainer.steps=3", "trainer.eval_every=0",
+                      "checkpoint.every=0", "trainer.max_policy_lag=1")
+    with pytest.raises(loop.StaleBatchError, match="max_policy_lag"):
+        loop.Trainer(cfg, progress=False).run()
+    rows = read_metrics(tmp_path / "metrics" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]  # versions 0 and 1 were within the lag
+
+
+def test_cli_train_config_errors(tmp_path, capsys):
+    assert cli.main(["train", "--set", "trainer.stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.stepz" in err and "steps" in err
+    assert cli.main(["train", "--set", "rollout.history=last",
+                     "--set", "trainer.layout=concatenated"]) == 2
+    assert "per_step" in capsys.readouterr().err
+    assert cli.main(["train", str(tmp_path / "missing.yaml")]) == 2
+
+
+# ----------------------------------------------------------------------------- train step
+
+
+def _model(value_head=False):
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=2, value_head=value_head)
+    return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def _records(n_groups=4, g=2, seed=0):
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(n_groups * g):
+        turns = [{"observation": rng.integers(3, 64, 3).tolist(),
+                  "action": rng.integers(3, 64, int(rng.integers(1, 4))).tolist(),
+                  "reward": 0.0, "logprobs": (-rng.random(3)).tolist()}
+                 for _ in range(int(rng.integers(1, 3)))]
+        for t in turns:
+            t["logprobs"] = t["logprobs"][:len(t["action"])]
+        recs.append({"group": f"g{i // g}", "outcome": float(rng.random() < 0.5), "turns": turns})
+    return recs
+
+
+def _run_step(step_cfg, batch, model=None, devices=1, opt=None):
+    model = model or _model(step_cfg.needs_values)
+    opt = opt or make_optimizer(1e-2, total_steps=10)
+    state = init_state(model, opt, seed=0, with_reference=step_cfg.kl_coef > 0)
+    fn = make_train_step(model, opt, step_cfg)
+    if devices > 1:
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("data",))
+        batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return fn(state, batch)
+
+
+@pytest.mark.parametrize("layout,extra", [
+    ("concatenated", {}),
+    ("per_step", {"kl_coef": 0.1, "entropy_coef": 0.01, "agg": "traj_mean_token_mean"})])
+def test_micro_batches_and_data_parallel_match_one_pass(layout, extra):
+    # SGD with lr 1: the parameter change is the gradient itself (Adam's first step would
+    # amplify float noise of near-zero gradients to +-lr).
+    sgd = optax.sgd(1.0)
+    recs = _records()
+    b1, _ = pack_records(recs, layout=layout, num_shards=4)
+    s1, o1 = _run_step(StepConfig(**extra), b1, opt=sgd)
+    s2, o2 = _run_step(StepConfig(**extra, micro_batches=4), b1, opt=sgd)
+    s3, o3 = _run_step(StepConfig(**extra, micro_batches=2, data_shards=2), b1, devices=2,
+                       opt=sgd)
+    for s, o in ((s2, o2), (s3, o3)):
+        np.testing.assert_allclose(o["metrics"]["loss"], o1["metrics"]["loss"], rtol=1e-5,
+                                   atol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+                     s.params, s1.params)
+    assert int(s1.step) == 1 and int(s1.skipped) == 0
+
+
+def test_critic_estimator_step_trains_the_value_head():
+    recs = _records()
+    b, _ = pack_records(recs, layout="concatenated")
+    state0_model = _model(value_head=True)
+    before = nnx.state(state0_model, nnx.Param)["value_head"]["kernel"][...]
+    s, o = _run_step(StepConfig(estimator="gae", value_coef=0.5), b, model=state0_model)
+    assert math.isfinite(float(o["metrics"]["loss_value"]))
+    after = s.params["value_head"]["kernel"][...]
+    assert not np.allclose(before, after)
+
+
+def test_non_finite_loss_skips_the_update():
+    recs = _records()
+    b, _ = pack_records(recs, layout="concatenated")
+    bad = b.replace(old_logprobs=jnp.where(b.action_mask, jnp.nan, b.old_logprobs))
+    model = _model()
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    s2, o2 = _run_step(StepConfig(), bad, model=model)
+    assert float(o2["metrics"]["update_skipped"]) == 1.0 and int(s2.skipped) == 1
+    jax.tree.map(lambda a, b_: np.testing.assert_array_equal(np.asarray(a), b_), s2.params, before)
