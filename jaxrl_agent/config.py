@@ -71,13 +71,13 @@ class ModelSection:
     """``hf_path=None`` builds the tiny built-in model from the dims below (byte codec, ids < 260);
     with an ``hf_path`` the dims come from its ``config.json`` and are ignored."""
     hf_path: str | None = None
-    vocab_size: int = 512
+    vocab_size: int = 260
     hidden_size: int = 64
-    intermediate_size: int = 128
+    intermediate_size: int = 256
     num_layers: int = 2
     num_heads: int = 4
-    num_kv_heads: int = 2
-    max_position_embeddings: int = 2048
+    num_kv_heads: int = 4
+    max_position_embeddings: int = 512
     dtype: str = "float32"
     value_head: bool = False
     value_stop_gradient: bool = False
@@ -87,7 +87,7 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class EnvSection:
     name: str = "gridworld"
-    kwargs: dict = dataclasses.field(default_factory=dict)
+    kwargs: dict = dataclasses.field(default_factory=lambda: {"max_turns": 12})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +95,15 @@ class RolloutSection:
     """Mirrors ``rollout.collect.RolloutConfig``; a step samples ``tasks_per_step * group_size``
     trajectories."""
     tasks_per_step: int = 4
-    group_size: int = 4
-    max_turns: int = 8
-    max_new_tokens: int = 16
+    group_size: int = 8
+    max_turns: int = 12
+    max_new_tokens: int = 8
     max_context_tokens: int = 512
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     on_invalid: str = "penalise"
-    history: str = "full"
+    history: str = "last"
     bos: bool = True
 
 
@@ -117,7 +117,7 @@ class EstimatorSection:
 class LossSection:
     policy: str = "ppo"
     params: dict = dataclasses.field(default_factory=dict)
-    agg: str = "token_mean"
+    agg: str = "traj_mean_token_mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -126,44 +126,46 @@ class LossSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-    lr: float = 3e-4
-    warmup_steps: int = 0
+    lr: float = 1e-4
+    warmup_steps: int = 10
     decay: str = "cosine"
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.999
+    eps: float = 1e-8
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSection:
-    steps: int = 20
+    steps: int = 100
     micro_batches: int = 1
     max_policy_lag: int = 0
     seed: int = 0
-    warmup_sft_steps: int = 0
-    sft_batch_size: int = 32
+    warmup_sft_steps: int = 800
+    sft_batch_size: int = 64
     sft_lr: float = 3e-3
-    sft_tasks: int = 1000
+    sft_tasks: int = 2000
     eval_every: int = 10
-    eval_tasks: int = 16
+    eval_tasks: int = 128
     eval_temperature: float = 1.0
-    layout: str = "concatenated"
+    layout: str = "per_step"
     task_capacity: int = 65536
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
     dir: str = "runs/cpu_default/checkpoints"
-    every: int = 10
+    every: int = 50
     keep: int = 2
     export_dir: str | None = "runs/cpu_default/final_model"
+    warmup_dir: str | None = "runs/cpu_default/warmup_model"
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSection:
     dir: str = "runs/cpu_default/metrics"
-    tensorboard: bool = False
+    tensorboard: bool = True
     plots: bool = True
 
 
@@ -463,6 +465,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     o = cfg.optimizer
     _positive(o, "optimizer", "lr")
     _positive(o, "optimizer", "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
+    _positive(o, "optimizer", "eps")
     _choice(o.decay, DECAYS, "optimizer.decay")
     for n in ("b1", "b2"):
         if not 0 <= getattr(o, n) < 1:
@@ -479,9 +482,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("rollout.history 'last' (prompts hold only the newest observation) "
                           "needs trainer.layout: per_step, whose rows are exactly those prompts; "
                           "got trainer.layout: concatenated")
-    if o.warmup_steps > t.steps:
-        raise ConfigError(f"optimizer.warmup_steps ({o.warmup_steps}) must be <= trainer.steps "
-                          f"({t.steps})")
     n_traj = r.tasks_per_step * r.group_size
     if n_traj % t.micro_batches:
         raise ConfigError(f"trainer.micro_batches ({t.micro_batches}) must divide the "

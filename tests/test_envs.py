@@ -375,3 +375,13 @@ def test_registry():
     assert make_env("gridworld", size=6).size == 6
     with pytest.raises(ValueError):
         make_env("gridworld").reset(make_env("chain").sample_tasks(0, 1)[0])
+
+
+def test_gridworld_letter_actions_solve_and_parse():
+    from jaxrl_agent.envs.base import run_episode, solver_policy
+    env = make_env("gridworld", action_names="letters")
+    for task in env.sample_tasks(3, 5, "train"):
+        ep = run_episode(env, solver_policy(env), task)
+        assert ep.success and set(ep.actions) <= set("udlrpo")
+    with pytest.raises(ValueError, match="action_names"):
+        make_env("gridworld", action_names="emoji")

@@ -35,7 +35,7 @@ def tiny_config(tmp_path, *extra):
     d = tmp_path
     return config_lib.load(None, TINY + [
         f"checkpoint.dir={d}/ckpt", f"metrics.dir={d}/metrics", f"model.builtin_dir={d}/base",
-        f"checkpoint.export_dir={d}/final", *extra])
+        f"checkpoint.export_dir={d}/final", f"checkpoint.warmup_dir={d}/warm", *extra])
 
 
 # Wall-clock metrics differ between runs; everything else must match exactly.

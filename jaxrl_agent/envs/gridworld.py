@@ -16,7 +16,10 @@ inventory)::
 ``/`` is an open door. Actions (one word, case/whitespace tolerant): ``up down left right`` move
 (into a wall or a locked door: no move), ``pick`` takes the key when standing on it, ``open``
 opens the door when holding the key and standing next to it (4-neighbourhood). Aliases:
-``u d l r n s e w north south east west``, ``pickup``/``take``/``get``, ``unlock``.
+``u d l r n s e w north south east west``, ``p``/``pickup``/``take``/``get``, ``o``/``unlock``.
+``action_names="letters"`` makes ``solver()`` answer with the one-letter names ``u d l r p o``
+(a byte-level policy then decides an action in one token instead of spelling a word, which
+keeps trajectory-level credit off the spelling tokens); both forms are always accepted.
 Reward 1.0 when the agent steps on the goal (done, success), 0 otherwise; episodes end at
 ``max_turns`` (default 16). ``state_key = "grid:<layout>|<row>,<col>|k<0/1>|d<0/1>"``.
 """
@@ -30,7 +33,10 @@ from jaxrl_agent.envs.base import Env, Task, register, split_of
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ALIASES = {"u": "up", "n": "up", "north": "up", "d": "down", "s": "down", "south": "down",
            "l": "left", "w": "left", "west": "left", "r": "right", "e": "right", "east": "right",
-           "pickup": "pick", "take": "pick", "get": "pick", "grab": "pick", "unlock": "open"}
+           "p": "pick", "pickup": "pick", "take": "pick", "get": "pick", "grab": "pick",
+           "o": "open", "unlock": "open"}
+LETTERS = {"up": "u", "down": "d", "left": "l", "right": "r", "pick": "p", "open": "o"}
+ACTION_NAMES = ("words", "letters")
 ACTIONS = ("up", "down", "left", "right", "pick", "open")
 
 
@@ -39,14 +45,19 @@ class GridWorld(Env):
     default_max_turns = 16
 
     def __init__(self, size: int = 5, extra_walls: int = 2, max_turns: int | None = None,
-                 invalid_penalty: float = -0.1, invalid_ends: bool = False):
+                 invalid_penalty: float = -0.1, invalid_ends: bool = False,
+                 action_names: str = "words"):
         super().__init__(max_turns, invalid_penalty, invalid_ends)
         if size < 4:
             raise ValueError(f"size must be >= 4, got {size}")
+        if action_names not in ACTION_NAMES:
+            raise ValueError(f"action_names must be one of {ACTION_NAMES}, got {action_names!r}")
         self.size, self.extra_walls = int(size), int(extra_walls)
+        self.action_names = action_names
 
     def _config(self):
-        return dict(super()._config(), size=self.size, extra_walls=self.extra_walls)
+        return dict(super()._config(), size=self.size, extra_walls=self.extra_walls,
+                    action_names=self.action_names)
 
     # --- layouts ---------------------------------------------------------------------------
     def _make_task(self, rng) -> Task:
@@ -113,9 +124,8 @@ class GridWorld(Env):
 
     def solver(self) -> str:
         plan = bfs_plan(self.size, self.layout, (self.pos, self.has_key, self.door_open))
-        if not plan:
-            return "up"  # goal reached or unsolvable: any legal action
-        return plan[0]
+        act = plan[0] if plan else "up"  # goal reached or unsolvable: any legal action
+        return LETTERS[act] if self.action_names == "letters" else act
 
 
 def transition(n, lay, state, act):

@@ -153,7 +153,8 @@ class Trainer:
         self.optimizer = make_optimizer(
             cfg.optimizer.lr, total_steps=t.steps, warmup_steps=cfg.optimizer.warmup_steps,
             decay=cfg.optimizer.decay, weight_decay=cfg.optimizer.weight_decay,
-            grad_clip=cfg.optimizer.grad_clip, b1=cfg.optimizer.b1, b2=cfg.optimizer.b2)
+            grad_clip=cfg.optimizer.grad_clip, b1=cfg.optimizer.b1, b2=cfg.optimizer.b2,
+            eps=cfg.optimizer.eps)
         self.spec = estimators.spec(cfg.estimator.name)
         self.step_cfg = StepConfig(
             estimator=cfg.estimator.name,
@@ -243,6 +244,10 @@ class Trainer:
         losses = sft_lib.run_sft(self.model, records, steps=t.warmup_sft_steps,
                                  batch_size=t.sft_batch_size, lr=t.sft_lr, layout=t.layout,
                                  seed=step_seed(t.seed, -3, "sft"), on_step=on_step)
+        if self.cfg.checkpoint.warmup_dir:
+            from jaxrl_agent.models.hf import save_hf
+            save_hf(self.model, None, self.cfg.checkpoint.warmup_dir)
+            self._print(f"  warmed-up model saved to {self.cfg.checkpoint.warmup_dir} (HF format)")
         return losses
 
     # ------------------------------------------------------------------ the loop

@@ -84,9 +84,15 @@ class StepConfig:
 
 def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay: str = "cosine",
                    weight_decay: float = 0.0, grad_clip: float = 1.0, b1: float = 0.9,
-                   b2: float = 0.999) -> optax.GradientTransformation:
+                   b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
     """AdamW with linear warm-up, cosine (to 10% of ``lr``) or constant schedule, and global-norm
-    clipping (``grad_clip <= 0`` turns it off)."""
+    clipping (``grad_clip <= 0`` turns it off).
+
+    ``eps`` matters for RL on small models: Adam divides by ``sqrt(v) + eps``, so parameters
+    whose gradients are tiny but consistently signed (the LM-head rows of tokens the policy
+    almost never samples, nudged through the softmax by every negative advantage) move by a
+    full ``lr`` per step unless ``eps`` is above their gradient scale.
+    """
     total_steps = max(int(total_steps), 1)
     warmup_steps = min(max(int(warmup_steps), 0), total_steps - 1) if total_steps > 1 else 0
     if decay == "cosine":
@@ -100,7 +106,7 @@ def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay:
     else:
         raise ValueError(f"decay must be 'cosine' or 'constant', got {decay!r}")
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []
-    parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
     return optax.chain(*parts)
 
 
