@@ -274,6 +274,12 @@ def cmd_train(args) -> int:
         print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
         return 0
     trainer = Trainer(cfg, resume=args.resume, progress=not args.quiet)
+    import signal
+
+    def on_term(signum, frame):  # a scheduler's SIGTERM: stop like Ctrl-C (checkpoint kept)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         trainer.run()
     except KeyboardInterrupt:

@@ -28,7 +28,8 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
         "rollout.max_new_tokens=8", "rollout.history=last", "trainer.layout=per_step",
         "trainer.eval_tasks=4", "trainer.eval_every=2", "trainer.sft_tasks=8",
         "trainer.sft_batch_size=8", "metrics.tensorboard=false", "mesh.data=1",
-        "checkpoint.every=2", "checkpoint.keep=3", "optimizer.lr=1e-3"]
+        "checkpoint.every=2", "checkpoint.keep=3", "optimizer.lr=1e-3",
+        "trainer.warmup_sft_steps=0", "trainer.steps=4", "optimizer.warmup_steps=0"]
 
 
 def tiny_config(tmp_path, *extra):
@@ -82,7 +83,8 @@ def test_resume_equals_uninterrupted_run(full_run, tmp_path, monkeypatch):
     monkeypatch.setattr(loop.Trainer, "_one_step", crash_at_3)
     with pytest.raises(KeyboardInterrupt):
         loop.Trainer(cfg, progress=False).run()
-    assert Checkpointer(tmp_path / "ckpt", every=2, keep=3).latest_step() == 2
+    # steps 1-3 finished: 2 by the schedule, 3 saved at exit
+    assert Checkpointer(tmp_path / "ckpt", every=2, keep=3).all_steps() == [2, 3]
     monkeypatch.setattr(loop.Trainer, "_one_step", real_step)
     with pytest.raises(config_lib.ConfigError, match="--resume"):
         loop.Trainer(cfg, progress=False).run()  # a fresh run must not overwrite checkpoints
@@ -121,8 +123,8 @@ class _Flaky(GridWorld):
         return super().step(action)
 
 
-def test_env_faults_do_not_end_the_run(tmp_path):
-    envs.register("flaky_grid_test", _Flaky)
+def test_env_faults_do_not_end_the_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(envs.base._REGISTRY, "flaky_grid_test", _Flaky)
     cfg = tiny_config(tmp_path, "env.name=flaky_grid_test", "trainer.steps=2",
                       "trainer.eval_every=0", "rollout.max_turns=4", "checkpoint.every=0",
                       "rollout.temperature=0.0")
@@ -130,6 +132,18 @@ def test_env_faults_do_not_end_the_run(tmp_path):
     rows = read_metrics(tmp_path / "metrics" / "metrics.jsonl")
     assert summary.steps == 2
     assert sum(r["train/env_errors"] for r in rows) > 0
+
+
+def test_demonstrations_skip_faulty_episodes():
+    from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig
+    from jaxrl_agent.train.sft import demonstration_records
+    env = _Flaky(max_turns=12)
+    tasks = env.sample_tasks(0, 4, "train")
+    with pytest.raises(RuntimeError, match="every demonstration episode failed"):
+        demonstration_records(env, tasks, ByteCodec(), RolloutConfig(max_turns=12))
+    good = demonstration_records(GridWorld(max_turns=12), tasks, ByteCodec(),
+                                 RolloutConfig(max_turns=12))
+    assert len(good) == 4 and all(r["turns"][-1]["reward"] == 1.0 for r in good)
 
 
 def test_refuse_stale_drops_whole_groups():

@@ -298,6 +298,7 @@ class Trainer:
                         f"{stale} already holds checkpoints {self.checkpointer.all_steps()}: "
                         "pass --resume to continue that run, or use another checkpoint.dir")
         self.logger = None
+        done, extra = None, {}
         try:
             if latest is None:
                 self._sync_model_to_sampler(version=0)
@@ -321,6 +322,7 @@ class Trainer:
                 self._open_logger(start)
             extra = {"eval_before": eval_before, "eval_after_sft": eval_after_sft}
             last_eval = None
+            done = None  # (step, state) of the newest step whose metrics are written
             for s in range(start, t.steps):
                 state, metrics, out = self._one_step(state, s)
                 step = s + 1
@@ -329,12 +331,21 @@ class Trainer:
                     metrics.update(ev)
                     last_eval = ev["eval/success"]
                 self.logger.log(step, metrics)
+                done = (step, state)
                 self._last_out = out
                 self.checkpointer.save(step, state, self._meta(step, extra),
                                        force=step == t.steps)
             return self._finish(state, wall0, eval_before, eval_after_sft, last_eval)
-        except KeyboardInterrupt:
-            self._print("interrupted: the newest checkpoint is kept; continue with --resume")
+        except BaseException as e:
+            # "at exit": keep the newest finished step (its metrics are written, so a resume
+            # continues exactly after it).
+            if done is not None and done[0] not in self.checkpointer.all_steps():
+                self.checkpointer.save(done[0], done[1], self._meta(done[0], extra), force=True)
+            if isinstance(e, KeyboardInterrupt):
+                newest = self.checkpointer.latest_step()
+                self._print(f"interrupted; newest checkpoint: step {newest} in "
+                            f"{self.cfg.checkpoint.dir}; continue with --resume"
+                            if newest is not None else "interrupted before the first step")
             raise
         finally:
             if self.logger is not None:
@@ -447,9 +458,19 @@ def credit_trajectories(records, batch, advantages, limit: int = 4) -> list[dict
     else:
         turn = np.asarray(jax.device_get(
             segments.token_to_turn(jnp.asarray(advantages.token), batch, reduce="mean")))
-    # show successes and failures side by side when both exist
-    order = sorted(range(len(records)), key=lambda i: -records[i].get("success", 0.0))
-    picked = order[:limit // 2] + order[::-1][:limit - limit // 2]
+    # Show where credit is decided: the best and the worst rollout of a group with mixed
+    # outcomes, then one rollout of each of a few other groups (all-equal groups get 0).
+    groups: dict = {}
+    for i, rec in enumerate(records):
+        groups.setdefault(rec["group"], []).append(i)
+    score = lambda i: records[i].get("outcome", 0.0)
+    mixed = [g for g, idx in groups.items() if len({score(i) for i in idx}) > 1]
+    picked = []
+    if mixed:
+        idx = groups[mixed[0]]
+        picked += [max(idx, key=score), min(idx, key=score)]
+    picked += [idx[0] for g, idx in groups.items() if not mixed or g != mixed[0]]
+    picked = picked[:limit]
     out = []
     for i in dict.fromkeys(picked):
         rec = records[i]

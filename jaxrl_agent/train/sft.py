@@ -33,25 +33,36 @@ def demonstration_records(env, tasks: Sequence[Task], codec, config: RolloutConf
     eos = codec.eos_token_id
     if eos is None:
         raise ValueError("the codec has no eos_token_id; demonstrations need one")
-    records = []
+    records, failures = [], []
     for task in tasks:
-        e = env.clone()
-        obs, _ = e.reset(task)
-        turns, done = [], False
-        while not done and len(turns) < config.max_turns:
-            prefix = list(config.prompt_prefix) if (config.history == "last" or not turns) else []
-            ob = prefix + list(codec.encode(config.observation_template.format(observation=obs)))
-            text = e.solver()
-            res = e.step(text)
-            turns.append({"observation": ob, "action": list(codec.encode(text)) + [eos],
-                          "reward": float(res.reward)})
-            obs, done = res.observation, res.done
+        try:
+            turns = _solver_episode(env, task, codec, config, eos)
+        except Exception as e:  # a faulty env loses that episode, not the run
+            failures.append(f"{task.id}: {type(e).__name__}: {e}")
+            continue
         if config.history == "last":
             records.extend({"group": f"{task.id}#{k}", "task": task.id, "turns": [t]}
                            for k, t in enumerate(turns))
         elif turns:
             records.append({"group": task.id, "task": task.id, "turns": turns})
+    if failures and not records:
+        raise RuntimeError(f"every demonstration episode failed; first: {failures[0]}")
     return records
+
+
+def _solver_episode(env, task, codec, config: RolloutConfig, eos: int) -> list[dict]:
+    e = env.clone()
+    obs, _ = e.reset(task)
+    turns, done = [], False
+    while not done and len(turns) < config.max_turns:
+        prefix = list(config.prompt_prefix) if (config.history == "last" or not turns) else []
+        ob = prefix + list(codec.encode(config.observation_template.format(observation=obs)))
+        text = e.solver()
+        res = e.step(text)
+        turns.append({"observation": ob, "action": list(codec.encode(text)) + [eos],
+                      "reward": float(res.reward)})
+        obs, done = res.observation, res.done
+    return turns
 
 
 def sft_loss(graphdef, rest, params, batch):
