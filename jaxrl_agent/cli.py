@@ -280,6 +280,8 @@ def cmd_train(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    # a shell starts background jobs with SIGINT ignored; Ctrl-C / kill -INT should stop cleanly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         trainer.run()
     except KeyboardInterrupt:
@@ -379,9 +381,9 @@ def main(argv=None) -> int:
         return 2
     except (ValueError, FileNotFoundError) as e:  # config and input errors: no traceback
         from jaxrl_agent.config import ConfigError
-        from jaxrl_agent.train.loop import StaleBatchError
+        from jaxrl_agent.train.loop import RunLockedError, StaleBatchError
 
-        if not (isinstance(e, (ConfigError, StaleBatchError))
+        if not (isinstance(e, (ConfigError, StaleBatchError, RunLockedError))
                 or (isinstance(e, FileNotFoundError) and args.command == "eval")):
             raise
         print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)

@@ -96,6 +96,16 @@ def test_resume_equals_uninterrupted_run(full_run, tmp_path, monkeypatch):
     assert summary.eval_final == full_summary.eval_final
 
 
+def test_two_runs_never_share_a_checkpoint_dir(tmp_path):
+    cfg = tiny_config(tmp_path)
+    held = loop._lock_run_dir(cfg.checkpoint.dir)
+    try:
+        with pytest.raises(loop.RunLockedError, match="another process"):
+            loop.Trainer(cfg, progress=False).run()
+    finally:
+        held.close()
+
+
 def test_resume_refuses_changed_config(full_run, tmp_path):
     d, _, _ = full_run
     cfg = tiny_config(tmp_path, "trainer.steps=6", "optimizer.lr=5e-4")

@@ -49,6 +49,26 @@ from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, make_opt
 __all__ = ["Trainer", "StaleBatchError", "refuse_stale", "step_seed", "build_model"]
 
 
+class RunLockedError(ValueError):
+    """Another live process is training with the same ``checkpoint.dir``."""
+
+
+def _lock_run_dir(directory):
+    """An exclusive advisory lock on ``directory/.lock`` held for the trainer's lifetime (the OS
+    drops it when the process dies), so two runs never write one checkpoint directory."""
+    import fcntl
+
+    os.makedirs(directory, exist_ok=True)
+    f = open(os.path.join(directory, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise RunLockedError(f"another process is training with checkpoint.dir {directory!r}; "
+                             "wait for it, stop it, or use another checkpoint.dir") from None
+    return f
+
+
 class StaleBatchError(ValueError):
     """Every trajectory of a step was sampled by a policy older than ``max_policy_lag``."""
 
@@ -275,6 +295,13 @@ class Trainer:
         return batch
 
     def run(self) -> Summary:
+        lock = _lock_run_dir(self.cfg.checkpoint.dir)
+        try:
+            return self._run()
+        finally:
+            lock.close()  # releases the lock
+
+    def _run(self) -> Summary:
         cfg, t = self.cfg, self.cfg.trainer
         wall0 = time.time()
         self._print(config_lib.describe(cfg))
@@ -291,12 +318,10 @@ class Trainer:
             start = int(meta["step"])
             eval_before, eval_after_sft = meta.get("eval_before"), meta.get("eval_after_sft")
             self._print(f"resumed from {cfg.checkpoint.dir} at step {start}")
-        else:
-            for stale in (cfg.checkpoint.dir,):
-                if self.checkpointer.all_steps():
-                    raise config_lib.ConfigError(
-                        f"{stale} already holds checkpoints {self.checkpointer.all_steps()}: "
-                        "pass --resume to continue that run, or use another checkpoint.dir")
+        elif self.checkpointer.all_steps():  # never overwrite another run's checkpoints
+            raise config_lib.ConfigError(
+                f"{cfg.checkpoint.dir} already holds checkpoints {self.checkpointer.all_steps()}: "
+                "pass --resume to continue that run, or use another checkpoint.dir")
         self.logger = None
         done, extra = None, {}
         try:
@@ -304,8 +329,8 @@ class Trainer:
                 self._sync_model_to_sampler(version=0)
                 eval_before = self.evaluate(-1)["eval/success"] if t.eval_every else None
                 if t.warmup_sft_steps:
-                    self._print(f"held-out success before warm-up: {eval_before:.2f}"
-                                if eval_before is not None else "")
+                    if eval_before is not None:
+                        self._print(f"held-out success before warm-up: {eval_before:.2f}")
                     self._warmup()
                 state = self._fresh_state()
                 self._sync(state)
