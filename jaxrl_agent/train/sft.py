@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from jaxrl_agent.batch import pack_records
-from jaxrl_agent.envs.base import Task
+from jaxrl_agent.envs.base import Task, run_episode, solver_policy
 from jaxrl_agent.models.transformer import token_logprobs
 from jaxrl_agent.rollout.collect import RolloutConfig
 
@@ -52,16 +52,13 @@ def demonstration_records(env, tasks: Sequence[Task], codec, config: RolloutConf
 
 def _solver_episode(env, task, codec, config: RolloutConfig, eos: int) -> list[dict]:
     e = env.clone()
-    obs, _ = e.reset(task)
-    turns, done = [], False
-    while not done and len(turns) < config.max_turns:
-        prefix = list(config.prompt_prefix) if (config.history == "last" or not turns) else []
+    ep = run_episode(e, solver_policy(e), task, max_turns=config.max_turns)
+    turns = []
+    for k, (obs, text, reward) in enumerate(zip(ep.observations, ep.actions, ep.rewards)):
+        prefix = list(config.prompt_prefix) if (config.history == "last" or k == 0) else []
         ob = prefix + list(codec.encode(config.observation_template.format(observation=obs)))
-        text = e.solver()
-        res = e.step(text)
         turns.append({"observation": ob, "action": list(codec.encode(text)) + [eos],
-                      "reward": float(res.reward)})
-        obs, done = res.observation, res.done
+                      "reward": float(reward)})
     return turns
 
 
