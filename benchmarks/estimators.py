@@ -1,7 +1,8 @@
 """Speed of every estimator, jitted, side by side with its slow reference on the same batch.
 
-    python benchmarks/estimators.py            # N in {1k, 8k, 64k} x K in {1, 8, 32}
-    python benchmarks/estimators.py --quick    # N in {1k, 8k} x K in {1, 8}
+    python benchmarks/estimators.py            # N in {1k, 8k, 64k} x K in {1, 8, 32}, then GiGPO
+    python benchmarks/estimators.py --quick    # N in {1k, 8k} x K in {1, 8} (no GiGPO section)
+    python benchmarks/estimators.py --gigpo    # only the GiGPO section
 
 For each (N trajectories, K turns) the script builds one synthetic batch (groups of 8, 4
 observation + 4 action tokens per turn, concatenated layout), times each estimator jitted
@@ -10,6 +11,17 @@ slow reference of tests/reference on the first n_ref trajectories of the same ba
 linearly to N when n_ref < N (the references loop over trajectories, so their cost is linear
 in N; such rows are marked with *). Bytes/s counts the input arrays the jitted function
 actually reads plus its outputs, against the memory-copy bandwidth measured in the same run.
+Estimators that cannot run on this batch (they need extras it lacks) are listed as skipped;
+those without a reference show "-".
+
+The GiGPO section (``run_gigpo``) times ``gigpo`` at N=8192 x K=32 and N=65536 x K=8, in the
+concatenated and the per-step layout, on batches with realistic anchor-state collisions
+(benchmarks/gigpo_loop.py), against a loop baseline written the way verl-agent's core_gigpo
+works (dicts of groups, numpy per group), run in full on the same batch (host copies), and
+against the memory-bandwidth floor of the bytes GiGPO must read and write. It then profiles
+where the jitted time goes and times sort-free prototypes of the dominant op. Timings are
+medians of wall-clock time and of process CPU time (the CPU time is the steadier number when
+other jobs share the cores).
 No number here is asserted anywhere: tests never time anything.
 """
 
@@ -31,6 +43,10 @@ import jax.numpy as jnp  # noqa: E402
 from jaxrl_agent import estimators  # noqa: E402
 from jaxrl_agent.batch import TrajectoryBatch, bucket  # noqa: E402
 from tests.reference import estimators_ref as ref  # noqa: E402
+from tests.reference import step_ref  # noqa: E402
+from benchmarks import gigpo_loop  # noqa: E402
+
+REFERENCES = {**ref.REFERENCES, **step_ref.REFERENCES}
 
 OBS, ACT, GROUP = 4, 4, 8
 
@@ -146,32 +162,204 @@ def run(sizes, repeats, names):
                 fn = jax.jit(spec.fn)
                 call = lambda: fn(device_batch)  # noqa: E731
                 traced = spec.fn
-            jax.block_until_ready(call())  # compile
+            try:
+                jax.block_until_ready(call())  # compile
+            except (ValueError, NotImplementedError) as e:  # needs extras this batch lacks
+                print(f"{name:<22}{n:>7}{k:>4}  skipped: {str(e).splitlines()[0][:60]}")
+                continue
             t_jit = median_time(call, repeats)
             nbytes = read_bytes(traced, batch)
-            ref_fn = ref.REFERENCES[name]
+            ref_fn = REFERENCES.get(name)
             kwargs = {"layout": "concatenated"} if name == "rollout_level" else {}
             if spec.stateful:
                 p = state.alpha.shape[0]
                 kwargs = {"state": (np.asarray(state.alpha), np.asarray(state.beta)),
                           "task_index": {t: t for t in range(p)}}
-            t_ref = median_time(lambda: ref_fn(records, **kwargs), 1)
-            t_ref *= n / n_ref
             mark = "*" if n_ref < n else " "
+            if ref_fn is None:
+                ref_cols = f"{'-':>11} {'-':>10}"
+            else:
+                t_ref = median_time(lambda: ref_fn(records, **kwargs), 1) * n / n_ref
+                ref_cols = f"{t_ref * 1e3:>11.0f}{mark}{t_ref / t_jit:>10.0f}"
             print(f"{name:<22}{n:>7}{k:>4}{int(batch.action_mask.sum()):>11}"
-                  f"{t_jit * 1e3:>10.2f}{t_ref * 1e3:>11.0f}{mark}{t_ref / t_jit:>10.0f}"
+                  f"{t_jit * 1e3:>10.2f}{ref_cols}"
                   f"{nbytes / t_jit / 1e9:>8.2f}{100 * nbytes / t_jit / bw:>7.1f}%", flush=True)
     print("\n* reference timed on the first n_ref trajectories and scaled linearly to N")
 
 
+GIGPO_SIZES = ((8192, 32), (65536, 8))
+GIGPO_LAYOUTS = ("concatenated", "per_step")
+
+
+def median_times(fn, repeats: int):
+    """Medians of (wall-clock seconds, process CPU seconds) over ``repeats`` calls."""
+    wall, cpu = [], []
+    for _ in range(repeats):
+        w, c = time.perf_counter(), time.process_time()
+        jax.block_until_ready(fn())
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - w)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def copy_bandwidths(nbytes: int = 256 * 2**20, repeats: int = 9):
+    """``copy_bandwidth`` by wall-clock and by CPU time (bytes read + written per second)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    wall, cpu = median_times(lambda: np.copyto(dst, src), repeats)
+    return 2 * nbytes / wall, 2 * nbytes / cpu
+
+
+def _mem_available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def run_gigpo(repeats: int, loop_repeats: int, profile: bool = True, sizes=GIGPO_SIZES):
+    """GiGPO jitted vs the verl-agent-style loop and vs the bandwidth floor; then a profile."""
+    import resource
+
+    bw, bw_cpu = copy_bandwidths()
+    load = os.getloadavg()
+    print(f"GiGPO: jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cores, "
+          f"load average {load[0]:.1f}); memory-copy bandwidth {bw / 1e9:.1f} GB/s by wall "
+          f"clock, {bw_cpu / 1e9:.1f} GB/s by CPU time; MemAvailable "
+          f"{_mem_available_gb():.1f} GiB\n", flush=True)
+    header = (f"{'N':>6}{'K':>4} {'layout':<13}{'rows x T':>13}{'anchor':>7}{'jit ms':>9}"
+              f"{'loop ms':>10}{'speed-up':>9}{'MB':>7}{'floor ms':>9}{'ratio':>7}"
+              f"{' |':>3}{'jit cpu':>8}{'loop cpu':>10}{'speed-up':>9}{'ratio':>7}"
+              f"{'max|diff|':>11}")
+    print(header)
+    print("-" * len(header), flush=True)
+    gigpo = jax.jit(estimators.get("gigpo"))
+    batches = {}
+    for n, k in sizes:
+        for layout in GIGPO_LAYOUTS:
+            batch = gigpo_loop.gigpo_batch(n, k, layout)
+            device_batch = jax.device_put(batch)
+            out = jax.block_until_ready(gigpo(device_batch))  # compile
+            t_jit, c_jit = median_times(lambda: gigpo(device_batch), repeats)
+            host = gigpo_loop.host_arrays(batch)
+            walls, cpus = [], []
+            for _ in range(loop_repeats):
+                w, c = time.perf_counter(), time.process_time()
+                token, turn = gigpo_loop.gigpo_loop(host)
+                cpus.append(time.process_time() - c)
+                walls.append(time.perf_counter() - w)
+            t_loop, c_loop = statistics.median(walls), statistics.median(cpus)
+            diff = max(float(np.max(np.abs(token - np.asarray(out.token)))),
+                       float(np.max(np.abs(turn - np.asarray(out.turn)))))
+            nbytes = gigpo_loop.gigpo_bytes(batch)
+            floor, floor_cpu = nbytes / bw, nbytes / bw_cpu
+            anchor = float(np.mean(gigpo_loop.anchor_group_sizes(batch)))
+            shape = f"{batch.num_rows}x{batch.row_len}"
+            print(f"{n:>6}{k:>4} {layout:<13}{shape:>13}{anchor:>7.1f}{t_jit * 1e3:>9.1f}"
+                  f"{t_loop * 1e3:>10.0f}{t_loop / t_jit:>9.0f}{nbytes / 1e6:>7.1f}"
+                  f"{floor * 1e3:>9.2f}{t_jit / floor:>7.0f}{' |':>3}{c_jit * 1e3:>8.1f}"
+                  f"{c_loop * 1e3:>10.0f}{c_loop / c_jit:>9.0f}{c_jit / floor_cpu:>7.0f}"
+                  f"{diff:>11.1e}", flush=True)
+            batches[(n, k, layout)] = (device_batch, nbytes)
+            del host, token, turn, out
+    print(f"\nloop: benchmarks/gigpo_loop.py gigpo_loop, run in full on every batch (no "
+          f"scaling), median of {loop_repeats}; jit: median of {repeats}. anchor = mean size of "
+          f"the (group, anchor state) groups. floor = MB / copy bandwidth (wall, or CPU for the "
+          f"cpu ratio); ratio = jit / floor. max|diff| = loop vs jit, token and turn arrays.",
+          flush=True)
+    if profile:
+        profile_gigpo(batches, repeats, bw, bw_cpu)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"\npeak resident memory of this process: {peak:.1f} GiB", flush=True)
+
+
+def profile_gigpo(batches, repeats, bw, bw_cpu):
+    """Where the jitted gigpo time goes, part by part, and sort-free prototypes of the ids."""
+    import importlib
+
+    from jaxrl_agent import segments
+
+    sg = importlib.import_module("jaxrl_agent.estimators.step_group")
+    print("\nProfile: each part jitted alone on the same batch (median ms, wall | CPU); "
+          "% = share of the whole gigpo CPU time; ratio = whole-estimator CPU time / floor",
+          flush=True)
+    header = f"{'N':>6}{'K':>4} {'layout':<13}{'part':<52}{'wall ms':>9}{'cpu ms':>9}{'%':>6}"
+    print(header)
+    print("-" * len(header), flush=True)
+    for (n, k, layout), (b, nbytes) in batches.items():
+        valid = jax.jit(segments.valid_turns)(b)
+        ids = jax.jit(lambda b: segments.turn_key_ids(b, b.state_keys))(b)
+        x = jax.jit(lambda b: sg.step_returns(b, 0.95))(b)
+        a = jax.jit(estimators.get("gigpo"))(b).turn
+        ref = jax.jit(estimators.get("gigpo"))(b)
+
+        def cols(b):
+            m = b.num_traj * b.num_turns
+            g = jnp.broadcast_to(b.group_ids[:, None], b.turn_mask.shape).reshape(m)
+            return g, b.state_keys.reshape(m), segments.valid_turns(b).reshape(m)
+
+        parts = [
+            ("gigpo (library, whole)", estimators.get("gigpo"), (b,)),
+            ("  episode_advantage (with local_view)",
+             lambda b: sg.episode_advantage(segments.local_view(b)), (b,)),
+            ("  step_returns", lambda b: sg.step_returns(b, 0.95), (b,)),
+            ("  turn_key_ids (dense_ids: lexsort + scatter)",
+             lambda b: segments.turn_key_ids(b, b.state_keys), (b,)),
+            ("    of which jnp.lexsort of its 3 key columns",
+             lambda b: jnp.lexsort(tuple(reversed(cols(b)[:2])) + (~cols(b)[2],)), (b,)),
+            ("  key_stats (segment max/sum, gathers)",
+             lambda x, i, v: segments.key_stats(x, i, v), (x, ids, valid)),
+            ("  turn_to_token (broadcast to [R, T])", segments.turn_to_token, (a, b)),
+            ("prototype probe_key_ids (sort-free ids)",
+             lambda b, v: gigpo_loop.probe_key_ids(b.group_ids, b.state_keys, v), (b, valid)),
+            ("prototype gigpo_sort_free (+ library key_stats)", gigpo_loop.gigpo_sort_free,
+             (b,)),
+            ("prototype gigpo_sort_free (+ rep_shift_key_stats)",
+             lambda b: gigpo_loop.gigpo_sort_free(b, fast_stats=True), (b,)),
+        ]
+        whole = None
+        for name, fn, args in parts:
+            f = jax.jit(fn)
+            res = jax.block_until_ready(f(*args))
+            t, c = median_times(lambda: f(*args), repeats)
+            whole = c if whole is None else whole
+            extra = ""
+            if name.startswith(("gigpo", "prototype gigpo")):
+                extra = f"  ratio {c / (nbytes / bw_cpu):.0f}"
+                if name.startswith("prototype"):
+                    d = float(jnp.max(jnp.abs(res.token - ref.token)))
+                    extra += f"  max|diff| vs library {d:.1e}"
+            if name.startswith("prototype probe"):
+                r, p_ = np.asarray(ids).ravel(), np.asarray(res).ravel()
+                ok = np.asarray(valid).ravel()
+                pairs = np.unique(np.stack([r[ok], p_[ok]]), axis=1)
+                same = (len(np.unique(pairs[0])) == pairs.shape[1] == len(np.unique(pairs[1]))
+                        and bool(np.all(p_[~ok] == ok.size)))
+                extra = f"  same partition as turn_key_ids: {same}"
+            print(f"{n:>6}{k:>4} {layout:<13}{name:<52}{t * 1e3:>9.1f}{c * 1e3:>9.1f}"
+                  f"{100 * c / whole:>5.0f}%{extra}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="N in {1k, 8k}, K in {1, 8}")
+    p.add_argument("--quick", action="store_true", help="N in {1k, 8k}, K in {1, 8}; no GiGPO")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--estimators", nargs="*", default=None, help="names (default: all)")
+    p.add_argument("--estimators", nargs="*", default=None,
+                   help="names (default: all); giving names leaves out the GiGPO section")
+    p.add_argument("--gigpo", action="store_true",
+                   help="only the GiGPO section (8192 x 32 and 65536 x 8, both layouts)")
+    p.add_argument("--loop-repeats", type=int, default=3,
+                   help="runs of the GiGPO loop baseline per batch (median)")
+    p.add_argument("--no-profile", action="store_true", help="GiGPO table without the profile")
     args = p.parse_args()
-    ns, ks = ((1024, 8192), (1, 8)) if args.quick else ((1024, 8192, 65536), (1, 8, 32))
-    run([(n, k) for n in ns for k in ks], args.repeats, args.estimators or estimators.names())
+    if not args.gigpo:
+        ns, ks = ((1024, 8192), (1, 8)) if args.quick else ((1024, 8192, 65536), (1, 8, 32))
+        run([(n, k) for n in ns for k in ks], args.repeats, args.estimators or estimators.names())
+    if args.gigpo or not (args.quick or args.estimators):
+        print()
+        run_gigpo(args.repeats, args.loop_repeats, profile=not args.no_profile)
 
 
 if __name__ == "__main__":

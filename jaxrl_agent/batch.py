@@ -192,6 +192,38 @@ def _check_tokens(idx, where, v, allow_empty):
     return list(v)
 
 
+def _check_key(idx, where, v) -> int:
+    if not (isinstance(v, str) or _is_int(v)):
+        raise RecordError(idx, f"{where} must be a str or int, got {type(v).__name__}")
+    return stable_key(v)
+
+
+def _check_extras(idx, where, v, length):
+    """{name: value}: per turn (length None) a number or a list of numbers (a vector); per
+    token (length = the action's length) a list of numbers or bools, one per action token."""
+    if not isinstance(v, Mapping):
+        raise RecordError(idx, f"{where} must be an object {{name: value}}, got {type(v).__name__}")
+    out = {}
+    for name, x in v.items():
+        w = f"{where}.{name}"
+        if name in _RESERVED_EXTRAS:
+            raise RecordError(idx, f"{w}: '{name}' is built from its own record field; pick "
+                                   f"another name")
+        if length is None and not isinstance(x, (list, tuple)):
+            out[name] = _check_float(idx, w, x)
+        elif length is None:
+            if not x:
+                raise RecordError(idx, f"{w} is an empty vector")
+            out[name] = [_check_float(idx, f"{w}[{j}]", y) for j, y in enumerate(x)]
+        elif isinstance(x, (list, tuple)) and x and all(isinstance(y, bool) for y in x):
+            if len(x) != length:
+                raise RecordError(idx, f"{w} has {len(x)} entries but the action has {length}")
+            out[name] = list(x)
+        else:
+            out[name] = _check_floats(idx, w, x, length, "the action")
+    return out
+
+
 def _check_floats(idx, where, v, length, length_name):
     if not isinstance(v, (list, tuple)):
         raise RecordError(idx, f"{where} must be a list of numbers, got {type(v).__name__}")
@@ -211,6 +243,9 @@ class _Turn:
     value: float | None
     values: list | None
     ref_logprobs: list | None
+    turn_key: int | None = None
+    turn_extras: dict = dataclasses.field(default_factory=dict)
+    token_extras: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -221,7 +256,8 @@ class _Traj:
     turns: list
 
 
-_OPTIONAL_TURN_FIELDS = ("logprobs", "value", "values", "ref_logprobs")
+_OPTIONAL_TURN_FIELDS = ("logprobs", "value", "values", "ref_logprobs", "turn_key")
+_RESERVED_EXTRAS = TOKEN_EXTRAS + TURN_EXTRAS + ("turn_keys",)
 
 
 def _parse_record(idx: int, rec) -> _Traj:
@@ -247,13 +283,8 @@ def _parse_record(idx: int, rec) -> _Traj:
         act = _check_tokens(idx, f"{w}.action", t["action"], allow_empty=False)
         any_reward |= "reward" in t
         reward = _check_float(idx, f"{w}.reward", t["reward"]) if "reward" in t else 0.0
-        if "state_key" in t:
-            sk = t["state_key"]
-            if not (isinstance(sk, str) or _is_int(sk)):
-                raise RecordError(idx, f"{w}.state_key must be a str or int, got {type(sk).__name__}")
-            state_key = stable_key(sk)
-        else:
-            state_key = stable_key(obs)
+        state_key = (_check_key(idx, f"{w}.state_key", t["state_key"]) if "state_key" in t
+                     else stable_key(obs))
         lp = (_check_floats(idx, f"{w}.logprobs", t["logprobs"], len(act), f"{w}.action")
               if "logprobs" in t else None)
         ref = (_check_floats(idx, f"{w}.ref_logprobs", t["ref_logprobs"], len(act), f"{w}.action")
@@ -261,7 +292,13 @@ def _parse_record(idx: int, rec) -> _Traj:
         values = (_check_floats(idx, f"{w}.values", t["values"], len(act), f"{w}.action")
                   if "values" in t else None)
         value = _check_float(idx, f"{w}.value", t["value"]) if "value" in t else None
-        turns.append(_Turn(obs, act, reward, state_key, stable_key(act), lp, value, values, ref))
+        action_key = _check_key(idx, f"{w}.action_key", t["action_key"]) if "action_key" in t \
+            else stable_key(act)
+        turn_key = _check_key(idx, f"{w}.turn_key", t["turn_key"]) if "turn_key" in t else None
+        turn_extras = _check_extras(idx, f"{w}.turn_extras", t.get("turn_extras", {}), None)
+        token_extras = _check_extras(idx, f"{w}.token_extras", t.get("token_extras", {}), len(act))
+        turns.append(_Turn(obs, act, reward, state_key, action_key, lp, value, values, ref,
+                           turn_key, turn_extras, token_extras))
     if "outcome" in rec:
         outcome = _check_float(idx, "field 'outcome'", rec["outcome"])
     elif any_reward:
@@ -274,6 +311,39 @@ def _parse_record(idx: int, rec) -> _Traj:
 
 
 # ----------------------------------------------------------------------------- packing
+
+
+def _extras_layout(trajs) -> dict:
+    """(level, name) -> (dtype, vector size or None) of the free-form turn/token extras, after
+    checking each name is given on every turn of every record (or on none) with one shape."""
+    kinds: dict = {}
+    where: dict = {}
+    for i, tr in enumerate(trajs):
+        for k, t in enumerate(tr.turns):
+            for level, ex in (("turn", t.turn_extras), ("token", t.token_extras)):
+                for name, x in ex.items():
+                    if level == "token":
+                        kind = (np.bool_ if isinstance(x[0], bool) else np.float32, None)
+                    else:
+                        kind = (np.float32, len(x) if isinstance(x, list) else None)
+                    seen = kinds.setdefault((level, name), kind)
+                    where.setdefault((level, name), (i, k))
+                    if seen != kind:
+                        raise RecordError(i, f"turns[{k}].{level}_extras.{name}: shape or type "
+                                             f"differs from record {where[level, name][0]}, turn "
+                                             f"{where[level, name][1]}")
+    names = [n for _, n in kinds]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ValueError(f"extras {sorted(dup)} are given both per turn and per token")
+    for (level, name) in kinds:
+        for i, tr in enumerate(trajs):
+            for k, t in enumerate(tr.turns):
+                if name not in (t.turn_extras if level == "turn" else t.token_extras):
+                    raise RecordError(i, f"turns[{k}] lacks {level}_extras.{name} while other "
+                                         f"turns have it: give it on every turn or on none")
+    return kinds
+
 
 
 @dataclasses.dataclass
@@ -325,7 +395,13 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
                     "state_key": str|int, "logprobs": [float], "value": float,
                     "values": [float], "ref_logprobs": [float]}, ...]}
 
-    ``reward``, ``state_key`` and the per-token lists are optional. A record without any turn
+    ``reward``, ``state_key`` and the per-token lists are optional. Method-specific turn
+    fields (all optional): ``"action_key": str|int`` (default: a hash of the action tokens;
+    e.g. an AST signature of a shell command), ``"turn_key": str|int`` (any grouping key, e.g.
+    a belief-state hash -> ``extras['turn_keys']`` [N, K] uint32), ``"turn_extras": {name:
+    number or [numbers]}`` (-> ``extras[name]`` [N, K] or [N, K, D] float32, e.g.
+    ``high_values``, ``state_features``) and ``"token_extras": {name: [number or bool per
+    action token]}`` (-> ``extras[name]`` [R, T] float32 or bool, e.g. ``subgoal_mask``). A record without any turn
     reward gets its outcome as the last turn's reward; a record without ``outcome`` gets the sum
     of its turn rewards. ``logprobs``/``value``/``values``/``ref_logprobs`` must be given on
     every turn of every record or on none (half-known log-probs would silently train on zeros).
@@ -353,6 +429,8 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
                      if any(getattr(t, name) is None for t in tr.turns))
             raise RecordError(i, f"turns lack '{name}' while other turns have it: give "
                                  f"'{name}' on every turn of every record or on none")
+
+    extra_kind = _extras_layout(trajs)
 
     caller_index = task_index
     task_index = {} if task_index is None else dict(task_index)
@@ -411,6 +489,11 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
                  (("ref_logprobs", first.ref_logprobs), ("token_values", first.values))
                  if src is not None}
     turn_values = np.zeros((N, K), np.float32) if first.value is not None else None
+    turn_keys = np.zeros((N, K), np.uint32) if first.turn_key is not None else None
+    free = {}
+    for (level, name), (dtype, dim) in extra_kind.items():
+        shape = (R, T) if level == "token" else (N, K) + ((dim,) if dim else ())
+        free[name] = np.zeros(shape, dtype)
 
     rec_traj, rec_spans = [0] * len(trajs), [None] * len(trajs)
     group_id_of: dict = {}
@@ -443,6 +526,12 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
                     tok_extra["token_values"][row, act] = t.values
                 if turn_values is not None:
                     turn_values[n, k] = t.value
+                if turn_keys is not None:
+                    turn_keys[n, k] = t.turn_key
+                for name, x in t.turn_extras.items():
+                    free[name][n, k] = x
+                for name, x in t.token_extras.items():
+                    free[name][row, act] = x
                 turn_mask[n, k] = True
                 turn_rewards[n, k] = t.reward
                 state_keys[n, k], action_keys[n, k] = t.state_key, t.action_key
@@ -454,6 +543,9 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
     extras = dict(tok_extra)
     if turn_values is not None:
         extras["turn_values"] = turn_values
+    if turn_keys is not None:
+        extras["turn_keys"] = turn_keys
+    extras.update(free)
     batch = TrajectoryBatch(tokens=tokens, action_mask=action_mask, turn_ids=turn_ids,
                             row_traj=row_traj, old_logprobs=old_lp, turn_mask=turn_mask,
                             turn_rewards=turn_rewards, state_keys=state_keys,
@@ -581,10 +673,13 @@ def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
             raise ValueError(f"extras['{name}'] must have shape [R, T] = {(R, T)}, got {x.shape}")
         if name in TURN_EXTRAS and x.shape != (N, K):
             raise ValueError(f"extras['{name}'] must have shape [N, K] = {(N, K)}, got {x.shape}")
-        where = am if name in TOKEN_EXTRAS else a["turn_mask"] if name in TURN_EXTRAS else None
-        if where is not None and x.dtype.kind == "f" and (~np.isfinite(x) & where).any():
-            raise ValueError(f"extras['{name}']{list(first_bad(~np.isfinite(x) & where))} is "
-                             f"not finite")
+        where = (am if name in TOKEN_EXTRAS or (name not in TURN_EXTRAS and x.shape == (R, T))
+                 else a["turn_mask"] if name in TURN_EXTRAS or x.shape[:2] == (N, K) else None)
+        if where is not None and x.dtype.kind == "f":
+            where = where.reshape(where.shape + (1,) * (x.ndim - 2))
+            if (~np.isfinite(x) & where).any():
+                raise ValueError(f"extras['{name}']{list(first_bad(~np.isfinite(x) & where))} "
+                                 f"is not finite")
     if num_shards > 1:
         if N % num_shards or R % num_shards:
             raise ValueError(f"num_shards={num_shards} must divide N = {N} and R = {R}")

@@ -424,3 +424,161 @@ def weighted_mean_var(x, weights, axis_name=None):
     dev = jnp.where(on, xs - mean_s, 0.0)
     var = psum(jnp.sum(w * dev * dev), axis_name) / jnp.maximum(total, 1e-30)
     return top + mean_s, var
+
+
+# ----------------------------------------------------------------------------- turn keys
+
+
+def next_turn(x, fill=0):
+    """x[:, k + 1] at position k of an [N, K, ...] array; ``fill`` past the last column."""
+    pad = jnp.full_like(x[:, :1], fill)
+    return jnp.concatenate([x[:, 1:], pad], axis=1)
+
+
+def valid_turns(batch: TrajectoryBatch):
+    """[N, K] bool: the turn exists in a real trajectory."""
+    return batch.turn_mask & batch.traj_mask[:, None]
+
+
+def turn_key_ids(batch: TrajectoryBatch, *keys, valid=None):
+    """Dense ids [N, K] of turns whose key tuples are equal *inside one task group*.
+
+    Keys are always scoped by ``group_ids`` (GiGPO's ``(index, anchor_obs)``): two turns share
+    an id iff they belong to the same group and every key array agrees. Each key broadcasts to
+    [N, K] (pass ``batch.group_ids[:, None] * 0 + k`` style arrays or [N, 1] columns).
+
+    Returns:
+      ids [N, K] int32 in [0, N * K); invalid turns (missing turns, padding trajectories,
+      ``valid`` False) get N * K, which segment reductions drop.
+    """
+    n, k = batch.num_traj, batch.num_turns
+    ok = valid_turns(batch) if valid is None else valid & valid_turns(batch)
+    cols = [jnp.broadcast_to(batch.group_ids[:, None], (n, k))]
+    cols += [jnp.broadcast_to(x, (n, k)) for x in keys]
+    ids, _ = dense_ids(*(c.reshape(-1) for c in cols), valid=ok.reshape(-1))
+    return ids.reshape(n, k)
+
+
+def key_stats(x, ids, valid, ddof: int = 1, weights=None):
+    """``segment_stats`` of a per-turn array [N, K] over key ids from ``turn_key_ids``,
+    gathered back to every turn: (mean, std, count), each [N, K]."""
+    n, k = x.shape
+    mean, std, count = segment_stats(x.reshape(-1), ids.reshape(-1), valid.reshape(-1), n * k,
+                                     ddof, None if weights is None else weights.reshape(-1))
+    safe = jnp.clip(ids, 0, n * k - 1)
+    return mean[safe], std[safe], count[safe]
+
+
+_GOLDEN = 0x9E3779B1
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser (uint32 arithmetic wraps)."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def hash_combine(h, v):
+    """A new uint32 hash of the pair (h, v); order-sensitive."""
+    h = jnp.asarray(h, jnp.uint32)
+    v = jnp.asarray(v, jnp.uint32)
+    return _fmix32(h * jnp.uint32(_GOLDEN) + _fmix32(v + jnp.uint32(0x7F4A7C15)))
+
+
+_SEEDS = (0x243F6A88, 0x85A308D3)  # two independent streams: 64-bit prefix identity
+
+
+def history_keys(batch: TrajectoryBatch, depth: int | None = None):
+    """Keys of the history a turn was taken from, two uint32 streams (64 bits), [N, K] each.
+
+    H_k hashes (s_0, a_0, s_1, a_1, ..., a_{k-1}, s_k) from ``state_keys`` (s) and
+    ``action_keys`` (a): turns share H_k iff their whole histories agree (the exact-prefix tree
+    node before action k, up to a 2^-64 collision chance). With ``depth=d`` only the last d
+    turns enter: (s_{k-d}, a_{k-d}, ..., a_{k-1}, s_k), missing early turns hashed as a fixed
+    sentinel; ``depth=0`` is the current state alone. Pair the two streams as two keys of
+    ``turn_key_ids``.
+    """
+    s = batch.state_keys.astype(jnp.uint32)
+    a = batch.action_keys.astype(jnp.uint32)
+    n, k = s.shape
+    out = []
+    for seed in _SEEDS:
+        if depth is None:
+            def step(h, xs):
+                s_k, a_prev, first = xs
+                h = jnp.where(first, jnp.uint32(seed), hash_combine(h, a_prev))
+                h = hash_combine(h, s_k)
+                return h, h
+
+            a_prev = jnp.concatenate([jnp.zeros_like(a[:, :1]), a[:, :-1]], axis=1)
+            first = jnp.broadcast_to(jnp.arange(k) == 0, (n, k))
+            init = jnp.zeros_like(s[:, 0])
+            _, hs = lax.scan(step, init, (s.T, a_prev.T, first.T))
+            out.append(hs.T)
+            continue
+        h = hash_combine(jnp.full_like(s, seed), s)
+        for j in range(1, depth + 1):  # fold in (s_{k-j}, a_{k-j}) going back
+            s_back = jnp.pad(s, ((0, 0), (j, 0)))[:, :k]
+            a_back = jnp.pad(a, ((0, 0), (j, 0)))[:, :k]
+            exists = jnp.arange(k)[None, :] >= j
+            h = hash_combine(hash_combine(h, jnp.where(exists, a_back, 0x5EED)),
+                             jnp.where(exists, s_back, 0x5EED))
+        out.append(h)
+    return tuple(out)
+
+
+def bucket_keys(features, width: float):
+    """uint32 keys [N, K] of feature vectors [N, K, D] quantised to a grid of ``width``:
+    equal keys iff round(f / width) agrees in every coordinate (up to hash collisions)."""
+    q = jnp.round(features / width).astype(jnp.int32).astype(jnp.uint32)
+    h = jnp.full(features.shape[:-1], _SEEDS[0], jnp.uint32)
+    for j in range(features.shape[-1]):
+        h = hash_combine(h, q[..., j])
+    return h
+
+
+def similarity_clusters(features, scope, valid, threshold: float, iters: int = 8,
+                        block: int = 1024):
+    """Connected components of a thresholded cosine-similarity graph, inside jit.
+
+    Turns a and b ([N, K] positions, flattened to M = N K) are linked iff they are valid, share
+    ``scope`` (e.g. the task group, [N] or [N, K]) and cos(f_a, f_b) >= ``threshold`` (a zero
+    vector links to nothing but itself). Labels start as each turn's flat index; each of
+    ``iters`` rounds sets every label to the minimum label among its neighbours and then jumps
+    it to its label's label (pointer jumping). Components of diameter <= ``iters`` are always
+    exact; jumping usually settles far longer ones. The label is the smallest flat index in the
+    component, so it serves directly as a segment id in [0, M); invalid turns get M. Which
+    turns share a label does not depend on the order of rows (only the label values do).
+
+    Cost: O(M^2 D) per round, computed in row blocks of ``block`` (memory O(block M)); for
+    very large batches prefer ``bucket_keys``.
+    """
+    n, k, d = features.shape
+    m = n * k
+    f = features.reshape(m, d).astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(f * f, axis=1, keepdims=True))
+    f = jnp.where(norm > 0, f / jnp.where(norm > 0, norm, 1.0), 0.0)
+    sc = jnp.broadcast_to(scope if jnp.ndim(scope) == 2 else scope[:, None], (n, k)).reshape(m)
+    ok = valid.reshape(m)
+    idx = jnp.arange(m, dtype=jnp.int32)
+    pad = (-m) % block if m > block else 0
+    nb = (m + pad) // min(block, m)
+    bs = min(block, m)
+    rows = jnp.pad(idx, (0, pad), constant_values=0).reshape(nb, bs)
+
+    def neighbours_min(labels):
+        def one(r):
+            sim = f[r] @ f.T
+            adj = (sim >= threshold) & (sc[r][:, None] == sc[None, :]) & ok[r][:, None] & ok[None, :]
+            adj = adj | (r[:, None] == idx[None, :])
+            return jnp.min(jnp.where(adj, labels[None, :], m), axis=1)
+        return jax.lax.map(one, rows).reshape(-1)[:m]
+
+    labels = jnp.where(ok, idx, m)
+    for _ in range(iters):
+        labels = jnp.minimum(labels, neighbours_min(labels))
+        labels = jnp.where(ok, labels[jnp.clip(labels, 0, m - 1)], m)
+    return labels.reshape(n, k)

@@ -82,3 +82,40 @@ def records(draw, min_traj=1, max_traj=MAX_TRAJ, binary=False, logprobs=False, v
         recs.append({"group": draw(st.integers(0, num_groups - 1)), "task": draw(st.integers(0, 3)),
                      "outcome": outcome, "turns": turns})
     return recs
+
+
+_small_reward = st.sampled_from([-1.0, -0.1, 0.0, 0.5, 1.0])
+
+
+@st.composite
+def step_records(draw, min_traj=1, max_traj=MAX_TRAJ, binary=None, tree=True, extras=None):
+    """Records whose turns collide: observations and actions from tiny alphabets, so state
+    keys, state-action pairs and whole histories recur inside groups (step-level groups are
+    then non-trivial). With ``tree`` a new trajectory often copies the first j turns of an
+    earlier member of its group (observations, actions and rewards) before diverging: a
+    rollout tree. ``extras``: callable(draw, record) adding method-specific turn fields.
+    Fits the PAD buckets."""
+    binary = draw(st.booleans()) if binary is None else binary
+    n = draw(st.integers(min_traj, max_traj))
+    num_groups = draw(st.integers(1, min(n, 3)))
+    recs = []
+    for _ in range(n):
+        g = draw(st.integers(0, num_groups - 1))
+        k = draw(st.integers(1, MAX_TURNS))
+        earlier = [r for r in recs if r["group"] == g]
+        turns = []
+        if tree and earlier and draw(st.booleans()):
+            src = draw(st.sampled_from(earlier))["turns"]
+            turns = [dict(t) for t in src[:draw(st.integers(1, min(k, len(src))))]]
+        while len(turns) < k:
+            n_act = draw(st.integers(1, 2))
+            turns.append({"observation": [draw(st.integers(0, 2))],
+                          "action": draw(st.lists(st.integers(0, 1), min_size=n_act,
+                                                  max_size=n_act)),
+                          "reward": draw(_small_reward if draw(st.booleans()) else _reward)})
+        outcome = float(draw(st.integers(0, 1))) if binary else draw(_reward)
+        rec = {"group": g, "task": g, "outcome": outcome, "turns": turns}
+        if extras is not None:
+            extras(draw, rec)
+        recs.append(rec)
+    return recs

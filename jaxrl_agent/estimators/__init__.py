@@ -8,10 +8,16 @@ from jaxrl_agent.estimators.outcome import (
     SPOState, check_spo_state, group_centered_outcome, group_normalized_outcome, leave_one_out_outcome,
     reinforce_pp, reinforce_pp_baseline, rollout_level, single_stream, single_stream_pp,
     spo_init, traj_advantages)
+from jaxrl_agent.estimators.bipace import bipace
+from jaxrl_agent.estimators.graph import g2po, gagpo, graphgpo
+from jaxrl_agent.estimators.hierarchical import hae
 from jaxrl_agent.estimators.registry import (
     EstimatorSpec, check_hyper_params, compute, get, names, register, spec)
+from jaxrl_agent.estimators.step_group import (
+    episode_advantage, gigpo, matchtir, normalize_in_groups, step_group, step_returns)
 from jaxrl_agent.estimators.temporal import (
     discounted_returns, gae, lambda_returns, sapo, turn_gae)
+from jaxrl_agent.estimators.tree import progpo, rtmc, tree_value
 
 register("grpo", group_normalized_outcome)
 register("dr_grpo", group_centered_outcome)
@@ -27,8 +33,22 @@ register("gae", gae)
 register("turn_gae", turn_gae)
 register("lambda_returns", lambda_returns)
 register("sapo", sapo)
+# family (b): step-level groups, graphs and trees; HiPER's hierarchical advantages
+register("gigpo", gigpo)
+register("step_group", step_group)
+register("matchtir", matchtir)
+register("g2po", g2po)
+register("graphgpo", graphgpo)
+register("gagpo", gagpo)
+register("rtmc", rtmc)
+register("tree_value", tree_value)
+register("progpo", progpo)
+register("bipace", bipace)
+register("hae", hae)
 
 __all__ = [
+    "bipace", "episode_advantage", "g2po", "gagpo", "gigpo", "graphgpo", "hae", "matchtir",
+    "normalize_in_groups", "progpo", "rtmc", "step_group", "step_returns", "tree_value",
     "SPOState", "EstimatorSpec", "check_spo_state", "check_hyper_params", "compute", "discounted_returns", "gae",
     "get", "group_centered_outcome", "group_normalized_outcome", "lambda_returns",
     "leave_one_out_outcome", "names", "register", "reinforce_pp", "reinforce_pp_baseline",

@@ -1,0 +1,272 @@
+"""Step-level group estimators: peers of a turn are the turns that share a key with it.
+
+A turn (i, k) is compared with the other turns of its task group that share its key: the same
+anchor state (GiGPO), the same whole history (exact-prefix groups), the same action signature,
+the same turn index (a cohort), or any caller-supplied key. One function, ``step_group``,
+covers that family; ``gigpo`` and ``matchtir`` are its two published configurations, and the
+key variants of METHODS.md (A2Agent, A^3, DiDPO, ReBel, ASPO) are settings of it (see
+``step_group``).
+
+Keys are always scoped by ``group_ids``: turns of different tasks are never peers. Under
+``jax.shard_map`` groups are whole on one shard, so every statistic here is shard-local.
+
+Shared pieces, used by the other step-level modules too:
+  ``episode_advantage``  GRPO's trajectory term, one count per trajectory or per step;
+  ``step_returns``       discounted per-turn reward-to-go;
+  ``normalize_in_groups`` (x - mean_S) [/ (std_S + eps)] over key groups, singletons 0;
+  ``combine``            episode + step terms -> ``Advantages``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxrl_agent import segments
+from jaxrl_agent.batch import Advantages, TrajectoryBatch
+from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
+
+MODES = ("mean_std_norm", "mean_norm")
+EPISODE_WEIGHTINGS = ("trajectory", "steps")
+KEYS = ("state", "action", "state_action", "history", "turn", "turn_key")
+TARGETS = ("return", "reward", "outcome")
+SINGLETONS = ("zero", "raw")
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def episode_advantage(b: TrajectoryBatch, *, mode: str = "mean_std_norm",
+                      weighting: str = "trajectory", reward: str = "outcome", eps: float = 1e-6,
+                      singleton: str = "zero"):
+    """GRPO's episode term, [N] (0 on padding trajectories).
+
+    A_ep(i) = (R_i - mean_g) / (std_g + eps), or R_i - mean_g with ``mode="mean_norm"``.
+    ``weighting="trajectory"`` counts each trajectory once in mean_g and std_g (GRPO);
+    ``"steps"`` counts it once per valid turn K_i (verl-agent's default
+    ``compute_mean_std_cross_steps=True``, which normalises over per-step rows: long failed
+    episodes then pull the baseline toward failure). std is unbiased over the counted entries
+    (frequency weights). ``reward``: ``"outcome"`` (R = outcome) or ``"reward_sum"``
+    (R = sum of turn rewards, MatchTIR). A singleton group (one trajectory) gives 0, or
+    ``singleton="raw"`` verl's mean 0, std 1 (A = R).
+    """
+    if reward == "outcome":
+        r = b.outcome.astype(jnp.float32)
+    else:
+        r = jnp.sum(jnp.where(b.turn_mask, b.turn_rewards, 0.0), axis=1).astype(jnp.float32)
+    w = None
+    if weighting == "steps":
+        w = jnp.sum(b.turn_mask, axis=1).astype(jnp.float32)
+    mean, std, _ = segments.group_stats(r, b.group_ids, b.traj_mask, 1, w)
+    count = segments.group_stats(r, b.group_ids, b.traj_mask)[2]
+    a = r - mean
+    if mode == "mean_std_norm":
+        a = a / (std + eps)
+    lone = r / (1.0 + eps) if (singleton == "raw" and mode == "mean_std_norm") else r
+    a = jnp.where(count > 1, a, lone if singleton == "raw" else 0.0)
+    return jnp.where(b.traj_mask, a, 0.0)
+
+
+def step_returns(b: TrajectoryBatch, gamma):
+    """G[i, k] = sum_{j >= k} gamma^(j - k) r[i, j] over valid turns, [N, K]."""
+    r = jnp.where(b.turn_mask, b.turn_rewards, 0.0).astype(jnp.float32)
+    return jnp.where(b.turn_mask, segments.reverse_scan(r, gamma, axis=1), 0.0)
+
+
+def normalize_in_groups(x, ids, valid, *, mode: str = "mean_std_norm", eps: float = 1e-6,
+                        singleton: str = "zero"):
+    """(x - mean_S) / (std_S + eps) (or x - mean_S) over the key group S of every turn, [N, K].
+
+    std unbiased (ddof 1). A singleton group gives 0 (``singleton="raw"``: mean 0, std 1, so
+    x / (1 + eps) or x, the verl convention); equal values give exactly 0; invalid turns 0.
+    """
+    mean, std, count = segments.key_stats(x, ids, valid, ddof=1)
+    a = x - mean
+    if mode == "mean_std_norm":
+        a = a / (std + eps)
+    if singleton == "raw":
+        lone = x / (1.0 + eps) if mode == "mean_std_norm" else x
+    else:
+        lone = jnp.zeros_like(x)
+    return jnp.where(valid, jnp.where(count > 1, a, lone), 0.0)
+
+
+def combine(b: TrajectoryBatch, a_ep, a_step, episode_weight=1.0, step_weight=1.0,
+            how: str = "sum") -> Advantages:
+    """A[i, k] = episode_weight A_ep(i) + step_weight A_step(i, k) (``how="sum"``), or their
+    weighted mean ``(we A_ep + ws A_step) / (we + ws)`` (``how="mean"``), on valid turns, and
+    broadcast onto each turn's action tokens."""
+    a = episode_weight * a_ep[:, None] + step_weight * a_step
+    if how == "mean":
+        a = a / (episode_weight + step_weight)
+    a = jnp.where(segments.valid_turns(b), a, 0.0).astype(jnp.float32)
+    return Advantages(token=segments.turn_to_token(a, b), turn=a)
+
+
+def _key_columns(b: TrajectoryBatch, key: str, who: str):
+    if key == "state":
+        return (b.state_keys,)
+    if key == "action":
+        return (b.action_keys,)
+    if key == "state_action":
+        return (b.state_keys, b.action_keys)
+    if key == "history":
+        return segments.history_keys(b)
+    if key == "turn":
+        return (jnp.broadcast_to(jnp.arange(b.num_turns, dtype=jnp.int32)[None, :],
+                                 b.turn_mask.shape),)
+    return (require(b, "turn_keys", f"{who} with key='turn_key'",
+                    "[N, K] uint32 keys: give each record turn a 'turn_key'"),)
+
+
+def _target(b: TrajectoryBatch, target: str, gamma):
+    if target == "return":
+        return step_returns(b, gamma)
+    if target == "reward":
+        return jnp.where(b.turn_mask, b.turn_rewards, 0.0).astype(jnp.float32)
+    return jnp.where(b.turn_mask, b.outcome[:, None], 0.0).astype(jnp.float32)
+
+
+def _check_common(mode, episode_weighting, eps, singleton, gamma):
+    check_choice("mode", mode, MODES)
+    check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
+    check_choice("singleton", singleton, SINGLETONS)
+    check_positive("eps", eps)
+    check_unit("gamma", gamma)
+
+
+# ----------------------------------------------------------------------------- estimators
+
+
+def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "return",
+               gamma: float = 1.0, episode_weight: float = 1.0, step_weight: float = 1.0,
+               mode: str = "mean_std_norm", episode_weighting: str = "trajectory",
+               episode_reward: str = "outcome", combine_as: str = "sum", eps: float = 1e-6,
+               singleton: str = "zero", step_singleton: str = "zero",
+               axis_name=None) -> Advantages:
+    """The configurable step-level group estimator (METHODS.md family (b), section 3 core).
+
+    A[i, k] = we A_ep(i) + ws A_step(i, k)   (``combine_as="mean"``: divided by we + ws), with
+      A_ep  = ``episode_advantage`` (GRPO over the task group, ``mode``, ``episode_weighting``,
+              ``episode_reward``, ``singleton``);
+      A_step(i, k) = (y[i, k] - mean_S y) / (std_S y + eps)  (``mode="mean_norm"``: no std),
+              S = the turns of i's task group whose ``key`` equals that of (i, k); a singleton
+              S gives 0 (``step_singleton="raw"``: mean 0, std 1, as MatchTIR's verl code).
+    ``target`` y: ``"return"`` G[i, k] = sum_{j >= k} gamma^(j-k) r[i, j]; ``"reward"`` the
+    turn reward r[i, k]; ``"outcome"`` the trajectory's R_i.
+    ``key``: ``"state"`` state_keys (GiGPO's anchor state); ``"action"`` action_keys;
+    ``"state_action"`` both; ``"history"`` the whole history s_0, a_0, ..., s_k (exact-prefix
+    groups, ``segments.history_keys``); ``"turn"`` the turn index k (a (group, k) cohort);
+    ``"turn_key"`` extras['turn_keys'] (records: a turn's ``turn_key``).
+
+    Published key variants as settings ([X] = our concrete reading of the abstract):
+      GiGPO: key="state", target="return", gamma=0.95 (``gigpo``);
+      MatchTIR: key="turn", gamma=lam, combine_as="mean", episode_reward="reward_sum",
+        singletons raw (``matchtir``);
+      A2Agent [X]: key="turn_key" with turn_key = hash of the set of gold regions discovered
+        before the turn; discovery/commit rewards as turn rewards;
+      A^3 [X]: key="action" with action_key = the AST-normalised command signature (records:
+        ``action_key``); the tree-margin term is a separate reward;
+      DiDPO [X]: key="turn_key" with turn_key = the sub-diff anchor id, target="outcome";
+      ReBel [X]: key="turn_key" with turn_key = hash of the normalised belief state;
+      ASPO / StepSafe prefix groups [X]: key="history", target="reward", episode_weight=0
+        (a GRPO group whose id is the prefix);
+      MAPO-style turn cohorts [X]: key="turn".
+    Invariants: with every key distinct (or step_weight 0) A = we A_ep (GRPO for mode
+    mean_std_norm, Dr.GRPO for mean_norm); step terms sum to 0 over each key group.
+    """
+    _check_common(mode, episode_weighting, eps, singleton, gamma)
+    check_choice("step_singleton", step_singleton, SINGLETONS)
+    check_choice("key", key, KEYS)
+    check_choice("target", target, TARGETS)
+    check_choice("episode_reward", episode_reward, ("outcome", "reward_sum"))
+    check_choice("combine_as", combine_as, ("sum", "mean"))
+    b = segments.local_view(batch, axis_name)
+    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, reward=episode_reward,
+                             eps=eps, singleton=singleton)
+    valid = segments.valid_turns(b)
+    ids = segments.turn_key_ids(b, *_key_columns(b, key, "step_group"))
+    a_st = normalize_in_groups(_target(b, target, gamma), ids, valid, mode=mode, eps=eps,
+                               singleton=step_singleton)
+    return combine(b, a_ep, a_st, episode_weight, step_weight, combine_as)
+
+
+def anchor_ids(b: TrajectoryBatch, anchor: str, *, bucket_width: float = 0.1,
+               sim_threshold: float = 0.95, sim_iters: int = 8, who: str = "gigpo"):
+    """Anchor-state group ids [N, K] of every turn (scoped by task group).
+
+    ``"exact"``: equal ``state_keys``. ``"bucket"``: equal hashes of
+    round(extras['state_features'] / bucket_width) (each feature vector quantised to a grid).
+    ``"similar"``: connected components of the graph linking turns of one group whose
+    feature vectors have cosine similarity >= ``sim_threshold`` (``segments.similarity_clusters``,
+    ``sim_iters`` rounds of label propagation: exact for components of diameter <= 2^sim_iters).
+    """
+    valid = segments.valid_turns(b)
+    if anchor == "exact":
+        return segments.turn_key_ids(b, b.state_keys)
+    feats = require(b, "state_features", f"{who} with anchor={anchor!r}",
+                    "[N, K, D] float observation features: give each record turn "
+                    "turn_extras.state_features")
+    if feats.ndim != 3:
+        raise ValueError(f"{who}: extras['state_features'] must be [N, K, D], got shape "
+                         f"{feats.shape}")
+    if anchor == "bucket":
+        return segments.turn_key_ids(b, segments.bucket_keys(feats, bucket_width))
+    return segments.similarity_clusters(feats, b.group_ids, valid, sim_threshold, sim_iters)
+
+
+def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1.0,
+          mode: str = "mean_std_norm", episode_weighting: str = "trajectory",
+          anchor: str = "exact", bucket_width: float = 0.1, sim_threshold: float = 0.95,
+          sim_iters: int = 8, eps: float = 1e-6, singleton: str = "zero",
+          axis_name=None) -> Advantages:
+    """GiGPO: Group-in-Group Policy Optimization (Feng et al. 2025; verl-agent core_gigpo).
+
+    A[i, k] = A_ep(i) + w A_st(i, k), broadcast onto turn k's action tokens, where
+      A_ep(i)    = (R_i - mean_g R) / (std_g R + eps)   (``mode="mean_norm"``: R_i - mean_g R);
+      G[i, k]    = sum_{j >= k} gamma^(j - k) r[i, j]   (discounted step return; r includes
+                   invalid-action penalties and the outcome at the last step);
+      A_st(i, k) = (G[i, k] - mean_S G) / (std_S G + eps)   (or the mean only), where
+                   S = {(j, l): group(j) = group(i), anchor(j, l) = anchor(i, k)}.
+    std is unbiased (ddof 1, torch.std as the reference code). Singleton anchor groups give
+    A_st = 0; a zero-variance group gives exactly 0. Singleton task groups: A_ep = 0
+    (``singleton="raw"``: A_ep = R, verl).
+
+    ``episode_weighting``: ``"trajectory"`` (default) counts each trajectory once in the
+    episode mean/std (plain GRPO); ``"steps"`` is the reference code's
+    ``compute_mean_std_cross_steps=True``, where the statistics run over per-step rows, so a
+    trajectory counts K_i times (length-weighted). They differ whenever the trajectories of a
+    group have different lengths; the length-weighted mean leans toward long (usually failed)
+    episodes.
+    ``anchor``: ``"exact"`` (hashed observation, the paper), ``"bucket"`` or ``"similar"``
+    (clusters of extras['state_features'], the reference's similarity option;
+    see ``anchor_ids``). The paper's scripts use gamma 0.95, w 1; the reference defaults to
+    ``mode="mean_norm"`` in some scripts, this library to ``"mean_std_norm"``.
+    Reductions: all anchors distinct, or w = 0, gives GRPO (Dr.GRPO with mean_norm).
+    """
+    _check_common(mode, episode_weighting, eps, singleton, gamma)
+    check_choice("anchor", anchor, ("exact", "bucket", "similar"))
+    check_positive("bucket_width", bucket_width)
+    b = segments.local_view(batch, axis_name)
+    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, eps=eps,
+                             singleton=singleton)
+    ids = anchor_ids(b, anchor, bucket_width=bucket_width, sim_threshold=sim_threshold,
+                     sim_iters=sim_iters)
+    a_st = normalize_in_groups(step_returns(b, gamma), ids, segments.valid_turns(b), mode=mode,
+                               eps=eps)
+    return combine(b, a_ep, a_st, 1.0, step_weight)
+
+
+def matchtir(batch: TrajectoryBatch, *, lam: float = 0.9, eps: float = 1e-6,
+             axis_name=None) -> Advantages:
+    """MatchTIR's dual-level advantage (Qu et al. 2026; quchangle1/MatchTIR core_algos).
+
+    Turn rewards r[i, k] come from bipartite matching of predicted and gold tool calls (placed
+    on each turn's last token by the caller). G[i, k] = sum_{j >= k} lam^(j - k) r[i, j];
+    A_turn = (G - mean) / (std + eps) over the (task group, turn index k) cohort;
+    A_traj = GRPO z-score of sum_k r[i, k]; A = (A_traj + A_turn) / 2. Singletons follow the
+    verl code (mean 0, std 1) in both terms. Equals ``step_group(key="turn", gamma=lam,
+    combine_as="mean", episode_reward="reward_sum", singleton="raw", step_singleton="raw")``.
+    """
+    return step_group(batch, key="turn", target="return", gamma=lam, combine_as="mean",
+                      episode_reward="reward_sum", singleton="raw", step_singleton="raw",
+                      eps=eps, axis_name=axis_name)

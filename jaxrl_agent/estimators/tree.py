@@ -1,0 +1,344 @@
+"""Rollout-tree estimators: RTMC, tree-node value differences (TreePS-RAG, SPO-tree, TEMPO,
+TreeMem) and ProGPO.
+
+The rollout tree of a task group
+--------------------------------
+Turn (i, k) is taken from the tree node H(i, k) = the exact history (s_0, a_0, ..., a_{k-1},
+s_k) of trajectory i (``segments.history_keys``: two uint32 streams, 64 bits, scoped by task
+group). Two turns sit at the same node iff their trajectories belong to one task group and
+agree on every state and action key up to s_k; a trajectory visits a node at most once (the
+node fixes the depth k). Different first observations give different roots of one group.
+
+The child entered by action k (``child="history"``, the default) is
+  * the next node H(i, k + 1) when turn k + 1 exists, and
+  * at the trajectory's last turn, a leaf identified by (H(i, k), a_k).
+Leaves and inner nodes are told apart by an explicit flag key column (key tuples
+(H_{k+1}, 0, 0) and (H_k, a_k, 1)), not by a hash sentinel, so no key value can make a leaf
+equal an inner node. Two trajectories that take the same action at the same node but where one
+ends and the other continues (or sees a different next observation) enter different children.
+With ``child="action"`` the child is the action node (H(i, k), a_k) for every turn: chance
+outcomes of the environment are averaged inside one child (in a deterministic environment the
+two coincide except for ended vs continued trajectories).
+
+Either way every trajectory through a node takes exactly one child, so with N(.) the number of
+trajectories through a node and V(.) = the mean of their outcomes (P13):
+  N(p) = sum_c N(c),  V(p) = sum_c N(c) V(c) / N(p),  sum_c N(c) (V(c) - V(p)) = 0.
+
+All statistics are scoped by task group; groups are whole on one shard, so everything here is
+shard-local (no collective is needed with ``axis_name``). Every estimator works on the turn
+level [N, K] and broadcasts to the action tokens, so both layouts give the same advantages.
+Turns are expected to be a prefix 0..K_i - 1 of each trajectory (as ``pack_records`` builds
+them); a missing turn ends the trajectory's path for ``is_last``.
+
+Private helpers used by more than one estimator here (candidates for ``segments``):
+``_first_of`` (first member of every id), ``_first_visits`` (first visit of a key per
+trajectory), ``_tree_ids`` (node and child ids).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_agent import segments
+from jaxrl_agent.batch import Advantages, TrajectoryBatch
+from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit
+from jaxrl_agent.estimators.step_group import (
+    EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine, episode_advantage, normalize_in_groups,
+    step_returns)
+
+SIGNATURES = ("history", "state")
+CHILDREN = ("history", "action")
+BASELINES = ("parent", "siblings")
+TARGETS = ("return", "outcome")
+TERMINALS = ("outcome", "td")
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_nonneg_finite(name, value):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+            not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+def _check_episode(mode, episode_weighting, eps, singleton, gamma):
+    check_choice("mode", mode, MODES)
+    check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
+    check_choice("singleton", singleton, SINGLETONS)
+    check_positive("eps", eps)
+    check_unit("gamma", gamma)
+
+
+# ----------------------------------------------------------------------------- tree helpers
+
+
+def _first_of(ids, valid):
+    """[N, K] bool: (i, k) is the first valid turn, in flat (i, k) order, of its id."""
+    n, k = ids.shape
+    flat = jnp.arange(n * k, dtype=jnp.int32).reshape(n, k)
+    seg = jnp.where(valid, ids, n * k).reshape(-1)
+    first = jax.ops.segment_min(jnp.where(valid, flat, n * k).reshape(-1), seg, n * k)
+    return valid & (first[jnp.clip(ids, 0, n * k - 1)] == flat)
+
+
+def _first_visits(ids, valid):
+    """[N, K] bool: turn k is the first valid turn of its trajectory with key id ``ids[i, k]``
+    (first-visit Monte Carlo). Pairwise over the K turns of a trajectory: O(N K^2)."""
+    k = ids.shape[1]
+    earlier = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]  # [k, j]: j < k
+    seen = (ids[:, :, None] == ids[:, None, :]) & valid[:, None, :] & earlier[None]
+    return valid & ~jnp.any(seen, axis=2)
+
+
+def _tree_ids(b: TrajectoryBatch, child: str = "history"):
+    """(node ids, child ids), each [N, K] int32 scoped by task group (see the module doc):
+    node = H(i, k); child = H(i, k + 1), or the leaf (H(i, k), a_k) at the last turn
+    (``child="action"``: (H(i, k), a_k) always). Invalid turns get N * K."""
+    h = segments.history_keys(b)
+    a = b.action_keys.astype(jnp.uint32)
+    node = segments.turn_key_ids(b, *h)
+    if child == "action":
+        return node, segments.turn_key_ids(b, *h, a)
+    valid = segments.valid_turns(b)
+    last = valid & ~segments.next_turn(valid, False)
+    cols = [jnp.where(last, x, segments.next_turn(x)) for x in h]
+    return node, segments.turn_key_ids(b, *cols, jnp.where(last, a, 0), last.astype(jnp.uint32))
+
+
+def _target(b: TrajectoryBatch, target: str, gamma):
+    if target == "return":
+        return step_returns(b, gamma)
+    return jnp.where(b.turn_mask, b.outcome[:, None], 0.0).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- RTMC
+
+
+def _shrink(count, kappa):
+    """kappa / (count + kappa): the weight of the prior (0 when kappa = 0, never NaN)."""
+    return kappa / jnp.maximum(count + kappa, 1e-30)
+
+
+def _rtmc_terms(b: TrajectoryBatch, *, kappa, signature, target, gamma):
+    """RTMC's per-turn statistics: dict of [N, K] arrays (0 on invalid turns)
+    v_hat, q_hat (raw first-visit MC means), n_s, n_sa (trajectory counts), v, q (smoothed)."""
+    valid = segments.valid_turns(b)
+    g = _target(b, target, gamma)
+    cols = segments.history_keys(b) if signature == "history" else (b.state_keys,)
+    s_ids = segments.turn_key_ids(b, *cols)
+    sa_ids = segments.turn_key_ids(b, *cols, b.action_keys)
+    if signature == "history":  # a history node is visited at most once per trajectory
+        first_s = first_sa = valid
+    else:
+        first_s, first_sa = _first_visits(s_ids, valid), _first_visits(sa_ids, valid)
+    v_hat, _, n_s = segments.key_stats(g, s_ids, first_s)
+    q_hat, _, n_sa = segments.key_stats(g, sa_ids, first_sa)
+    root = segments.group_stats(g[:, 0], b.group_ids, valid[:, 0])[0]  # group mean of G_0
+    lam_s, lam_sa = _shrink(n_s, kappa), _shrink(n_sa, kappa)
+    if signature == "history":
+        # V_k = v_hat_k + lam_k (V_{k-1} - v_hat_k). With D_k = V_k - v_hat_k:
+        # D_k = lam_k (v_hat_{k-1} - v_hat_k) + lam_k D_{k-1}, D_{-1} = 0, v_hat_{-1} = root.
+        # (Equal v_hat everywhere gives D = 0 exactly.) A forward scan = a reversed one.
+        prev = jnp.concatenate([root[:, None], v_hat[:, :-1]], axis=1)
+        x = jnp.where(valid, lam_s * (prev - v_hat), 0.0)
+        d = segments.reverse_scan(x[:, ::-1], lam_s[:, ::-1], axis=1,
+                                  where=valid[:, ::-1])[:, ::-1]
+        v = v_hat + d
+    else:
+        v = v_hat + lam_s * (root[:, None] - v_hat)
+    q = q_hat + lam_sa * (v - q_hat)
+    z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
+    return {"v_hat": z(v_hat), "q_hat": z(q_hat), "n_s": z(n_s), "n_sa": z(n_sa), "v": z(v),
+            "q": z(q)}
+
+
+def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "history",
+         target: str = "return", gamma: float = 1.0, episode_weight: float = 0.0,
+         mode: str = "mean_std_norm", episode_weighting: str = "trajectory", eps: float = 1e-6,
+         singleton: str = "zero", axis_name=None) -> Advantages:
+    """RTMC: Rollout-Tree Monte Carlo advantages with prior-smoothed node values
+    (METHODS.md b6; Status S, the smoothing is [X] our definition).
+
+    Nodes s = the turn's state signature: ``signature="history"`` (default) the exact history
+    node H(i, k) of the rollout tree (module doc); ``"state"`` the plain ``state_keys`` (a
+    graph: a state may recur, also within one trajectory). Actions a = ``action_keys``. Returns
+    G[i, k]: ``target="return"`` the discounted reward-to-go sum_{j >= k} gamma^(j-k) r[i, j];
+    ``"outcome"`` R_i at every turn. Everything is scoped by task group.
+
+    First-visit Monte Carlo: in each trajectory only the first occurrence of s (for V) and of
+    the pair (s, a) (for Q) counts, so
+      N(s) = #trajectories visiting s,   V_hat(s) = mean of G over first visits of s,
+      N(s, a), Q_hat(s, a) likewise over first visits of (s, a).
+    Smoothing [X]:
+      V~(s)    = (sum_{first visits} G + kappa V_prior(s)) / (N(s) + kappa),
+      Q~(s, a) = (sum_{first visits} G + kappa V~(s)) / (N(s, a) + kappa),
+      V_prior(s) = V~(parent of s) for the history signature (computed root-down by a scan
+        over the depth k), and the root prior mean_g G[., 0] (the group mean of the first-turn
+        return: the group mean of R for outcome rewards) for depth-0 nodes; with the state
+        signature (no unique parent) every state's prior is that root prior [X].
+    A[i, k] = Q~(s, a) - V~(s) + episode_weight A_ep(i), broadcast onto turn k's action tokens
+    (A_ep = GRPO, ``episode_advantage`` with ``mode``, ``episode_weighting``, ``singleton``;
+    off by default, as in the paper).
+
+    Limits: kappa = 0 gives the raw first-visit MC estimate Q_hat - V_hat (whose count-weighted
+    sum over the actions of a history node is 0, P13); kappa -> inf gives A -> 0; repeating a
+    loop of (s, a) pairs inside one trajectory leaves the statistics unchanged (first visit).
+    A singleton node with kappa > 0 gives kappa (G - V_prior) / (1 + kappa)^2 (shrunk toward
+    its parent, not 0). All-equal returns give exactly 0. ``kappa`` >= 0 and finite.
+    """
+    _check_nonneg_finite("kappa", kappa)
+    check_choice("signature", signature, SIGNATURES)
+    check_choice("target", target, TARGETS)
+    _check_episode(mode, episode_weighting, eps, singleton, gamma)
+    b = segments.local_view(batch, axis_name)
+    t = _rtmc_terms(b, kappa=kappa, signature=signature, target=target, gamma=gamma)
+    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, eps=eps,
+                             singleton=singleton)
+    return combine(b, a_ep, t["q"] - t["v"], episode_weight, 1.0)
+
+
+# ----------------------------------------------------------------------------- tree values
+
+
+def _tree_terms(b: TrajectoryBatch, *, child, baseline):
+    """Tree-node values, dict of [N, K] arrays (0 on invalid turns): v_parent V(H(i, k)),
+    v_child V(child), n_child N(child), n_children (distinct children of the node), a_proc."""
+    valid = segments.valid_turns(b)
+    r = jnp.where(valid, b.outcome[:, None], 0.0).astype(jnp.float32)
+    node, kid = _tree_ids(b, child)
+    v_p = segments.key_stats(r, node, valid)[0]
+    v_c, _, n_c = segments.key_stats(r, kid, valid)
+    rep = _first_of(kid, valid).astype(jnp.float32)  # one representative turn per child
+    n_ch = segments.key_stats(rep, node, valid, weights=rep)[2]  # distinct children per node
+    if baseline == "parent":
+        base = v_p
+    else:  # unweighted mean of V over the node's distinct children
+        base = segments.key_stats(v_c, node, valid, weights=rep)[0]
+    a_proc = jnp.where(n_ch > 1, v_c - base, 0.0)  # branch gating (exact 0 for one child)
+    z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
+    return {"v_parent": z(v_p), "v_child": z(v_c), "n_child": z(n_c), "n_children": z(n_ch),
+            "a_proc": z(a_proc)}
+
+
+def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weight: float = 1.0,
+               baseline: str = "parent", child: str = "history", mode: str = "mean_std_norm",
+               episode_weighting: str = "trajectory", eps: float = 1e-6,
+               singleton: str = "zero", axis_name=None) -> Advantages:
+    """Tree-node value differences: TreePS-RAG (b8), Segment-PO tree (b10), TEMPO / P2T at turn
+    granularity (b9), TreeMem (b25). Status S; the combination with GRPO is [X] our definition.
+
+    On the rollout tree of each task group (module doc; ``child`` picks the child node):
+      V(u) = mean of the outcome R over the trajectories passing through node u;
+      A_proc(i, k) = V(c) - V(p) for the step entering child c = child(i, k) from parent
+        p = H(i, k) (``baseline="parent"``; TreePS-RAG, SPO-tree, TreeMem, TEMPO's delta), or
+        V(c) - mean_{c' in children(p)} V(c') (``"siblings"``: each distinct child counted once,
+        c included);
+      A_proc = 0 where p has a single child (TEMPO's branch gating; for ``"parent"`` this is
+        what the formula gives anyway, and is kept exact);
+      A[i, k] = episode_weight A_ep(i) + step_weight A_proc(i, k), broadcast onto turn k's
+        action tokens, A_ep = GRPO (``episode_advantage``: ``mode`` ``"mean_std_norm"`` GRPO,
+        ``"mean_norm"`` Dr.GRPO; ``episode_weighting``, ``singleton``).
+    Properties: P13 (V(p) is the leaf-count weighted mean of its children, so the step terms of
+    a node sum to 0 over its trajectories for ``"parent"``); a depth-1 tree (one shared root,
+    distinct actions, single-turn trajectories) gives A_proc = R_i - mean_g R (Dr.GRPO);
+    step_weight = 0 gives GRPO exactly; A_proc telescopes along a trajectory to
+    R_i - V(root) minus the gated terms. Singleton groups and equal outcomes give A_proc = 0.
+    """
+    check_choice("baseline", baseline, BASELINES)
+    check_choice("child", child, CHILDREN)
+    _check_episode(mode, episode_weighting, eps, singleton, 1.0)
+    b = segments.local_view(batch, axis_name)
+    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, eps=eps,
+                             singleton=singleton)
+    t = _tree_terms(b, child=child, baseline=baseline)
+    return combine(b, a_ep, t["a_proc"], episode_weight, step_weight)
+
+
+# ----------------------------------------------------------------------------- ProGPO
+
+
+def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal, prefix_mode,
+                  eps):
+    """ProGPO's per-turn pieces, dict (0 on invalid turns): g [N, K] returns, phi_d and w_d
+    [N, K, D + 1] depth potentials and fusion weights, phi [N, K] fused potential, credit C,
+    a_pre (exact-prefix term)."""
+    valid = segments.valid_turns(b)
+    g = step_returns(b, gamma)
+    s0sq = jnp.square(jnp.asarray(prior_std, jnp.float32))
+    phis, ws = [], []
+    for d in range(max_depth + 1):
+        ids = segments.turn_key_ids(b, *segments.history_keys(b, depth=d))
+        mean, std, n = segments.key_stats(g, ids, valid, ddof=1)
+        var = jnp.where(n > 1, std * std, s0sq)
+        phis.append(mean)
+        ws.append(jnp.where(valid, n / (var + s0sq), 0.0))
+    phi_d, w_d = jnp.stack(phis, -1), jnp.stack(ws, -1)
+    # Fused around the depth-0 mean: equal depth means give exactly that mean.
+    tot = jnp.sum(w_d, -1)
+    phi = phi_d[..., 0] + jnp.sum(w_d * (phi_d - phi_d[..., :1]), -1) / jnp.maximum(tot, 1e-30)
+    phi = jnp.where(valid, phi, 0.0)
+    last = valid & ~segments.next_turn(valid, False)
+    if terminal == "outcome":
+        nxt = jnp.where(last, b.outcome[:, None], segments.next_turn(phi))
+        credit = gamma * nxt - phi
+    else:
+        nxt = jnp.where(last, 0.0, segments.next_turn(phi))
+        r = jnp.where(b.turn_mask, b.turn_rewards, 0.0)
+        credit = r + gamma * nxt - phi
+    ids = segments.turn_key_ids(b, *segments.history_keys(b))
+    a_pre = normalize_in_groups(g, ids, valid, mode=prefix_mode, eps=eps)
+    z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
+    return {"g": z(g), "phi_d": jnp.where(valid[..., None], phi_d, 0.0), "w_d": w_d,
+            "phi": phi, "credit": z(credit), "a_pre": a_pre}
+
+
+def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float = 1.0,
+           transition_weight: float = 1.0, max_depth: int = 2, prior_std: float = 0.5,
+           terminal: str = "outcome", mode: str = "mean_std_norm",
+           prefix_mode: str = "mean_norm", episode_weighting: str = "trajectory",
+           eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
+    """ProGPO: Progress- and Reliability-Oriented Group PO (METHODS.md b3; Status S, the
+    formulas are [X] our definition).
+
+    G[i, k] = sum_{j >= k} gamma^(j-k) r[i, j]; keys scoped by task group.
+      Exact-prefix term: A_pre(i, k) = G[i, k] - mean{G[j, l]: H(j, l) = H(i, k)} over the
+        turns with the same whole history (``prefix_mode="mean_std_norm"``: divided by
+        std + eps, unbiased); 0 for a singleton prefix.
+      Depth potentials, d = 0..D (D = ``max_depth``): key_d(i, k) = the last d turns of history
+        and the current state (``segments.history_keys(depth=d)``; d = 0 the state alone);
+        Phi_d = mean of G over the turns (visits) sharing key_d, n_d their number, sigma_d^2
+        the unbiased sample variance, or the prior variance s0^2 (s0 = ``prior_std``) when
+        n_d = 1.
+      Inverse-variance fusion: w_d = n_d / (sigma_d^2 + s0^2) >= 0,
+        Phi(s) = sum_d w_d Phi_d / sum_d w_d  (a convex combination of the depth means).
+      Transition credit: C(i, k) = gamma Phi(s_{i,k+1}) - Phi(s_{i,k}) with Phi(terminal) = R_i
+        (``terminal="outcome"``), so sum_k gamma^k C(i, k) = gamma^{K_i} R_i - Phi(s_{i,0})
+        (gamma = 1: R_i - Phi(s_{i,0}), P11); or the TD form (``terminal="td"``)
+        C = r[i, k] + gamma Phi(s_{i,k+1}) - Phi(s_{i,k}) with Phi(terminal) = 0, which
+        telescopes to G[i, 0] - Phi(s_{i,0}).
+      A[i, k] = A_ep(i) + w1 A_pre(i, k) + w2 C(i, k)   (w1 = ``prefix_weight``,
+        w2 = ``transition_weight``; A_ep = GRPO via ``episode_advantage`` with ``mode``).
+    Reductions: w2 = 0 with prefix_mode = mode is step_group(key="history") (exact-prefix
+    GiGPO); w1 = w2 = 0 is GRPO. Degenerate cases: a lone trajectory has every key to itself,
+    so Phi = G and C = gamma G_{k+1} - G_k (0 for outcome-only rewards and gamma = 1); equal
+    returns give C = (gamma - 1) x that return. Not implemented: the paper's "semantic
+    expansion" (merging near-duplicate observations); pass such merged ids as state_keys.
+    """
+    check_choice("terminal", terminal, TERMINALS)
+    check_choice("prefix_mode", prefix_mode, MODES)
+    check_positive("prior_std", prior_std)
+    if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
+        raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
+    _check_episode(mode, episode_weighting, eps, singleton, gamma)
+    b = segments.local_view(batch, axis_name)
+    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, eps=eps,
+                             singleton=singleton)
+    t = _progpo_terms(b, gamma=gamma, max_depth=max_depth, prior_std=prior_std,
+                      terminal=terminal, prefix_mode=prefix_mode, eps=eps)
+    return combine(b, a_ep, prefix_weight * t["a_pre"] + transition_weight * t["credit"],
+                   1.0, 1.0)
