@@ -447,9 +447,16 @@ def validate(cfg: RunConfig) -> RunConfig:
     est = cfg.estimator
     known = estimators.names()
     if est.name not in known:
-        raise ConfigError(f"estimator {est.name!r} is not available yet (known: {', '.join(known)})")
+        raise ConfigError(f"estimator.name: unknown estimator {est.name!r} (known: {', '.join(known)})")
     _check_params(est.params, list(estimators.spec(est.name).hyper_params), "estimator.params",
                   f"estimator {est.name!r}")
+    from jaxrl_agent.train.step import CRITIC_ESTIMATORS
+    if est.name in CRITIC_ESTIMATORS and not cfg.model.value_head:
+        raise ConfigError(f"estimator {est.name!r} reads a critic: set model.value_head: true")
+    if est.name == "step_group" and est.params.get("key") == "turn_key":
+        raise ConfigError("estimator step_group with key 'turn_key' reads extras['turn_keys'], "
+                          "which the training loop does not produce; use it with "
+                          "`jaxrl-agent credit` on records that carry a 'turn_key'")
 
     lo = cfg.loss
     loss_names = [n for n in POLICY_LOSSES if n in losses.names()]

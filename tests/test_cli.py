@@ -15,6 +15,7 @@ from jaxrl_agent.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "rollouts.jsonl"
 EXAMPLE_VALUES = ROOT / "examples" / "rollouts_with_values.jsonl"
+EXAMPLE_STEPS = ROOT / "examples" / "gridworld_steps.jsonl"
 
 
 def run(argv, capsys):
@@ -70,8 +71,11 @@ def test_value_estimators_with_values(tmp_path, capsys, name):
 
 
 def test_every_estimator_runs_on_the_example(tmp_path, capsys):
+    from tests.reference.all_refs import OWN_MODULE
     for name in estimators.names():
         src = EXAMPLE_VALUES if name in ("gae", "turn_gae", "lambda_returns", "sapo") else EXAMPLE
+        if name in OWN_MODULE:  # step-level: states recur; HAE/BiPACE read extras
+            src = EXAMPLE_STEPS
         rc, _, err = run(["credit", src, "--estimator", name, "--out", tmp_path / f"{name}.jsonl"],
                          capsys)
         assert rc == 0, (name, err)

@@ -34,8 +34,15 @@ from jaxrl_agent.models.transformer import token_logprobs
 
 # What critic estimators read from the value head.
 TOKEN_VALUE_ESTIMATORS = ("gae", "lambda_returns")
-TURN_VALUE_ESTIMATORS = ("turn_gae", "sapo")
+TURN_VALUE_ESTIMATORS = ("turn_gae", "sapo", "hae")
 CRITIC_ESTIMATORS = TOKEN_VALUE_ESTIMATORS + TURN_VALUE_ESTIMATORS
+
+
+def needs_hidden(estimator: str, params: dict) -> bool:
+    """Estimators that read the policy's hidden state at each decision point: BiPACE's
+    clusters (extras['hidden']) and GiGPO's similarity/bucket anchors (extras['state_features'])."""
+    return estimator == "bipace" or (estimator == "gigpo"
+                                     and params.get("anchor", "exact") != "exact")
 
 
 @struct.dataclass
@@ -80,6 +87,10 @@ class StepConfig:
     @property
     def needs_values(self) -> bool:
         return self.estimator in CRITIC_ESTIMATORS
+
+    @property
+    def needs_hidden(self) -> bool:
+        return needs_hidden(self.estimator, dict(self.estimator_params))
 
 
 def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay: str = "cosine",
@@ -137,6 +148,22 @@ def _forward(graphdef, params, rest, tokens, extras, *, want_entropy: bool):
     return lp, ent, values
 
 
+def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch):
+    """[N, K, D] final hidden state at each turn's decision point (the position before its
+    first action token: the state the action was drawn from), detached."""
+    model = nnx.merge(graphdef, params, rest)
+    h = model(batch.tokens, positions=batch.extras.get("positions"),
+              segment_ids=batch.extras.get("segment_ids")).hidden.astype(jnp.float32)
+    h = jnp.concatenate([h[:, :1], h[:, :-1]], axis=1)  # h[t - 1] at position t
+    first, _ = segments.turn_boundary_masks(batch)
+    n, k = batch.num_traj, batch.num_turns
+    idx = batch.row_traj[:, None] * k + jnp.clip(batch.turn_ids, 0, k - 1)
+    idx = jnp.where(first, idx, n * k)
+    out = jax.ops.segment_sum(jnp.where(first[..., None], h, 0.0).reshape(-1, h.shape[-1]),
+                              idx.reshape(-1), n * k)
+    return jax.lax.stop_gradient(out.reshape(n, k, -1))
+
+
 def _row_extras(extras: dict, num_rows: int) -> dict:
     return {k: v for k, v in extras.items() if v.ndim >= 1 and v.shape[0] == num_rows}
 
@@ -149,6 +176,8 @@ def _attach_values(batch: TrajectoryBatch, values, cfg: StepConfig) -> Trajector
     else:  # before_token values at the first action token = V(s_k) ("before_action")
         at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
         extras["turn_values"] = segments.turn_values_from_tokens(at_token, batch, "before_action")
+        if cfg.estimator == "hae":  # one value head serves both levels (HiPER reads V_high at
+            extras.setdefault("high_values", extras["turn_values"])  # the same boundary)
     return batch.replace(extras=extras)
 
 
@@ -199,6 +228,10 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     if cfg.needs_values:
         _, _, v0 = fwd(state.params, tokens=batch.tokens, extras=batch.extras, want_entropy=False)
         est_batch = _attach_values(batch, v0, cfg)
+    if cfg.needs_hidden:
+        h = _decision_hidden(graphdef, state.params, rest, batch)
+        est_batch = est_batch.replace(extras={**est_batch.extras, "hidden": h,
+                                              "state_features": h})
     est_fn = functools.partial(spec.fn, **dict(cfg.estimator_params))
     if spec.stateful:
         adv, est_state = est_fn(est_batch, state=state.est_state)
