@@ -1,19 +1,20 @@
 """GiGPO benchmark pieces: a synthetic batch with anchor-state collisions, the loop baseline
-written the way verl-agent's core_gigpo works, and the byte count of the bandwidth floor.
-
-Used by ``benchmarks/estimators.py --gigpo``; nothing here is imported by the library or the
-tests.
+written the way verl-agent's core_gigpo works, the byte count of the bandwidth floor, and
+sort-free prototypes that ``estimators.py --gigpo`` profiles. Nothing here is imported by the
+library or the tests.
 
 The baseline (``gigpo_loop``) follows the structure of verl-agent's
-``compute_gigpo_outcome_advantage`` (written from its description, not copied): one entry per
-step, in trajectory order; discounted step returns by a reverse loop over each trajectory's
-steps; the episode term from a dict ``index -> scores`` (one score per trajectory) with numpy
-mean/std per group; step groups from a dict ``(index, anchor_obs) -> [positions]`` with one uid
+``compute_gigpo_outcome_advantage`` (written independently, not copied): one entry per step, in
+trajectory order; discounted step returns by a reverse loop over each trajectory's steps; the
+episode term from a dict ``index -> scores`` with numpy mean/std per group (one score per
+trajectory, the library's default ``episode_weighting="trajectory"``; verl-agent's default
+counts every step); step groups from a dict ``(index, anchor_obs) -> [positions]`` with one uid
 per cluster; the step term from a dict ``uid -> returns`` with numpy mean/std per group; both
-assigned back by a loop over steps, summed, and broadcast onto the action tokens. It is a
-*charitable* version of the original: the original finds each group's rows with
-``np.where(index == idx)`` per unique index and each trajectory's rows with
-``np.where(traj_uid == uid)`` per row (quadratic in the batch), and names clusters with
+assigned back by a loop over steps and summed; the final broadcast onto action tokens is one
+vectorised numpy gather (the original's ``scores.unsqueeze(-1).tile(...) * response_mask``).
+It is a *charitable* version of the original: the original finds each group's rows with
+``np.where(index == idx)`` per unique index and each step's position in its trajectory with
+``np.where(traj_uid == uid)`` per step (quadratic in the batch), and names clusters with
 ``uuid4`` strings; here every group lookup is a dict (linear) and uids are ints.
 """
 
@@ -279,7 +280,8 @@ def rep_shift_key_stats(x, ids, valid, ddof: int = 1):
     count = jax.ops.segment_sum(ok.astype(x.dtype), ids, m)
     mean_s = jax.ops.segment_sum(xs, ids, m) / jnp.maximum(count, 1.0)
     dev = jnp.where(ok, xs - mean_s[safe], 0.0)
-    std = segments.safe_sqrt(jax.ops.segment_sum(dev * dev, ids, m) / jnp.maximum(count - ddof, 1.0))
+    ssd = jax.ops.segment_sum(dev * dev, ids, m)
+    std = segments.safe_sqrt(ssd / jnp.maximum(count - ddof, 1.0))
     return ((top + mean_s[safe]).reshape(n, k), std[safe].reshape(n, k),
             count[safe].reshape(n, k))
 

@@ -440,22 +440,74 @@ def valid_turns(batch: TrajectoryBatch):
     return batch.turn_mask & batch.traj_mask[:, None]
 
 
-def turn_key_ids(batch: TrajectoryBatch, *keys, valid=None):
-    """Dense ids [N, K] of turns whose key tuples are equal *inside one task group*.
+def turn_key_ids(batch: TrajectoryBatch, *keys, valid=None, max_rounds: int = 64):
+    """Ids [N, K] of turns whose key tuples are equal *inside one task group*.
 
     Keys are always scoped by ``group_ids`` (GiGPO's ``(index, anchor_obs)``): two turns share
-    an id iff they belong to the same group and every key array agrees. Each key broadcasts to
-    [N, K] (pass ``batch.group_ids[:, None] * 0 + k`` style arrays or [N, 1] columns).
+    an id iff they belong to the same group and every key array agrees (keys are compared,
+    not only hashed: the grouping is exact). Each key broadcasts to [N, K].
+
+    Method (sort-free; a multi-key sort is slow on CPU): an open-addressing hash table of
+    2 N K slots with linear probing, run as rounds of vectorised scatter/gather. A turn's
+    first slot is a hash of its keys inside a window owned by its group (groups packed as
+    consecutive trajectories get disjoint windows, so probing stays local). Each round every
+    unresolved turn whose slot is empty bids its flat index for it (scatter-min); turns whose
+    keys equal those of the slot's owner take the owner's index, the rest move one slot on.
+    All turns of one key move together, so they always agree. A handful of rounds suffice in
+    practice; after ``max_rounds`` (adversarial clustering) it falls back to a sort
+    (``dense_ids``), which gives the same grouping.
 
     Returns:
-      ids [N, K] int32 in [0, N * K); invalid turns (missing turns, padding trajectories,
-      ``valid`` False) get N * K, which segment reductions drop.
+      ids [N, K] int32 in [0, N * K): the smallest flat index (i * K + k) among the turns of
+      the key (not dense); invalid turns (missing turns, padding trajectories, ``valid``
+      False) get N * K, which segment reductions drop.
     """
     n, k = batch.num_traj, batch.num_turns
+    m = n * k
     ok = valid_turns(batch) if valid is None else valid & valid_turns(batch)
-    cols = [jnp.broadcast_to(batch.group_ids[:, None], (n, k))]
-    cols += [jnp.broadcast_to(x, (n, k)) for x in keys]
-    ids, _ = dense_ids(*(c.reshape(-1) for c in cols), valid=ok.reshape(-1))
+    ok = ok.reshape(-1)
+    g = jnp.broadcast_to(batch.group_ids[:, None], (n, k)).reshape(-1)
+    cols = [g.astype(jnp.uint32)] + [jnp.broadcast_to(x, (n, k)).reshape(-1).astype(jnp.uint32)
+                                     for x in keys]
+    size = 2 * m
+    h = cols[1] if len(cols) > 1 else jnp.zeros_like(cols[0])
+    for c in cols[2:]:
+        h = hash_combine(h, c)
+    h = _fmix32(h + jnp.uint32(0x7F4A7C15))
+    members = jax.ops.segment_sum(ok.astype(jnp.int32), jnp.where(ok, g, n), n)
+    width = jnp.maximum(members[jnp.clip(g, 0, n - 1)], 1).astype(jnp.uint32) * jnp.uint32(2)
+    slot = ((jnp.clip(g, 0, n - 1) * 2 * k).astype(jnp.uint32) + h % width).astype(jnp.int32)
+    slot = slot % size
+    flat = jnp.arange(m, dtype=jnp.int32)
+
+    def same_keys(owner):
+        eq = jnp.ones((m,), bool)
+        for c in cols:
+            eq = eq & (c[owner] == c)
+        return eq
+
+    def body(carry):
+        table, slot, ids, _, rounds = carry
+        active = ids < 0
+        free = table[slot] == m
+        table = table.at[jnp.where(active & free, slot, size)].min(flat, mode="drop")
+        owner = jnp.clip(table[slot], 0, m - 1)
+        ids = jnp.where(active & (table[slot] < m) & same_keys(owner), owner, ids)
+        active = ids < 0
+        slot = jnp.where(active, jnp.where(slot + 1 == size, 0, slot + 1), slot)
+        return table, slot, ids, jnp.any(active), rounds + 1
+
+    ids = jnp.where(ok, -1, m).astype(jnp.int32)
+    zero = jnp.min(ids) * 0  # built from the inputs: varies over a mesh axis like them
+    init = (jnp.full((size,), m, jnp.int32) + zero, slot, ids, jnp.any(ok), zero)
+    _, _, ids, unresolved, _ = lax.while_loop(lambda c: c[3] & (c[4] < max_rounds), body, init)
+
+    def by_sort(_):
+        dense, _ = dense_ids(*cols, valid=ok)
+        first = jax.ops.segment_min(flat, dense, m + 1)  # smallest flat index of each key
+        return jnp.where(ok, first[jnp.clip(dense, 0, m)], m).astype(jnp.int32)
+
+    ids = lax.cond(unresolved, by_sort, lambda _: ids, None)
     return ids.reshape(n, k)
 
 
@@ -497,9 +549,9 @@ def history_keys(batch: TrajectoryBatch, depth: int | None = None):
     H_k hashes (s_0, a_0, s_1, a_1, ..., a_{k-1}, s_k) from ``state_keys`` (s) and
     ``action_keys`` (a): turns share H_k iff their whole histories agree (the exact-prefix tree
     node before action k, up to a 2^-64 collision chance). With ``depth=d`` only the last d
-    turns enter: (s_{k-d}, a_{k-d}, ..., a_{k-1}, s_k), missing early turns hashed as a fixed
-    sentinel; ``depth=0`` is the current state alone. Pair the two streams as two keys of
-    ``turn_key_ids``.
+    turns enter: (s_{k-d}, a_{k-d}, ..., a_{k-1}, s_k), each earlier slot hashed with a flag
+    saying whether that turn exists (so no key value can pose as a missing turn); ``depth=0``
+    is the current state alone. Pair the two streams as two keys of ``turn_key_ids``.
     """
     s = batch.state_keys.astype(jnp.uint32)
     a = batch.action_keys.astype(jnp.uint32)
@@ -523,9 +575,10 @@ def history_keys(batch: TrajectoryBatch, depth: int | None = None):
         for j in range(1, depth + 1):  # fold in (s_{k-j}, a_{k-j}) going back
             s_back = jnp.pad(s, ((0, 0), (j, 0)))[:, :k]
             a_back = jnp.pad(a, ((0, 0), (j, 0)))[:, :k]
-            exists = jnp.arange(k)[None, :] >= j
-            h = hash_combine(hash_combine(h, jnp.where(exists, a_back, 0x5EED)),
-                             jnp.where(exists, s_back, 0x5EED))
+            exists = jnp.broadcast_to(jnp.arange(k)[None, :] >= j, (n, k))
+            h = hash_combine(h, exists.astype(jnp.uint32))  # a missing turn is no key value
+            h = hash_combine(hash_combine(h, jnp.where(exists, a_back, 0)),
+                             jnp.where(exists, s_back, 0))
         out.append(h)
     return tuple(out)
 
@@ -540,45 +593,58 @@ def bucket_keys(features, width: float):
     return h
 
 
-def similarity_clusters(features, scope, valid, threshold: float, iters: int = 8,
+def similarity_clusters(features, scope, valid, threshold: float, iters: int = 32,
                         block: int = 1024):
     """Connected components of a thresholded cosine-similarity graph, inside jit.
 
     Turns a and b ([N, K] positions, flattened to M = N K) are linked iff they are valid, share
-    ``scope`` (e.g. the task group, [N] or [N, K]) and cos(f_a, f_b) >= ``threshold`` (a zero
-    vector links to nothing but itself). Labels start as each turn's flat index; each of
-    ``iters`` rounds sets every label to the minimum label among its neighbours and then jumps
-    it to its label's label (pointer jumping). Components of diameter <= ``iters`` are always
-    exact; jumping usually settles far longer ones. The label is the smallest flat index in the
-    component, so it serves directly as a segment id in [0, M); invalid turns get M. Which
-    turns share a label does not depend on the order of rows (only the label values do).
+    ``scope`` (e.g. the task group, [N] or [N, K]), both feature vectors are non-zero and
+    cos(f_a, f_b) >= ``threshold`` - 1e-6 (the slack lets threshold 1 link identical vectors
+    despite float32 rounding). Labels start as each turn's flat index; every round hooks each
+    label's root to the smallest label among its members' neighbours and then jumps every
+    label to its label's label (pointer jumping), until nothing changes or ``iters`` rounds
+    have run (a few rounds for ordinary clusters; a long path of d hops needs at most d). The
+    label is the smallest flat index in the component, so it serves directly as a segment id
+    in [0, M); invalid turns get M. Which turns share a label does not depend on the order of
+    rows (only the label values do).
 
     Cost: O(M^2 D) per round, computed in row blocks of ``block`` (memory O(block M)); for
     very large batches prefer ``bucket_keys``.
     """
+    features = jnp.asarray(features)
     n, k, d = features.shape
     m = n * k
     f = features.reshape(m, d).astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(f * f, axis=1, keepdims=True))
-    f = jnp.where(norm > 0, f / jnp.where(norm > 0, norm, 1.0), 0.0)
-    sc = jnp.broadcast_to(scope if jnp.ndim(scope) == 2 else scope[:, None], (n, k)).reshape(m)
-    ok = valid.reshape(m)
+    nonzero = norm[:, 0] > 0
+    f = jnp.where(nonzero[:, None], f / jnp.where(nonzero[:, None], norm, 1.0), 0.0)
+    scope = jnp.asarray(scope)
+    sc = jnp.broadcast_to(scope if scope.ndim == 2 else scope[:, None], (n, k)).reshape(m)
+    ok = jnp.asarray(valid).reshape(m)
+    linkable = ok & nonzero
     idx = jnp.arange(m, dtype=jnp.int32)
-    pad = (-m) % block if m > block else 0
-    nb = (m + pad) // min(block, m)
     bs = min(block, m)
-    rows = jnp.pad(idx, (0, pad), constant_values=0).reshape(nb, bs)
+    nb = -(-m // bs)
+    rows = jnp.minimum(jnp.arange(nb * bs, dtype=jnp.int32), m - 1).reshape(nb, bs)
 
     def neighbours_min(labels):
         def one(r):
-            sim = f[r] @ f.T
-            adj = (sim >= threshold) & (sc[r][:, None] == sc[None, :]) & ok[r][:, None] & ok[None, :]
-            adj = adj | (r[:, None] == idx[None, :])
+            adj = ((f[r] @ f.T >= threshold - 1e-6) & (sc[r][:, None] == sc[None, :])
+                   & linkable[r][:, None] & linkable[None, :])
             return jnp.min(jnp.where(adj, labels[None, :], m), axis=1)
-        return jax.lax.map(one, rows).reshape(-1)[:m]
+        return lax.map(one, rows).reshape(-1)[:m]
+
+    def body(carry):
+        labels, _, rounds = carry
+        nb_min = jnp.minimum(labels, neighbours_min(labels))
+        new = labels.at[jnp.where(ok, labels, m)].min(nb_min, mode="drop")  # hook roots
+        new = jnp.minimum(new, nb_min)
+        new = jnp.where(ok, new[jnp.clip(new, 0, m - 1)], m)  # jump
+        new = jnp.where(ok, new[jnp.clip(new, 0, m - 1)], m)
+        return new, jnp.any(new != labels), rounds + 1
 
     labels = jnp.where(ok, idx, m)
-    for _ in range(iters):
-        labels = jnp.minimum(labels, neighbours_min(labels))
-        labels = jnp.where(ok, labels[jnp.clip(labels, 0, m - 1)], m)
+    zero = jnp.min(labels) * 0  # varies over a mesh axis like the inputs
+    labels, _, _ = lax.while_loop(lambda c: c[1] & (c[2] < iters), body,
+                                  (labels, jnp.any(ok), zero))
     return labels.reshape(n, k)

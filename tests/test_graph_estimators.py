@@ -218,9 +218,10 @@ def test_zero_mean_after_normalisation(layout, recs):
         for members in groups.values():
             xs = np.array([t[p] for p in members], np.float64)
             assert abs(xs.sum()) <= 1e-4 * len(xs), (cid, xs)
-            if len(xs) > 1 and np.abs(xs).max() > 0.1:
-                assert abs(xs.std(ddof=1) - 1.0) < 1e-3, (cid, xs)
-    # g2po_batch_ep = batch-normalised TD + 0.5 * GRPO (with steps weighting: not "grpo")
+            if len(xs) > 1 and np.abs(xs).max() > 0.1:  # std s / (s + eps) <= 1
+                assert 0.98 < xs.std(ddof=1) < 1.0 + 1e-4, (cid, xs)
+    # g2po_batch_ep = batch-normalised TD + 0.5 * A_ep with steps weighting; that episode
+    # term sums to 0 over turns too (trajectory i counted K_i times in its group's mean)
     td = out["g2po_batch_ep"].turn
     assert abs(td[np.asarray(batch.turn_mask)].sum()) <= 1e-4 * 32
     assert abs(out["gagpo_batch"].turn.sum()) <= 1e-4 * 32

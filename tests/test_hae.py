@@ -38,51 +38,50 @@ BIG_PAD = {
 }
 MASKS = ("subgoal_mask", "switch_mask")
 
+STREAM_HP = dict(gamma=0.9, lam_turn=0.8, lam_seg=0.6)
+
 # id -> (hyper-parameters, extras dropped before the call)
 CONFIGS = {
     "default": ({}, ()),
-    "g": (dict(gamma=0.9, lam_turn=0.8, lam_seg=0.5), ()),
-    "lam1": (dict(gamma=0.9, lam_turn=1.0, lam_seg=1.0), ()),
-    "lam0": (dict(gamma=0.8, lam_turn=0.0, lam_seg=0.0), ()),
+    "g": (STREAM_HP, ()),
     "norm_turn": (dict(gamma=0.95, lam_turn=0.9, lam_seg=0.9, norm_adv="turn", eps=1e-6), ()),
     "norm_token_high": (dict(gamma=0.9, switch_stream="high", norm_adv="token"), ()),
-    "switch_none": (dict(gamma=0.9, lam_turn=0.7, switch_stream="none"), ()),
     "no_high_values": (dict(gamma=0.9, lam_turn=0.7, lam_seg=0.6), ("high_values",)),
     "no_masks_no_term": (dict(gamma=0.9, norm_adv="turn"), MASKS + ("term_values",)),
+    "no_masks": (STREAM_HP, MASKS),  # every action token low level
+    "half": (dict(gamma=0.5, lam_turn=0.5, lam_seg=0.5), ()),
 }
-STREAM_HP = dict(gamma=0.9, lam_turn=0.8, lam_seg=0.6)
+# hae_streams settings, compared with the reference streams too
+STREAMS = {
+    "streams": STREAM_HP,  # switch_stream "auto" = "term" (V_term given): the streams of "g"
+    "s_lam1": dict(gamma=0.9, lam_turn=1.0, lam_seg=1.0),
+    "s_lam0": dict(gamma=0.8, lam_turn=0.0, lam_seg=0.0),
+    "s_high": dict(switch_stream="high"),
+    "s_none": dict(switch_stream="none", gamma=0.95),
+    "s_half": dict(gamma=0.5, lam_turn=0.5, lam_seg=0.5),
+}
 
 
 def _drop(batch, names):
     return batch.replace(extras={k: v for k, v in batch.extras.items() if k not in names})
 
 
-# hae_streams settings (and the turn_gae runs of the reduction test) evaluated alongside
-STREAMS = {
-    "streams": STREAM_HP,
-    "s_lam1": dict(gamma=0.9, lam_turn=1.0, lam_seg=1.0),
-    "s_lam0": dict(gamma=0.8, lam_turn=0.0, lam_seg=0.0),
-    "s_term": dict(switch_stream="term"),
-    "s_high": dict(switch_stream="high"),
-    "s_none": dict(switch_stream="none"),
-}
-
-
-def _estimate(ids, batch, axis_name=None):
+def _estimate(ids, sids, batch, axis_name=None, flat=True):
+    """The hae settings ``ids``, the hae_streams settings ``sids`` and (``flat``) turn_gae
+    with the low-level hyper-parameters of STREAM_HP (for the one-segment reduction)."""
     out = {cid: E.get("hae")(_drop(batch, CONFIGS[cid][1]), axis_name=axis_name,
                              **CONFIGS[cid][0]) for cid in ids}
-    out.update({sid: hae_streams(batch, axis_name=axis_name, **hp)
-                for sid, hp in STREAMS.items()})
-    tg = E.get("turn_gae")
-    out["turn_gae"] = tg(batch, gamma=STREAM_HP["gamma"], lam=STREAM_HP["lam_turn"],
-                         normalize="none", axis_name=axis_name)
-    out["turn_gae_lam1"] = tg(batch, gamma=0.9, lam=1.0, normalize="none", axis_name=axis_name)
-    out["plain_lam1"] = E.hae(_drop(batch, MASKS), gamma=0.9, lam_turn=1.0,
-                              axis_name=axis_name)
+    out.update({sid: hae_streams(batch, axis_name=axis_name, **STREAMS[sid]) for sid in sids})
+    if not flat:
+        return out
+    out["turn_gae"] = E.get("turn_gae")(batch, gamma=STREAM_HP["gamma"],
+                                        lam=STREAM_HP["lam_turn"], normalize="none",
+                                        axis_name=axis_name)
     return out
 
 
-_run_all = jax.jit(functools.partial(_estimate, tuple(CONFIGS)))
+_run_all = jax.jit(functools.partial(_estimate, tuple(CONFIGS), tuple(STREAMS)))
+_run_configs = jax.jit(functools.partial(_estimate, tuple(CONFIGS), (), flat=False))
 
 
 def run_all(batch):
@@ -105,6 +104,23 @@ def add_hae(draw, rec):
 
 def records(**kw):
     return step_records(extras=add_hae, **kw)
+
+
+def seeded_records(seed, num_groups=3, num_traj=8):
+    """Deterministic records like ``records()`` (tiny alphabets, random boundaries and masks)
+    from a numpy seed, for the non-hypothesis tests."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(num_traj):
+        turns = [{"observation": [int(rng.integers(0, 3))],
+                  "action": [int(x) for x in rng.integers(0, 2, rng.integers(1, 3))],
+                  "reward": float(np.float32(rng.normal()))}
+                 for _ in range(int(rng.integers(1, 5)))]
+        rec = {"group": f"{seed}-{i % num_groups}", "outcome": float(rng.integers(0, 2)),
+               "turns": turns}
+        add_hae(lambda *a, **k: int(rng.integers(0, 2 ** 32 - 1)), rec)
+        recs.append(rec)
+    return recs
 
 
 def strip(recs, names):
@@ -147,20 +163,20 @@ def check(cid, adv, recs, index, batch):
                                  f"expected {exp[p]} (tol {tol[p]:.3g})")
 
 
-def check_streams(s, recs, index, batch):
-    per = hae_ref.streams(recs, **STREAM_HP)
+def check_streams(sid, s, recs, index):
+    per = hae_ref.streams(recs, **STREAMS[sid])
     routed = {"low_tokens": "low", "high_tokens": "high", "term_tokens": "term"}
     for i, p in enumerate(per):
         n, k = index.traj[i], len(p["low"])
         tol = ref.BASE_ATOL + ref.BASE_RTOL * p["scale"]
         for name in ("low", "low_returns", "high", "high_returns", "term_returns", "term"):
             np.testing.assert_allclose(s[name][n, :k], p[name], atol=tol, rtol=0,
-                                       err_msg=f"streams.{name} record {i}")
+                                       err_msg=f"{sid}.{name} record {i}")
         np.testing.assert_array_equal(s["boundary"][n, :k], p["boundary"])
         for field, label in routed.items():
             got = [s[field][row, a:b].tolist() for row, a, b in index.spans[i]]
             exp = [[lab == label for lab in labels] for labels in p["route"]]
-            assert got == exp, f"streams.{field} record {i}: {got} != {exp}"
+            assert got == exp, f"{sid}.{field} record {i}: {got} != {exp}"
 
 
 # ----------------------------------------------------------------------------- vs reference
@@ -178,12 +194,16 @@ def test_matches_reference(layout, recs):
             check(cid, out[cid], recs, index, batch)
         except AssertionError as e:
             failures.append(str(e))
+    for sid in STREAMS:
+        try:
+            check_streams(sid, out[sid], recs, index)
+        except AssertionError as e:
+            failures.append(f"[{layout}] {e}")
     assert not failures, "\n".join(failures)
-    check_streams(out["streams"], recs, index, batch)
 
 
 def test_public_compute_path_and_registry():
-    recs = records().example()
+    recs = seeded_records(1)
     batch, index = pack(recs, "per_step")
     assert E.get("hae") is E.hae
     assert E.spec("hae").hyper_params["lam_seg"] == 0.95
@@ -214,8 +234,8 @@ def test_single_segment_is_turn_gae(layout, recs):
     s, flat = out["streams"], out["turn_gae"]
     np.testing.assert_allclose(s["low"], flat.turn, atol=2e-5)
     np.testing.assert_allclose(s["low_returns"], flat.turn_returns, atol=2e-5)
-    np.testing.assert_allclose(out["plain_lam1"].token, out["turn_gae_lam1"].token, atol=2e-5)
-    np.testing.assert_allclose(out["plain_lam1"].turn, out["turn_gae_lam1"].turn, atol=2e-5)
+    np.testing.assert_allclose(out["no_masks"].token, flat.token, atol=2e-5)
+    np.testing.assert_allclose(out["no_masks"].turn, flat.turn, atol=2e-5)
     r, vh = np.asarray(batch.turn_rewards), np.asarray(batch.extras["high_values"])
     for i, rec in enumerate(recs):
         n, k = index.traj[i], len(rec["turns"])
@@ -271,8 +291,6 @@ def test_gae_limits_per_level(layout, recs):
     vl = np.asarray(batch.extras["turn_values"], np.float64)
     vh = np.asarray(batch.extras["high_values"], np.float64)
     lam1, lam0 = out["s_lam1"], out["s_lam0"]
-    np.testing.assert_allclose(out["lam1"].turn, lam1["low"], atol=1e-6)
-    np.testing.assert_allclose(out["lam0"].turn, lam0["low"], atol=1e-6)
     for i, rec in enumerate(recs):
         n, k = index.traj[i], len(rec["turns"])
         bnd = lam1["boundary"][n, :k]
@@ -304,8 +322,8 @@ def test_each_token_gets_at_most_one_stream(layout, recs):
     am = np.asarray(batch.action_mask)
     sub = np.asarray(batch.extras["subgoal_mask"]) & am
     swm = np.asarray(batch.extras["switch_mask"]) & am
-    for sid in ("s_term", "s_high", "s_none"):
-        s, mode = out[sid], STREAMS[sid]["switch_stream"]
+    for sid in ("streams", "s_high", "s_none"):
+        s, mode = out[sid], STREAMS[sid].get("switch_stream", "term")
         lo, hi, te = s["low_tokens"], s["high_tokens"], s["term_tokens"]
         assert not (lo & hi).any() and not (lo & te).any() and not (hi & te).any()
         assert not ((lo | hi | te) & ~am).any()
@@ -323,12 +341,12 @@ def test_each_token_gets_at_most_one_stream(layout, recs):
         np.testing.assert_array_equal(uncovered, expected)
         assert (lo == (am & ~sub & ~swm)).all()
     # token output of the default setting = sum of the streams routed by the masks
-    d = out["s_term"]  # the default hae: switch_stream "auto" = "term" (V_term given)
+    d = out["streams"]  # the streams of setting "g"
     rows, tids = np.asarray(batch.row_traj), np.clip(np.asarray(batch.turn_ids), 0, None)
     tok = lambda x: x[rows[:, None], tids]  # noqa: E731
     expect = (np.where(d["low_tokens"], tok(d["low"]), 0) + np.where(d["high_tokens"],
               tok(d["high"]), 0) + np.where(d["term_tokens"], tok(d["term"]), 0))
-    np.testing.assert_allclose(out["default"].token, expect, atol=1e-6)
+    np.testing.assert_allclose(out["g"].token, expect, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- invariances
@@ -347,7 +365,7 @@ def test_padding_and_permutation_invariance(layout, recs, data):
     relabel = {g: f"relabelled-{(5 - g) % 7}" for g in {r["group"] for r in recs}}
     shuffled = [dict(recs[p], group=relabel[recs[p]["group"]]) for p in perm]
     big, bindex = pack(shuffled, layout, pad=BIG_PAD[layout])
-    out_big = jax.tree.map(np.asarray, _run_all(big))
+    out_big = jax.tree.map(np.asarray, _run_configs(big))
     tm, am = np.asarray(big.turn_mask), np.asarray(big.action_mask)
     for cid in CONFIGS:
         a, b = out[cid], out_big[cid]
@@ -381,7 +399,7 @@ def test_layouts_agree(recs):
 
 SHARD_PAD = {"concatenated": {"num_traj": 32, "num_turns": 4, "row_len": 32},
              "per_step": {"num_traj": 32, "num_turns": 4, "num_rows": 128, "row_len": 8}}
-SHARD_IDS = ("default", "norm_turn", "norm_token_high", "no_masks_no_term")
+SHARD_IDS = ("norm_turn", "norm_token_high")  # the batch-wide statistics, both modes
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -389,16 +407,13 @@ def test_shard_invariance(layout):
     devs = jax.devices()
     assert len(devs) >= 8
     mesh = Mesh(np.array(devs[:8]), ("data",))
-    recs = []
-    for seed in range(8):
-        recs += [dict(r, group=f"{seed}-{r['group']}")
-                 for r in records(max_traj=4).example()]
-    recs = recs[:24]
+    recs = [r for seed in range(6) for r in seeded_records(seed, num_traj=4)]
     batch = pack(recs, layout, pad=SHARD_PAD[layout], num_shards=8)[0]
-    sm = jax.shard_map(functools.partial(_estimate, SHARD_IDS, axis_name="data"), mesh=mesh,
+    fn = functools.partial(_estimate, SHARD_IDS, ("streams",), flat=False)
+    sm = jax.shard_map(functools.partial(fn, axis_name="data"), mesh=mesh,
                        in_specs=(P("data"),), out_specs=P("data"))
     got = jax.tree.map(np.asarray, jax.jit(sm)(batch))
-    exp = jax.tree.map(np.asarray, jax.jit(functools.partial(_estimate, SHARD_IDS))(batch))
+    exp = jax.tree.map(np.asarray, jax.jit(fn)(batch))
     for cid in SHARD_IDS:
         assert np.any(exp[cid].token != 0)
         for f in ("token", "turn", "turn_returns"):
@@ -483,12 +498,13 @@ def test_hand_built_example():
     expected = [[0.25, -1.25, -0.25], [1.0, 0.0, 0.0], [0.5, 0.0, 0.25], [1.5, 0.0, 1.0]]
     for layout in LAYOUTS:
         batch, index = pack([rec], layout)
-        adv = jax.tree.map(np.asarray, E.hae(batch, gamma=0.5, lam_turn=0.5, lam_seg=0.5))
+        out = run_all(batch)
+        adv = out["half"]
         got = [adv.token[r, a:b].tolist() for r, a, b in index.spans[0]]
         assert got == expected, (layout, got)
         assert adv.turn[0, :4].tolist() == [-0.25, 0.0, 0.25, 1.0]
         assert adv.turn_returns[0, :4].tolist() == [0.75, 1.5, 0.75, 2.0]
-        s = jax.tree.map(np.asarray, hae_streams(batch, gamma=0.5, lam_turn=0.5, lam_seg=0.5))
+        s = out["s_half"]
         assert s["high"][0, :4].tolist() == [-1.25, 0.0, 0.0, 0.0]
         assert s["high_returns"][0, :4].tolist() == [0.75, 0.0, 1.0, 0.0]
         assert s["term_returns"][0, :4].tolist() == [0.75, 1.5, 1.0, 2.0]

@@ -322,9 +322,10 @@ def test_shard_invariance(layout):
     assert len(devs) >= 8
     mesh = Mesh(np.array(devs[:8]), ("data",))
     recs = []
-    for seed in range(6):
-        recs += [dict(r, group=f"{seed}-{r['group']}") for r in np_records(seed, num_traj=4)]
-    batch = pack(recs[:24], layout, pad=SHARD_PAD[layout], num_shards=8)[0]
+    for seed in range(8):  # 8 task groups of 3 or 4 rollouts: one group per shard block
+        recs += [dict(r, group=f"g{seed}")
+                 for r in np_records(seed, num_traj=3 + seed % 2, groups=1)]
+    batch = pack(recs, layout, pad=SHARD_PAD[layout], num_shards=8)[0]
     ids = ("gigpo", "gigpo_mean_steps", "gigpo_similar", "sg_history_reward", "sg_turn_key",
            "matchtir")
 

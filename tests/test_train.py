@@ -263,3 +263,22 @@ def test_non_finite_loss_skips_the_update():
     s2, o2 = _run_step(StepConfig(), bad, model=model)
     assert float(o2["metrics"]["update_skipped"]) == 1.0 and int(s2.skipped) == 1
     jax.tree.map(lambda a, b_: np.testing.assert_array_equal(np.asarray(a), b_), s2.params, before)
+
+
+@pytest.mark.parametrize("estimator,params,value_head", [
+    ("gigpo", {}, False),
+    ("gigpo", {"anchor": "similar", "sim_threshold": 0.5}, False),
+    ("bipace", {"tau": 0.5}, False),
+    ("hae", {}, True),
+])
+def test_step_level_estimators_in_the_train_step(estimator, params, value_head):
+    """The loop supplies what these read: state keys (records), the policy's hidden state at
+    each decision point (bipace, similarity anchors), values and a single segment (hae)."""
+    recs = _records()
+    for r in recs:  # recurring states: every first turn of a group sees the same observation
+        r["turns"][0]["state_key"] = r["group"]
+    b, _ = pack_records(recs, layout="per_step")
+    cfg = StepConfig(estimator=estimator, estimator_params=tuple(params.items()))
+    assert cfg.needs_hidden == (estimator == "bipace" or "anchor" in params)
+    s, o = _run_step(cfg, b, model=_model(value_head))
+    assert math.isfinite(float(o["metrics"]["loss"])) and int(s.skipped) == 0

@@ -1,11 +1,13 @@
 """Tests of the rollout-tree estimators: rtmc (RTMC), tree_value (TreePS-RAG / SPO-tree / TEMPO /
 TreeMem) and progpo (ProGPO).
 
-Every setting in ``CONFIGS`` (plus the internal term dictionaries and a few comparison
-estimators from other modules) runs inside ONE jitted program per batch shape (``run_all``);
-batches use the fixed ``PAD`` buckets of ``tests/strategies.py``, one larger bucket for the
-padding test and one sharded bucket for shard_map. References: ``tests/reference/tree_ref.py``
-(dict-of-history loops in float64) with per-record float32 tolerances.
+Compile budget: every setting in ``GROUPS`` (plus the internal term dictionaries and the
+comparison estimators of ``HELPER_GROUPS``) runs inside ONE jitted program per batch shape
+(``run_all``); settings that differ only in numeric hyper-parameters share one vmapped call.
+Batches use the fixed ``PAD`` buckets of ``tests/strategies.py``, one larger bucket for the
+padding test and one sharded bucket for shard_map (those two with one structural group per
+estimator). References: ``tests/reference/tree_ref.py`` (dict-of-history loops in float64)
+with per-record float32 tolerances.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ BIG_PAD = {
     "concatenated": {"num_traj": 12, "num_turns": 6, "row_len": 40},
     "per_step": {"num_traj": 12, "num_turns": 6, "num_rows": 40, "row_len": 12},
 }
-SHARD_PAD = {"concatenated": {"num_traj": 32, "num_turns": 4, "row_len": 32},
-             "per_step": {"num_traj": 32, "num_turns": 4, "num_rows": 128, "row_len": 8}}
+SHARD_PAD = {"concatenated": {"num_traj": 64, "num_turns": 4, "row_len": 32},
+             "per_step": {"num_traj": 64, "num_turns": 4, "num_rows": 256, "row_len": 8}}
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -52,10 +54,10 @@ GROUPS = [  # (estimator, static hyper-parameters, {setting id: numeric hyper-pa
     ("rtmc", {}, {"rtmc": {}, "rtmc_k0": {"kappa": 0.0}, "rtmc_tiny": {"kappa": 1e-4},
                   "rtmc_big": {"kappa": 1e6},
                   "rtmc_ep": {"kappa": 0.5, "gamma": 0.9, "episode_weight": 0.5}}),
-    ("rtmc", {"signature": "state"}, {"rtmc_state_k0": {"kappa": 0.0},
-                                      "rtmc_state": {"kappa": 2.0, "gamma": 0.9}}),
-    ("rtmc", {"target": "outcome", "mode": "mean_norm", "episode_weighting": "steps"},
-     {"rtmc_out": {"kappa": 0.5, "episode_weight": 0.5}}),
+    ("rtmc", {"signature": "state", "target": "outcome", "mode": "mean_norm",
+              "episode_weighting": "steps"},
+     {"rtmc_state_k0": {"kappa": 0.0}, "rtmc_state": {"kappa": 2.0},
+      "rtmc_state_ep": {"kappa": 0.5, "episode_weight": 0.5}}),
     ("tree_value", {}, {"tree": {}, "tree_proc": {"episode_weight": 0.0},
                         "tree_grpo": {"step_weight": 0.0}}),
     ("tree_value", {"baseline": "siblings"}, {"tree_sib": {"episode_weight": 0.0}}),
@@ -124,10 +126,16 @@ def _estimate(groups, terms, batch, axis_name=None):
     return out
 
 
-_run_all_jit = jax.jit(functools.partial(_estimate, GROUPS + HELPER_GROUPS, True))
-P5_GROUPS = [GROUPS[1], GROUPS[5], GROUPS[7]]
+# LLVM optimisation off: the programs are tiny, and compiling them dominates the test time.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+_run_all_jit = jax.jit(functools.partial(_estimate, GROUPS + HELPER_GROUPS, True),
+                       compiler_options=FAST_COMPILE)
+# One structural group per estimator (non-default options), for the larger padded shape and
+# for shard_map (each a compile of its own).
+P5_GROUPS = [GROUPS[1], GROUPS[4], GROUPS[6]]
 P5_IDS = tuple(cid for _, _, s in P5_GROUPS for cid in s)
-_run_subset_jit = jax.jit(functools.partial(_estimate, P5_GROUPS, False))
+_run_subset_jit = jax.jit(functools.partial(_estimate, P5_GROUPS, False),
+                          compiler_options=FAST_COMPILE)
 
 
 def run_all(batch):
@@ -330,8 +338,8 @@ def depth_one_trees(draw):
     """Groups sharing one first observation, each member with its own first action (no
     shared prefixes below the root); later turns arbitrary."""
     recs = []
-    for g in range(draw(st.integers(1, 3))):
-        for j in range(draw(st.integers(1, 8 // 3))):
+    for g in range(draw(st.integers(1, 2))):
+        for j in range(draw(st.integers(1, 4))):
             turns = [{"observation": [7], "action": [10 + j]}]
             for _ in range(draw(st.integers(0, 3))):
                 turns.append({"observation": [draw(st.integers(0, 2))],
@@ -451,34 +459,44 @@ def _tree_records(seed=11):
         for _ in range(size):
             k = int(rng.integers(1, 5))
             turns = []
+            obs = None
             if members and rng.random() < 0.7:
                 src = members[int(rng.integers(len(members)))]
-                turns = copy.deepcopy(src[:int(rng.integers(1, min(k, len(src)) + 1))])
+                j = int(rng.integers(0, min(k, len(src)) + 1))
+                turns = copy.deepcopy(src[:j])
+                if j < len(src) and rng.random() < 0.5:
+                    obs = src[j]["observation"]  # branch by the action, not the observation
             while len(turns) < k:
-                turns.append({"observation": [int(rng.integers(0, 3))],
+                turns.append({"observation": obs or [int(rng.integers(0, 3))],
                               "action": [int(x) for x in rng.integers(0, 2,
                                                                       rng.integers(1, 3))],
                               "reward": float(rng.choice([0.0, 0.5, -1.0]))})
+                obs = None
             members.append(turns)
             outcome = 1.0 if g == 2 else float(rng.choice([0.0, 0.5, 1.0]))
             recs.append({"group": f"g{g}", "outcome": outcome, "turns": turns})
     return recs
 
 
+CHECK_VMA = True
+
+
 def test_shard_map_invariance():
-    """P16: every setting under jax.shard_map on 8 host CPU devices (groups whole per block,
-    per-step layout) gives the unsharded values: those of the reference (the unsharded
-    program is checked against the same reference in the other tests)."""
+    """P16: one structural group of settings per estimator under jax.shard_map on 8 host CPU
+    devices (groups whole per block, per-step layout) gives the unsharded values: those of the
+    reference (the unsharded program is checked against the same reference elsewhere)."""
     devs = jax.devices()
     assert len(devs) >= 8
     mesh = Mesh(np.array(devs[:8]), ("data",))
     recs = _tree_records()
     batch, index = pack(recs, "per_step", pad=SHARD_PAD["per_step"], num_shards=8)
-    f = functools.partial(_estimate, GROUPS, False)
+    f = functools.partial(_estimate, P5_GROUPS, False)
     sharded = jax.jit(jax.shard_map(lambda b: f(b, axis_name="data"), mesh=mesh,
-                                    in_specs=(P("data"),), out_specs=P("data")))
+                                    in_specs=(P("data"),), out_specs=P("data"),
+                                    check_vma=CHECK_VMA),
+                      compiler_options=FAST_COMPILE)
     got = jax.tree.map(np.asarray, sharded(batch))
-    for cid in OWN:
+    for cid in P5_IDS:
         assert np.any(got[cid].turn != 0), cid
         check_ref(cid, got, recs, index, batch)
 
@@ -488,9 +506,9 @@ def test_shard_map_invariance():
 
 @given(records=step_records())
 def test_singleton_groups(records):
-    """Each trajectory its own group: tree_value, rtmc(kappa=0) and the prefix/episode terms
-    are 0; ProGPO's potential is the trajectory's own return (every key is a singleton), so
-    C = gamma G_{k+1} - G_k with G_K = R (documented value)."""
+    """Each trajectory its own group: tree_value, rtmc(kappa=0, history) and the prefix and
+    episode terms are 0. ProGPO: when no state recurs inside the lone trajectory every depth
+    key is a singleton, so Phi = G exactly and C = gamma G_{k+1} - G_k with G_K := R."""
     recs = copy.deepcopy(records)
     for i, r in enumerate(recs):
         r["group"] = f"alone-{i}"
@@ -499,15 +517,19 @@ def test_singleton_groups(records):
     for cid in ("tree", "tree_proc", "tree_sib", "tree_act", "tree_grpo", "rtmc_k0",
                 "progpo_nt_mn"):
         assert (out[cid].turn == 0).all() and (out[cid].token == 0).all(), cid
+    for cid in OWN:
+        assert_padding_zero(out[cid], batch, cid)
+    for r in recs:
+        for k, t in enumerate(r["turns"]):
+            t["observation"] = [50 + k]
+    batch, _ = pack(recs, "concatenated")
+    t = run_all(batch)["terms"]["progpo"]
     valid = np.asarray(batch.turn_mask)
     last = valid & ~np.concatenate([valid[:, 1:], np.zeros_like(valid[:, :1])], 1)
-    t = out["terms"]["progpo"]
     np.testing.assert_array_equal(t["phi"], t["g"])
     nxt = np.where(last, np.asarray(batch.outcome)[:, None],
                    np.concatenate([t["g"][:, 1:], np.zeros_like(t["g"][:, :1])], 1))
     np.testing.assert_allclose(t["credit"], np.where(valid, nxt - t["g"], 0.0), atol=1e-6)
-    for cid in OWN:
-        assert_padding_zero(out[cid], batch, cid)
 
 
 @given(records=step_records(), value=st.sampled_from([-1.0, 0.0, 0.5, 2.0]))
@@ -611,15 +633,15 @@ def test_hand_built_tree(layout):
     recs = _hand_records()
     batch, index = pack(recs, layout)
     out = run_all(batch)
-    for cid, expected in HAND.items():
+    for cid, expected in HAND.items():  # (atol: GRPO's std + eps, eps = 1e-6)
         got = per_record(out[cid], index)
         for i, exp in enumerate(expected):
-            np.testing.assert_allclose(got["turn"][i], exp, atol=2e-6, err_msg=cid)
+            np.testing.assert_allclose(got["turn"][i], exp, atol=1e-5, err_msg=cid)
             tok = np.repeat(exp, [len(t["action"]) for t in recs[i]["turns"]])
-            np.testing.assert_allclose(got["token"][i], tok, atol=2e-6, err_msg=cid)
+            np.testing.assert_allclose(got["token"][i], tok, atol=1e-5, err_msg=cid)
         r = reference(cid, recs)  # the reference agrees with the hand computation too
         for i, exp in enumerate(expected):
-            np.testing.assert_allclose(r.turn[i], exp, atol=1e-12, err_msg=cid)
+            np.testing.assert_allclose(r.turn[i], exp, atol=1e-5, err_msg=cid)
 
 
 # ----------------------------------------------------------------------------- 8. errors

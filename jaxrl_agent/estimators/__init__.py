@@ -10,7 +10,7 @@ from jaxrl_agent.estimators.outcome import (
     spo_init, traj_advantages)
 from jaxrl_agent.estimators.bipace import bipace
 from jaxrl_agent.estimators.graph import g2po, gagpo, graphgpo
-from jaxrl_agent.estimators.hierarchical import hae
+from jaxrl_agent.estimators.hierarchical import hae, hae_streams
 from jaxrl_agent.estimators.registry import (
     EstimatorSpec, check_hyper_params, compute, get, names, register, spec)
 from jaxrl_agent.estimators.step_group import (
@@ -47,7 +47,7 @@ register("bipace", bipace)
 register("hae", hae)
 
 __all__ = [
-    "bipace", "episode_advantage", "g2po", "gagpo", "gigpo", "graphgpo", "hae", "matchtir",
+    "bipace", "episode_advantage", "g2po", "gagpo", "gigpo", "graphgpo", "hae", "hae_streams", "matchtir",
     "normalize_in_groups", "progpo", "rtmc", "step_group", "step_returns", "tree_value",
     "SPOState", "EstimatorSpec", "check_spo_state", "check_hyper_params", "compute", "discounted_returns", "gae",
     "get", "group_centered_outcome", "group_normalized_outcome", "lambda_returns",

@@ -17,6 +17,8 @@ components of the union graph.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -62,7 +64,7 @@ def _merge_partitions(labels, other_ids, valid):
     return lab.reshape(shape)
 
 
-def cluster_ids(b: TrajectoryBatch, *, tau: float, sim_iters: int = 8,
+def cluster_ids(b: TrajectoryBatch, *, tau: float, sim_iters: int = 32,
                 merge_state_keys: bool = False):
     """BiPACE's clusters [N, K] (values in [0, N K), N K for invalid turns), see ``bipace``."""
     h = require(b, "hidden", "bipace", "[N, K, D] float hidden state at the decision point: "
@@ -70,9 +72,9 @@ def cluster_ids(b: TrajectoryBatch, *, tau: float, sim_iters: int = 8,
     if h.ndim != 3:
         raise ValueError(f"bipace: extras['hidden'] must be [N, K, D] (a vector per turn: "
                          f"turn_extras.hidden = [numbers]), got shape {h.shape}")
-    valid = segments.valid_turns(b)
-    labels = segments.similarity_clusters(lax.stop_gradient(h), b.group_ids, valid, tau,
-                                          sim_iters)
+    valid = jnp.asarray(segments.valid_turns(b))  # jnp: the primitive indexes it with tracers
+    labels = segments.similarity_clusters(lax.stop_gradient(jnp.asarray(h)),
+                                          jnp.asarray(b.group_ids), valid, tau, sim_iters)
     if merge_state_keys:
         labels = _merge_partitions(labels, segments.turn_key_ids(b, b.state_keys), valid)
     return labels
@@ -107,7 +109,7 @@ def pace_advantage(b: TrajectoryBatch, g, clusters, valid, *, leave_one_out: boo
     return jnp.where(valid, a, 0.0)
 
 
-def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 8,
+def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
            merge_state_keys: bool = False, leave_one_out: bool = False,
            step_mode: str = "mean_norm", step_weight: float = 1.0, gamma: float = 0.95,
            mode: str = "mean_std_norm", episode_weighting: str = "trajectory",
@@ -122,9 +124,9 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 8,
       clusters: turns (i, k), (j, l) of one task group are linked iff
                cos(h_ik, h_jl) >= tau (h = extras['hidden'], detached), and, with
                ``merge_state_keys``, also iff state_keys agree; c(i, k) = its connected
-               component (``segments.similarity_clusters`` with ``sim_iters`` rounds of
-               min-label propagation, exact for components of diameter <= sim_iters; the key
-               links are merged exactly by ``_merge_partitions``);
+               component (``segments.similarity_clusters``: label propagation with root
+               hooking until stable, at most ``sim_iters`` rounds; the key links are merged
+               exactly by ``_merge_partitions``);
       A_PACE = Q_hat(c, a_ik) - V_hat(c)  with V_hat(c) = mean_c G and
                Q_hat(c, a) = mean G over the members of c with action_keys = a
                (``pace_advantage``: ``leave_one_out`` peers, ``step_mode`` std scaling).
@@ -147,7 +149,7 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 8,
     Identical actions in a cluster give A_PACE = 0; w = 0 gives the episode term alone.
     """
     check_positive("tau", tau)
-    if not isinstance(sim_iters, int) or isinstance(sim_iters, bool) or sim_iters < 1:
+    if not isinstance(sim_iters, numbers.Integral) or isinstance(sim_iters, bool) or sim_iters < 1:
         raise ValueError(f"sim_iters must be a positive int, got {sim_iters!r}")
     check_choice("merge_state_keys", merge_state_keys, (False, True))
     check_choice("leave_one_out", leave_one_out, (False, True))

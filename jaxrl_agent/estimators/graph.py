@@ -226,14 +226,16 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
     singleton task group gives A_ep = 0 here (the kernel's steps branch gives R / (1 + eps) for
     a one-turn singleton).
 
+    [X] our choices where the batch lacks what the kernel reads:
     R_succ = ``success_reward``, a constant (10.0: the paper's ALFWorld success reward and the
-    kernel's default). q is only compared inside a source group after z-scoring, so R_succ
-    matters only against eps (it sets how far from SUCCESS differences are still resolved).
-    Success is read from ``outcome`` >= ``success_threshold`` (0.5 suits 0/1 outcomes and the
-    kernel's 10 * success - 0.1 * invalid returns). ``max_iters``: None (exact) or a fixed
-    number of Bellman-Ford rounds (nodes farther away count as unreachable).
-    The next state of an unsuccessful last turn is unknown in the batch, so it is a dead end
-    even when that observation occurs elsewhere (the kernel would use the real observation).
+    kernel's default), not the trajectory outcome. q is only compared inside a source group
+    after z-scoring, so R_succ matters only against eps (it sets how far from SUCCESS
+    differences are still resolved). Success is read from ``outcome`` >= ``success_threshold``
+    (0.5 suits 0/1 outcomes and the kernel's 10 * success - 0.1 * invalid returns). The next
+    state of an unsuccessful last turn is not in the batch, so it is a dead end even when that
+    observation occurs elsewhere (the kernel would use the real observation). ``max_iters``:
+    None (exact, the kernel's Dijkstra) or a fixed number of Bellman-Ford rounds (nodes
+    farther away count as unreachable).
 
     Properties: a transition into SUCCESS gets the largest q; q falls with d(next); within a
     source state, edges that get closer to SUCCESS than the average get A_graph > 0; if every

@@ -20,12 +20,13 @@ token masks extras['subgoal_mask'] and extras['switch_mask'] [R, T] (``token_ext
 bool per action token; read only on action tokens).
 
 Everything here is per trajectory except the optional batch-wide standardisation, which
-reduces across ``axis_name``; all scans run over K (``segments.reverse_scan``).
+reduces across ``axis_name``; one reverse ``lax.scan`` over the K turns does the rest.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
@@ -35,10 +36,33 @@ SWITCH_STREAMS = ("auto", "term", "high", "none")
 NORMS = ("none", "turn", "token")
 
 
-def _next_valid(x, valid, fill):
-    """x at the next valid turn after k (``fill`` when there is none), [N, K]."""
-    y = segments.reverse_scan(jnp.where(valid, x, 0.0), 0.0, axis=1, init=fill, where=valid)
-    return jnp.concatenate([y[:, 1:], jnp.full_like(y[:, :1], fill)], axis=1)
+def _backward_pass(r, v_low, v_high, bound, valid, gamma, lam_turn, lam_seg):
+    """One reverse scan over the K turns of every trajectory (missing turns carry through).
+
+    The carry describes the next valid turn k+1: ``v_next`` (V_high(k+1) if it starts a
+    segment, else V_low(k+1); 0 past the episode end), ``ends`` (k ends its segment: k+1 is a
+    boundary or past the end), and the running A_low, G (return to the segment end with the
+    V_high bootstrap), g^d (gamma to the number of turns left in the segment) and A_high of the
+    next segment. Returns (A_low, G, A_high at boundaries) [N, K].
+    """
+    def step(carry, x):
+        v_next, ends, a_low, ret, disc, a_high = carry
+        r_k, vl_k, vh_k, b_k, m_k = x
+        inner = 1.0 - ends
+        a_low_k = r_k + gamma * v_next - vl_k + gamma * lam_turn * inner * a_low
+        ret_k = r_k + gamma * (ends * v_next + inner * ret)
+        disc_k = gamma * (ends + inner * disc)
+        a_high_k = ret_k - vh_k + lam_seg * disc_k * a_high  # used at boundaries only
+        new = (jnp.where(b_k, vh_k, vl_k), b_k.astype(r_k.dtype), a_low_k, ret_k, disc_k,
+               jnp.where(b_k, a_high_k, a_high))
+        carry = tuple(jnp.where(m_k, n, c) for n, c in zip(new, carry))
+        return carry, (a_low_k, ret_k, a_high_k)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (r, v_low, v_high, bound, valid))
+    zero = jnp.zeros_like(xs[0][0])  # varies over the same mesh axes as the inputs
+    init = (zero, zero + 1.0, zero, zero, zero, zero)
+    _, ys = lax.scan(step, init, xs, reverse=True)
+    return tuple(jnp.moveaxis(y, 0, 1) for y in ys)
 
 
 def _token_mask(b: TrajectoryBatch, name: str):
@@ -69,24 +93,18 @@ def _streams(b: TrajectoryBatch, gamma, lam_turn, lam_seg, switch_stream):
               else v_low)
     sw = _turn_values(b, "switch", "[N, K] 0/1 subgoal boundaries: give each record turn "
                       "turn_extras.switch", valid)
+    has_term = "term_values" in b.extras
+    if switch_stream == "auto":
+        switch_stream = "term" if has_term else "none"
+    if switch_stream == "term" or has_term:
+        v_term = _turn_values(b, "term_values", "[N, K] termination-head values: give each "
+                              "record turn turn_extras.term_values (switch_stream='term')",
+                              valid)
+    sub, swm = _token_mask(b, "subgoal_mask"), _token_mask(b, "switch_mask")
     first = valid & (jnp.cumsum(valid, axis=1) == 1)
     bound = valid & ((sw > 0.5) | first)
-    # What turn k bootstraps with: V_high of the next turn if it starts a segment, V_low of it
-    # inside a segment, 0 past the episode end; and whether k ends its segment.
-    v_cont = _next_valid(jnp.where(bound, v_high, v_low), valid, 0.0)
-    end = _next_valid(bound.astype(jnp.float32), valid, 1.0)
-    inner = 1.0 - end
-    # low level: turn GAE inside segments
-    delta = jnp.where(valid, r + gamma * v_cont - v_low, 0.0)
-    a_low = segments.reverse_scan(delta, gamma * lam_turn * inner, axis=1, where=valid)
-    # return to the segment end, bootstrapped with V_high(next boundary) (0 at episode end);
-    # at a segment start it is the SMDP target R_seg + gamma^d V_high(next boundary)
-    ret = segments.reverse_scan(r + gamma * end * v_cont, gamma * inner, axis=1, where=valid)
-    # gamma^(turns from k to its segment end, inclusive): gamma^d_j at the start s_j
-    disc = segments.reverse_scan(gamma * end, gamma * inner, axis=1, where=valid)
-    # high level: GAE over segments, each stored at its start turn
-    a_high = segments.reverse_scan(jnp.where(bound, ret - v_high, 0.0), lam_seg * disc,
-                                   axis=1, where=bound)
+    a_low, ret, a_high = _backward_pass(r, v_low, v_high, bound, valid, gamma, lam_turn,
+                                        lam_seg)
     zero = jnp.zeros_like(r)
     out = {
         "boundary": bound,
@@ -96,16 +114,9 @@ def _streams(b: TrajectoryBatch, gamma, lam_turn, lam_seg, switch_stream):
         "high_returns": jnp.where(bound, a_high + v_high, zero),
         "term_returns": jnp.where(valid, ret, zero),
     }
-    has_term = "term_values" in b.extras
-    if switch_stream == "auto":
-        switch_stream = "term" if has_term else "none"
     if switch_stream == "term" or has_term:
-        v_term = _turn_values(b, "term_values", "[N, K] termination-head values: give each "
-                              "record turn turn_extras.term_values (switch_stream='term')",
-                              valid)
         out["term"] = jnp.where(valid, ret - v_term, zero)
     # token routing: switch tokens first, then subgoal tokens, the rest is low level
-    sub, swm = _token_mask(b, "subgoal_mask"), _token_mask(b, "switch_mask")
     btok = segments.turn_to_token(bound, b)
     out["low_tokens"] = b.action_mask & ~sub & ~swm
     out["high_tokens"] = (sub & ~swm & btok) | ((swm & btok) if switch_stream == "high"

@@ -191,14 +191,14 @@ def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "ret
 
 
 def anchor_ids(b: TrajectoryBatch, anchor: str, *, bucket_width: float = 0.1,
-               sim_threshold: float = 0.95, sim_iters: int = 8, who: str = "gigpo"):
+               sim_threshold: float = 0.95, sim_iters: int = 32, who: str = "gigpo"):
     """Anchor-state group ids [N, K] of every turn (scoped by task group).
 
     ``"exact"``: equal ``state_keys``. ``"bucket"``: equal hashes of
     round(extras['state_features'] / bucket_width) (each feature vector quantised to a grid).
     ``"similar"``: connected components of the graph linking turns of one group whose
     feature vectors have cosine similarity >= ``sim_threshold`` (``segments.similarity_clusters``,
-    ``sim_iters`` rounds of label propagation: exact for components of diameter <= 2^sim_iters).
+    label propagation with root hooking until stable, at most ``sim_iters`` rounds).
     """
     valid = segments.valid_turns(b)
     if anchor == "exact":
@@ -217,7 +217,7 @@ def anchor_ids(b: TrajectoryBatch, anchor: str, *, bucket_width: float = 0.1,
 def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1.0,
           mode: str = "mean_std_norm", episode_weighting: str = "trajectory",
           anchor: str = "exact", bucket_width: float = 0.1, sim_threshold: float = 0.95,
-          sim_iters: int = 8, eps: float = 1e-6, singleton: str = "zero",
+          sim_iters: int = 32, eps: float = 1e-6, singleton: str = "zero",
           axis_name=None) -> Advantages:
     """GiGPO: Group-in-Group Policy Optimization (Feng et al. 2025; verl-agent core_gigpo).
 

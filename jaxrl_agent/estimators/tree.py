@@ -12,10 +12,11 @@ node fixes the depth k). Different first observations give different roots of on
 The child entered by action k (``child="history"``, the default) is
   * the next node H(i, k + 1) when turn k + 1 exists, and
   * at the trajectory's last turn, a leaf identified by (H(i, k), a_k).
-Leaves and inner nodes are told apart by an explicit flag key column (key tuples
-(H_{k+1}, 0, 0) and (H_k, a_k, 1)), not by a hash sentinel, so no key value can make a leaf
-equal an inner node. Two trajectories that take the same action at the same node but where one
-ends and the other continues (or sees a different next observation) enter different children.
+Child ids are the node id of turn k + 1, or the id of the pair (H(i, k), a_k) offset by
+N K for a leaf: leaves and inner nodes live in disjoint id ranges, so no key value can make a
+leaf equal an inner node. Two trajectories that take the same action at the same node but
+where one ends and the other continues (or sees a different next observation) enter
+different children.
 With ``child="action"`` the child is the action node (H(i, k), a_k) for every turn: chance
 outcomes of the environment are averaged inside one child (in a deterministic environment the
 two coincide except for ended vs continued trajectories).
@@ -30,9 +31,9 @@ level [N, K] and broadcasts to the action tokens, so both layouts give the same 
 Turns are expected to be a prefix 0..K_i - 1 of each trajectory (as ``pack_records`` builds
 them); a missing turn ends the trajectory's path for ``is_last``.
 
-Private helpers used by more than one estimator here (candidates for ``segments``):
-``_first_of`` (first member of every id), ``_first_visits`` (first visit of a key per
-trajectory), ``_tree_ids`` (node and child ids).
+Private helpers (candidates for ``segments``): ``_first_of`` (first member of every id),
+``_first_visits`` (first visit of a key per trajectory), ``_stats`` (segment mean/count over
+ids from any range), ``_tree_ids`` (node and child ids).
 """
 
 from __future__ import annotations
@@ -77,13 +78,23 @@ def _check_episode(mode, episode_weighting, eps, singleton, gamma):
 # ----------------------------------------------------------------------------- tree helpers
 
 
-def _first_of(ids, valid):
-    """[N, K] bool: (i, k) is the first valid turn, in flat (i, k) order, of its id."""
+def _first_of(ids, valid, num_ids):
+    """[N, K] bool: (i, k) is the first valid turn, in flat (i, k) order, of its id (ids in
+    [0, num_ids); invalid turns are never first)."""
     n, k = ids.shape
     flat = jnp.arange(n * k, dtype=jnp.int32).reshape(n, k)
-    seg = jnp.where(valid, ids, n * k).reshape(-1)
-    first = jax.ops.segment_min(jnp.where(valid, flat, n * k).reshape(-1), seg, n * k)
-    return valid & (first[jnp.clip(ids, 0, n * k - 1)] == flat)
+    seg = jnp.where(valid, ids, num_ids).reshape(-1)
+    first = jax.ops.segment_min(jnp.where(valid, flat, n * k).reshape(-1), seg, num_ids)
+    return valid & (first[jnp.clip(ids, 0, num_ids - 1)] == flat)
+
+
+def _stats(x, ids, valid, num_ids, weights=None):
+    """(mean, count) [N, K] of x over the turns sharing an id in [0, num_ids), gathered back."""
+    mean, _, count = segments.segment_stats(x.reshape(-1), ids.reshape(-1), valid.reshape(-1),
+                                            num_ids, 1, None if weights is None
+                                            else weights.reshape(-1))
+    safe = jnp.clip(ids, 0, num_ids - 1)
+    return mean[safe], count[safe]
 
 
 def _first_visits(ids, valid):
@@ -96,18 +107,21 @@ def _first_visits(ids, valid):
 
 
 def _tree_ids(b: TrajectoryBatch, child: str = "history"):
-    """(node ids, child ids), each [N, K] int32 scoped by task group (see the module doc):
-    node = H(i, k); child = H(i, k + 1), or the leaf (H(i, k), a_k) at the last turn
-    (``child="action"``: (H(i, k), a_k) always). Invalid turns get N * K."""
+    """(node ids [N, K] in [0, N K), child ids [N, K] in [0, 2 N K)), scoped by task group (see
+    the module doc): node = H(i, k); child = H(i, k + 1) (the node id of turn k + 1), or at the
+    last turn the leaf (H(i, k), a_k), whose ids are offset by N K so that a leaf never equals
+    an inner node (``child="action"``: (H(i, k), a_k) at every turn). Invalid turns get an
+    out-of-range id."""
+    m = b.num_traj * b.num_turns
     h = segments.history_keys(b)
-    a = b.action_keys.astype(jnp.uint32)
     node = segments.turn_key_ids(b, *h)
+    act = segments.turn_key_ids(b, *h, b.action_keys)  # (H(i, k), a_k)
     if child == "action":
-        return node, segments.turn_key_ids(b, *h, a)
+        return node, act
     valid = segments.valid_turns(b)
     last = valid & ~segments.next_turn(valid, False)
-    cols = [jnp.where(last, x, segments.next_turn(x)) for x in h]
-    return node, segments.turn_key_ids(b, *cols, jnp.where(last, a, 0), last.astype(jnp.uint32))
+    kid = jnp.where(last, m + act, segments.next_turn(node, m))
+    return node, jnp.where(valid, kid, 2 * m)
 
 
 def _target(b: TrajectoryBatch, target: str, gamma):
@@ -210,15 +224,14 @@ def _tree_terms(b: TrajectoryBatch, *, child, baseline):
     v_child V(child), n_child N(child), n_children (distinct children of the node), a_proc."""
     valid = segments.valid_turns(b)
     r = jnp.where(valid, b.outcome[:, None], 0.0).astype(jnp.float32)
+    m = b.num_traj * b.num_turns
     node, kid = _tree_ids(b, child)
-    v_p = segments.key_stats(r, node, valid)[0]
-    v_c, _, n_c = segments.key_stats(r, kid, valid)
-    rep = _first_of(kid, valid).astype(jnp.float32)  # one representative turn per child
-    n_ch = segments.key_stats(rep, node, valid, weights=rep)[2]  # distinct children per node
+    v_p = _stats(r, node, valid, m)[0]
+    v_c, n_c = _stats(r, kid, valid, 2 * m)
+    rep = _first_of(kid, valid, 2 * m).astype(jnp.float32)  # one turn per distinct child
+    base, n_ch = _stats(v_c, node, valid, m, weights=rep)  # n_ch: distinct children per node
     if baseline == "parent":
-        base = v_p
-    else:  # unweighted mean of V over the node's distinct children
-        base = segments.key_stats(v_c, node, valid, weights=rep)[0]
+        base = v_p  # (else: the unweighted mean of V over the node's distinct children)
     a_proc = jnp.where(n_ch > 1, v_c - base, 0.0)  # branch gating (exact 0 for one child)
     z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
     return {"v_parent": z(v_p), "v_child": z(v_c), "n_child": z(n_c), "n_children": z(n_ch),
@@ -246,8 +259,10 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
     Properties: P13 (V(p) is the leaf-count weighted mean of its children, so the step terms of
     a node sum to 0 over its trajectories for ``"parent"``); a depth-1 tree (one shared root,
     distinct actions, single-turn trajectories) gives A_proc = R_i - mean_g R (Dr.GRPO);
-    step_weight = 0 gives GRPO exactly; A_proc telescopes along a trajectory to
-    R_i - V(root) minus the gated terms. Singleton groups and equal outcomes give A_proc = 0.
+    step_weight = 0 gives GRPO exactly; for ``"parent"`` A_proc telescopes along a trajectory
+    to V(its leaf) - V(its root) (= R_i - V(root) unless another trajectory ends in the same
+    leaf; gated terms are 0 by the formula anyway). Singleton groups and equal outcomes give
+    A_proc = 0.
     """
     check_choice("baseline", baseline, BASELINES)
     check_choice("child", child, CHILDREN)
@@ -271,8 +286,9 @@ def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal, 
     g = step_returns(b, gamma)
     s0sq = jnp.square(jnp.asarray(prior_std, jnp.float32))
     phis, ws = [], []
-    for d in range(max_depth + 1):
-        ids = segments.turn_key_ids(b, *segments.history_keys(b, depth=d))
+    for d in range(max_depth + 1):  # depth 0: the state alone
+        ids = segments.turn_key_ids(b, *(segments.history_keys(b, depth=d) if d else
+                                         (b.state_keys,)))
         mean, std, n = segments.key_stats(g, ids, valid, ddof=1)
         var = jnp.where(n > 1, std * std, s0sq)
         phis.append(mean)
@@ -324,10 +340,12 @@ def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float =
       A[i, k] = A_ep(i) + w1 A_pre(i, k) + w2 C(i, k)   (w1 = ``prefix_weight``,
         w2 = ``transition_weight``; A_ep = GRPO via ``episode_advantage`` with ``mode``).
     Reductions: w2 = 0 with prefix_mode = mode is step_group(key="history") (exact-prefix
-    GiGPO); w1 = w2 = 0 is GRPO. Degenerate cases: a lone trajectory has every key to itself,
-    so Phi = G and C = gamma G_{k+1} - G_k (0 for outcome-only rewards and gamma = 1); equal
-    returns give C = (gamma - 1) x that return. Not implemented: the paper's "semantic
-    expansion" (merging near-duplicate observations); pass such merged ids as state_keys.
+    GiGPO); w1 = w2 = 0 is GRPO. Degenerate cases: a lone trajectory in which no state recurs
+    has every key to itself, so Phi = G and C = gamma G_{k+1} - G_k (G_K := R; 0 for
+    outcome-only rewards and gamma = 1); equal returns and outcomes everywhere give Phi = G
+    and A = 0 for gamma = 1. Sums of zero weight never divide (no NaN).
+    Not implemented: the paper's "semantic expansion" (merging near-duplicate observations);
+    pass such merged ids as ``state_keys``.
     """
     check_choice("terminal", terminal, TERMINALS)
     check_choice("prefix_mode", prefix_mode, MODES)

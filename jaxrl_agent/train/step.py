@@ -176,8 +176,12 @@ def _attach_values(batch: TrajectoryBatch, values, cfg: StepConfig) -> Trajector
     else:  # before_token values at the first action token = V(s_k) ("before_action")
         at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
         extras["turn_values"] = segments.turn_values_from_tokens(at_token, batch, "before_action")
-        if cfg.estimator == "hae":  # one value head serves both levels (HiPER reads V_high at
-            extras.setdefault("high_values", extras["turn_values"])  # the same boundary)
+        if cfg.estimator == "hae":
+            # One value head serves both levels (HiPER with a single head does the same). The
+            # loop has no subgoal signal of its own: without extras['switch'] every episode is
+            # one segment, and HAE is turn-level GAE with a one-step SMDP high stream.
+            extras.setdefault("high_values", extras["turn_values"])
+            extras.setdefault("switch", jnp.zeros(batch.turn_mask.shape, jnp.float32))
     return batch.replace(extras=extras)
 
 
