@@ -40,7 +40,6 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from jaxrl_agent import estimators, segments  # noqa: E402
 from jaxrl_agent.batch import TrajectoryBatch, bucket  # noqa: E402
@@ -289,32 +288,20 @@ def profile_gigpo(batches, repeats, bw, bw_cpu):
         valid = jax.jit(segments.valid_turns)(b)
         ids = jax.jit(lambda b: segments.turn_key_ids(b, b.state_keys))(b)
         x = jax.jit(lambda b: sg.step_returns(b, 0.95))(b)
-        ref = jax.jit(estimators.get("gigpo"))(b)
-        a = ref.turn
-
-        def cols(b):
-            m = b.num_traj * b.num_turns
-            g = jnp.broadcast_to(b.group_ids[:, None], b.turn_mask.shape).reshape(m)
-            return g, b.state_keys.reshape(m), segments.valid_turns(b).reshape(m)
+        a = jax.jit(estimators.get("gigpo"))(b).turn
 
         parts = [
             ("gigpo (library, whole)", estimators.get("gigpo"), (b,)),
             ("  episode_advantage (with local_view)",
              lambda b: sg.episode_advantage(segments.local_view(b)), (b,)),
             ("  step_returns", lambda b: sg.step_returns(b, 0.95), (b,)),
-            ("  turn_key_ids (dense_ids: lexsort + scatter)",
+            ("  turn_key_ids (hash table, linear probing)",
              lambda b: segments.turn_key_ids(b, b.state_keys), (b,)),
-            ("    of which jnp.lexsort of its 3 key columns",
-             lambda b: jnp.lexsort(tuple(reversed(cols(b)[:2])) + (~cols(b)[2],)), (b,)),
+            ("  turn_key_ids forced onto its sort fallback",
+             lambda b: segments.turn_key_ids(b, b.state_keys, max_rounds=0), (b,)),
             ("  key_stats (segment max/sum, gathers)",
              lambda x, i, v: segments.key_stats(x, i, v), (x, ids, valid)),
             ("  turn_to_token (broadcast to [R, T])", segments.turn_to_token, (a, b)),
-            ("prototype probe_key_ids (sort-free ids)",
-             lambda b, v: gigpo_loop.probe_key_ids(b.group_ids, b.state_keys, v), (b, valid)),
-            ("prototype gigpo_sort_free (+ library key_stats)", gigpo_loop.gigpo_sort_free,
-             (b,)),
-            ("prototype gigpo_sort_free (+ rep_shift_key_stats)",
-             lambda b: gigpo_loop.gigpo_sort_free(b, fast_stats=True), (b,)),
         ]
         whole = None
         for name, fn, args in parts:
@@ -327,18 +314,8 @@ def profile_gigpo(batches, repeats, bw, bw_cpu):
                 t, c = median_times(lambda: f(*args), repeats)
             whole = c if whole is None else whole
             extra = ""
-            if name.startswith(("gigpo", "prototype gigpo")):
+            if name.startswith("gigpo"):
                 extra = f"  ratio {c / (nbytes / bw_cpu):.0f}  speed-up {c_loop / c:.0f}"
-                if name.startswith("prototype"):
-                    d = float(jnp.max(jnp.abs(res.token - ref.token)))
-                    extra += f"  max|diff| vs library {d:.1e}"
-            if name.startswith("prototype probe"):
-                r, p_ = np.asarray(ids).ravel(), np.asarray(res).ravel()
-                ok = np.asarray(valid).ravel()
-                pairs = np.unique(np.stack([r[ok], p_[ok]]), axis=1)
-                same = (len(np.unique(pairs[0])) == pairs.shape[1] == len(np.unique(pairs[1]))
-                        and bool(np.all(p_[~ok] == ok.size)))
-                extra = f"  same partition as turn_key_ids: {same}"
             print(f"{n:>6}{k:>4} {layout:<13}{name:<52}{t * 1e3:>9.1f}{c * 1e3:>9.1f}"
                   f"{100 * c / whole:>5.0f}%{extra}", flush=True)
 

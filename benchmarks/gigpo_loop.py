@@ -1,7 +1,6 @@
 """GiGPO benchmark pieces: a synthetic batch with anchor-state collisions, the loop baseline
-written the way verl-agent's core_gigpo works, the byte count of the bandwidth floor, and
-sort-free prototypes that ``estimators.py --gigpo`` profiles. Nothing here is imported by the
-library or the tests.
+written the way verl-agent's core_gigpo works, and the byte count of the bandwidth floor,
+for ``estimators.py --gigpo``. Nothing here is imported by the library or the tests.
 
 The baseline (``gigpo_loop``) follows the structure of verl-agent's
 ``compute_gigpo_outcome_advantage`` (written independently, not copied): one entry per step, in
@@ -22,14 +21,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxrl_agent import segments
 from jaxrl_agent.batch import TrajectoryBatch, bucket
-from jaxrl_agent.estimators.step_group import combine, episode_advantage, step_returns
 
 OBS, ACT, GROUP = 4, 4, 8
 INVALID_PENALTY, P_INVALID = -0.1, 0.1  # verl-agent's invalid-action penalty, and its rate
@@ -213,88 +207,3 @@ def gigpo_loop(h: dict, gamma: float = 0.95, step_weight: float = 1.0, eps: floa
     tid = np.clip(h["turn_ids"], 0, k - 1)
     token = np.where(h["action_mask"], turn[h["row_traj"][:, None], tid], np.float32(0))
     return token, turn
-
-
-# ----------------------------------------------------------------------------- prototypes
-#
-# Candidate formulations measured by ``estimators.py --gigpo`` next to the library's own, so
-# that the profile in the printed table can be reproduced. They live here (not in
-# jaxrl_agent/segments.py) until someone decides to adopt them.
-
-
-def probe_key_ids(group_ids, keys, valid, factor: int = 2):
-    """Sort-free ``segments.turn_key_ids(b, keys)``: ids [N, K] int32 such that two valid turns
-    share an id iff they have the same group id and the same key; invalid turns get N * K.
-
-    Exact (keys are compared, not just hashed): hash table of ``factor * N * K`` slots with
-    linear probing, run as a ``lax.while_loop`` of vectorised rounds. A turn's first slot lies in
-    a window owned by its group (window start group_id * K * factor, width
-    factor * K * trajectories-in-group, position by a hash of the key), so under the packing
-    convention (group id = index of the group's first trajectory, members consecutive) windows
-    of different groups do not overlap and every access stays near the turn's own position.
-    Each round, every unresolved turn whose slot is empty bids its flat index for it (scatter-
-    min); the turns whose key equals that of the slot's owner take the owner's flat index as
-    their id, the others move one slot on. All turns of one key move together, so they always
-    agree. The id is the smallest flat index of the key's turns (in [0, N * K), not dense).
-    Rounds = the longest probe sequence (4-7 here); the worst case (adversarial clustering) is
-    O(N K) rounds, so a library version would cap the rounds and fall back to the sort.
-    """
-    n, k = keys.shape
-    m = n * k
-    size = factor * m
-    flat = jnp.arange(m, dtype=jnp.int32)
-    members = jax.ops.segment_sum(valid.any(axis=1).astype(jnp.int32), group_ids, n)
-    g = jnp.broadcast_to(group_ids[:, None], (n, k)).reshape(-1)
-    s = keys.reshape(-1).astype(jnp.uint32)
-    width = jnp.maximum(members[g], 1).astype(jnp.uint32) * jnp.uint32(factor * k)
-    h = segments._fmix32(s + jnp.uint32(0x7F4A7C15))
-    slot = (g * (factor * k) + (h % width).astype(jnp.int32)) % size
-    ok = valid.reshape(-1)
-
-    def body(carry):
-        table, slot, ids, _ = carry
-        active = ids < 0
-        free = table[slot] == m
-        table = table.at[jnp.where(active & free, slot, size)].min(flat, mode="drop")
-        owner = table[slot]
-        ids = jnp.where(active & (g[owner] == g) & (s[owner] == s), owner, ids)
-        active = ids < 0
-        slot = jnp.where(active, jnp.where(slot + 1 == size, 0, slot + 1), slot)
-        return table, slot, ids, jnp.any(active)
-
-    ids = jnp.where(ok, -1, m).astype(jnp.int32)
-    carry = (jnp.full((size,), m, jnp.int32), slot, ids, jnp.any(ok))
-    return lax.while_loop(lambda c: c[3], body, carry)[2].reshape(n, k)
-
-
-def rep_shift_key_stats(x, ids, valid, ddof: int = 1):
-    """``segments.key_stats`` with the shift taken from the group representative's value
-    x[id] (a gather) instead of the segment maximum (a scatter-max); equal values still
-    cancel exactly. Needs ids that are the flat index of a member (``probe_key_ids``)."""
-    n, k = x.shape
-    m = n * k
-    x, ids, ok = x.reshape(-1), ids.reshape(-1), valid.reshape(-1)
-    safe = jnp.clip(ids, 0, m - 1)
-    top = x[safe]
-    xs = jnp.where(ok, x - top, 0.0)
-    count = jax.ops.segment_sum(ok.astype(x.dtype), ids, m)
-    mean_s = jax.ops.segment_sum(xs, ids, m) / jnp.maximum(count, 1.0)
-    dev = jnp.where(ok, xs - mean_s[safe], 0.0)
-    ssd = jax.ops.segment_sum(dev * dev, ids, m)
-    std = segments.safe_sqrt(ssd / jnp.maximum(count - ddof, 1.0))
-    return ((top + mean_s[safe]).reshape(n, k), std[safe].reshape(n, k),
-            count[safe].reshape(n, k))
-
-
-def gigpo_sort_free(batch, *, gamma: float = 0.95, eps: float = 1e-6, fast_stats: bool = False):
-    """``estimators.gigpo(batch, gamma=gamma, eps=eps)`` (exact anchors, other defaults) with
-    ``probe_key_ids`` in place of the sort, and optionally ``rep_shift_key_stats``."""
-    b = segments.local_view(batch)
-    a_ep = episode_advantage(b, eps=eps)
-    valid = segments.valid_turns(b)
-    ids = probe_key_ids(b.group_ids, b.state_keys, valid)
-    x = step_returns(b, gamma)
-    stats = rep_shift_key_stats if fast_stats else segments.key_stats
-    mean, std, count = stats(x, ids, valid)
-    a_st = jnp.where(valid & (count > 1), (x - mean) / (std + eps), 0.0)
-    return combine(b, a_ep, a_st)

@@ -903,13 +903,21 @@ def test_padding_values_never_change_estimators(name, hp, mode):
                           token_values=True, ref_logprobs=True)
     for i, r in enumerate(recs):
         r["group"] = i % 2  # groups of 3 and 2: no singleton hides a NaN
+        for t in r["turns"]:  # what bipace and hae read
+            t["turn_extras"] = {"hidden": rng.normal(size=3).tolist(),
+                                "switch": float(rng.random() < 0.5),
+                                "high_values": float(rng.normal())}
     b = pack_records(recs, layout="per_step")[0]
     am, tm, trm = (np.asarray(x) for x in (b.action_mask, b.turn_mask, b.traj_mask))
+
+    def dirty(v):
+        mask = am if v.shape == am.shape else tm.reshape(tm.shape + (1,) * (v.ndim - 2))
+        return np.where(mask, v, np.nan).astype(np.float32)
+
     nb = b.replace(turn_rewards=np.where(tm, b.turn_rewards, np.nan).astype(np.float32),
                    outcome=np.where(trm, b.outcome, np.nan).astype(np.float32),
                    old_logprobs=np.where(am, b.old_logprobs, np.nan).astype(np.float32),
-                   extras={k: np.where(am if v.shape == am.shape else tm, v, np.nan)
-                           .astype(np.float32) for k, v in b.extras.items()})
+                   extras={k: dirty(v) for k, v in b.extras.items()})
     nb.validate()
     sp = estimators.spec(name)
     kw = dict(hp, state=sp.init_state(8)) if sp.stateful else dict(hp)
