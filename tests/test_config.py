@@ -45,6 +45,7 @@ def test_grpo_and_gigpo_configs_differ_only_in_estimator_and_name():
     b = C.to_dict(C.load(CONFIGS / "gridworld_gigpo.yaml"))
     for d in (a, b):
         del d["estimator"], d["name"], d["checkpoint"]["dir"], d["metrics"]["dir"]
+        del d["model"]["builtin_dir"], d["checkpoint"]["export_dir"], d["checkpoint"]["warmup_dir"]
     assert a == b
 
 
@@ -90,8 +91,8 @@ def test_nested_dict_overrides():
     cfg = C.load(CONFIGS / "gridworld_grpo.yaml",
                  ["estimator.params.eps=1e-8", "env.kwargs.size=7", "loss.params.clip_high=0.3"])
     assert cfg.estimator.params == {"eps": 1e-8, "ddof": 1}  # 1e-8 is a float, not YAML 1.1's str
-    assert cfg.env.kwargs == {"size": 7, "extra_walls": 2}
-    assert cfg.loss.params == {"clip_low": 0.2, "clip_high": 0.3}
+    assert cfg.env.kwargs == {"size": 7, "max_turns": 12}
+    assert cfg.loss.params == {"clip_high": 0.3}
     cfg = C.load(None, ["estimator.name=gae", "estimator.params.gamma=0.99",
                         "estimator.params.lam=0.95", "model.value_head=true"])
     assert cfg.estimator.params == {"gamma": 0.99, "lam": 0.95}
@@ -298,5 +299,5 @@ def test_frozen():
 
 def test_describe_mentions_the_essentials():
     s = C.describe(C.load(CONFIGS / "gridworld_grpo.yaml"))
-    assert "gridworld_grpo" in s and "grpo" in s and "ppo" in s and "8 tasks x 8 = 64" in s
+    assert "gridworld_grpo" in s and "grpo" in s and "ppo" in s and "4 tasks x 8 = 32" in s
     assert "tiny built-in" in C.describe(C.RunConfig())
