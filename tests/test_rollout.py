@@ -134,6 +134,16 @@ def test_solver_sampler_succeeds_and_records_are_token_exact():
     assert records[0]["group"] != records[2]["group"]
     for layout in ("concatenated", "per_step"):
         check_tokens(records, layout)
+    # the grid world's stages (key, door, goal) mark HiPER's subgoal boundaries: a solved
+    # episode starts three subgoals, the first turn of each has switch 1
+    for r in records:
+        goals = [t["subgoal"] for t in r["turns"]]
+        assert goals[0] == "key" and goals[-1] == "goal"
+        switch = [t["turn_extras"]["switch"] for t in r["turns"]]
+        assert switch == [1.0] + [float(a != b) for a, b in zip(goals, goals[1:])]
+        assert sum(switch) == 3
+    batch = pack_records(records, layout="per_step")[0]
+    assert float(np.asarray(batch.extras["switch"]).sum()) == 3 * len(records)
 
 
 def test_prompts_are_history_plus_new_observation():

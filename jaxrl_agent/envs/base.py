@@ -14,7 +14,8 @@ Protocol (``Env``)::
 ``info`` keys (all optional except ``state_key``, which every built-in env sets on every step):
 ``state_key`` (str), ``success`` (bool, on the terminal step), ``invalid_action`` (bool),
 ``truncated`` (bool: ended by ``max_turns``), ``env_error`` (str, set by :class:`SafeEnv`),
-``turn`` (int, turns taken so far).
+``turn`` (int, turns taken so far), ``subgoal`` (str: the stage the state belongs to, from
+``Env.subgoal()``, where the env has stages; the grid world: key, door, goal).
 """
 
 from __future__ import annotations
@@ -135,6 +136,20 @@ class Env(abc.ABC):
         return dict(max_turns=self.max_turns, invalid_penalty=self.invalid_penalty,
                     invalid_ends=self.invalid_ends)
 
+    def subgoal(self) -> str | None:
+        """The subgoal the current state belongs to (e.g. "get the key"), or None when the
+        environment has no subgoal structure. Reported as ``info["subgoal"]``; the rollout
+        collector marks a turn as a subgoal boundary (HiPER's switch) where it changes."""
+        return None
+
+    def _info(self, info: dict) -> dict:
+        info["state_key"] = self.state_key()
+        info["turn"] = self.turn
+        goal = self.subgoal()
+        if goal is not None:
+            info["subgoal"] = goal
+        return info
+
     # --- protocol -----------------------------------------------------------------------
     def clone(self) -> "Env":
         """A fresh copy with the same configuration (not reset)."""
@@ -146,7 +161,7 @@ class Env(abc.ABC):
                              f"got {task!r}")
         self.task, self.turn, self.done = task, 0, False
         self._reset(task)
-        return self.observation(), {"state_key": self.state_key(), "turn": 0}
+        return self.observation(), self._info({})
 
     def step(self, action: Any) -> StepResult:
         if self.task is None:
@@ -169,9 +184,7 @@ class Env(abc.ABC):
             info["truncated"] = True
             info.setdefault("success", False)
         self.done = done
-        info["state_key"] = self.state_key()
-        info["turn"] = self.turn
-        return StepResult(self.observation(), float(reward), bool(done), info)
+        return StepResult(self.observation(), float(reward), bool(done), self._info(info))
 
     def sample_tasks(self, rng, n: int, split: str = "train", max_tries: int = 100_000) -> list[Task]:
         """``n`` distinct tasks of ``split`` (``rng``: a ``random.Random``, ``numpy`` Generator

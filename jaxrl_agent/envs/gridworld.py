@@ -122,6 +122,12 @@ class GridWorld(Env):
         return (f"grid:{self.task.key}|{self.pos[0]},{self.pos[1]}"
                 f"|k{int(self.has_key)}|d{int(self.door_open)}")
 
+    def subgoal(self) -> str:
+        """The stage of the task: get the key, open the door, reach the goal."""
+        if not self.has_key:
+            return "key"
+        return "goal" if self.door_open else "door"
+
     def solver(self) -> str:
         plan = bfs_plan(self.size, self.layout, (self.pos, self.has_key, self.door_open))
         act = plan[0] if plan else "up"  # goal reached or unsolvable: any legal action

@@ -162,6 +162,7 @@ class _Live:
     history: list
     pending_obs: list  # tokens of the observation not yet followed by an action
     state_key: Any
+    subgoal: Any = None  # the env's info["subgoal"] of the state before the next action
     turns: list = dataclasses.field(default_factory=list)
     done: bool = False
     success: bool = False
@@ -255,10 +256,15 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
             info = res.info or {}
             invalid = bool(info.get("invalid_action", False))
             tr.invalid += invalid
-            tr.turns.append({"observation": tr.pending_obs, "action": act, "logprobs": lps,
-                             "reward": float(res.reward), "state_key": tr.state_key,
-                             "action_text": text, "finish_reason": out.finish_reason,
-                             "policy_version": int(out.policy_version)})
+            turn = {"observation": tr.pending_obs, "action": act, "logprobs": lps,
+                    "reward": float(res.reward), "state_key": tr.state_key,
+                    "action_text": text, "finish_reason": out.finish_reason,
+                    "policy_version": int(out.policy_version)}
+            if tr.subgoal is not None:  # HiPER's boundary: the first turn of every subgoal
+                prev = tr.turns[-1]["subgoal"] if tr.turns else None
+                turn["subgoal"] = tr.subgoal
+                turn["turn_extras"] = {"switch": float(prev != tr.subgoal)}
+            tr.turns.append(turn)
             tr.history = prompt + act if config.history == "full" else []
             if info.get("env_error"):
                 tr.env_error = str(info["env_error"])
@@ -311,3 +317,4 @@ def _observe(tr: _Live, obs_text: str, info: dict, codec: TextCodec, config: Rol
         config.observation_template.format(observation=obs_text))]
     key = info.get("state_key")
     tr.state_key = key if isinstance(key, (str, int)) and not isinstance(key, bool) else obs_text
+    tr.subgoal = info.get("subgoal")

@@ -177,9 +177,10 @@ def _attach_values(batch: TrajectoryBatch, values, cfg: StepConfig) -> Trajector
         at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
         extras["turn_values"] = segments.turn_values_from_tokens(at_token, batch, "before_action")
         if cfg.estimator == "hae":
-            # One value head serves both levels (HiPER with a single head does the same). The
-            # loop has no subgoal signal of its own: without extras['switch'] every episode is
-            # one segment, and HAE is turn-level GAE with a one-step SMDP high stream.
+            # One value head serves both levels (HiPER with a single head does the same).
+            # Subgoal boundaries come from envs that report info["subgoal"] (the collector
+            # turns changes into extras['switch']); without them every episode is one
+            # segment, and HAE is turn-level GAE with a one-step SMDP high stream.
             extras.setdefault("high_values", extras["turn_values"])
             extras.setdefault("switch", jnp.zeros(batch.turn_mask.shape, jnp.float32))
     return batch.replace(extras=extras)
