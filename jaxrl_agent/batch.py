@@ -254,10 +254,35 @@ class _Traj:
     task: Any
     outcome: float
     turns: list
+    traj_extras: dict = dataclasses.field(default_factory=dict)
+    edges: list | None = None
+
+
+def _check_edges(idx, v, num_turns):
+    """[[src_turn, dst_turn] or [src_turn, dst_turn, type], ...] -> [(src, dst, type)]."""
+    if not isinstance(v, (list, tuple)):
+        raise RecordError(idx, f"field 'edges' must be a list of [src_turn, dst_turn(, type)], "
+                               f"got {type(v).__name__}")
+    out = []
+    for j, e in enumerate(v):
+        w = f"edges[{j}]"
+        if not isinstance(e, (list, tuple)) or len(e) not in (2, 3) or \
+                not all(_is_int(x) for x in e):
+            raise RecordError(idx, f"{w} must be [src_turn, dst_turn] or [src_turn, dst_turn, "
+                                   f"type] of ints, got {e!r}")
+        src, dst, typ = (list(e) + [0])[:3]
+        for name, x in (("src_turn", src), ("dst_turn", dst)):
+            if not 0 <= x < num_turns:
+                raise RecordError(idx, f"{w}: {name} = {x} is not a turn of this record "
+                                       f"(it has {num_turns})")
+        if typ < 0:
+            raise RecordError(idx, f"{w}: type must be >= 0, got {typ}")
+        out.append((int(src), int(dst), int(typ)))
+    return out
 
 
 _OPTIONAL_TURN_FIELDS = ("logprobs", "value", "values", "ref_logprobs", "turn_key")
-_RESERVED_EXTRAS = TOKEN_EXTRAS + TURN_EXTRAS + ("turn_keys",)
+_RESERVED_EXTRAS = TOKEN_EXTRAS + TURN_EXTRAS + ("turn_keys", "edges")
 
 
 def _parse_record(idx: int, rec) -> _Traj:
@@ -307,7 +332,9 @@ def _parse_record(idx: int, rec) -> _Traj:
         raise RecordError(idx, "missing field 'outcome' (and no turn has a 'reward')")
     if not any_reward:
         turns[-1].reward = outcome  # outcome-only records: the outcome is the terminal reward
-    return _Traj(group, task if task is not None else group, outcome, turns)
+    traj_extras = _check_extras(idx, "traj_extras", rec.get("traj_extras", {}), None)
+    edges = _check_edges(idx, rec["edges"], len(turns)) if "edges" in rec else None
+    return _Traj(group, task if task is not None else group, outcome, turns, traj_extras, edges)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -319,6 +346,13 @@ def _extras_layout(trajs) -> dict:
     kinds: dict = {}
     where: dict = {}
     for i, tr in enumerate(trajs):
+        for name, x in tr.traj_extras.items():
+            kind = (np.float32, len(x) if isinstance(x, list) else None)
+            seen = kinds.setdefault(("traj", name), kind)
+            where.setdefault(("traj", name), (i, None))
+            if seen != kind:
+                raise RecordError(i, f"traj_extras.{name}: shape differs from record "
+                                     f"{where['traj', name][0]}")
         for k, t in enumerate(tr.turns):
             for level, ex in (("turn", t.turn_extras), ("token", t.token_extras)):
                 for name, x in ex.items():
@@ -338,6 +372,11 @@ def _extras_layout(trajs) -> dict:
         raise ValueError(f"extras {sorted(dup)} are given both per turn and per token")
     for (level, name) in kinds:
         for i, tr in enumerate(trajs):
+            if level == "traj":
+                if name not in tr.traj_extras:
+                    raise RecordError(i, f"lacks traj_extras.{name} while other records have "
+                                         f"it: give it on every record or on none")
+                continue
             for k, t in enumerate(tr.turns):
                 if name not in (t.turn_extras if level == "turn" else t.token_extras):
                     raise RecordError(i, f"turns[{k}] lacks {level}_extras.{name} while other "
@@ -492,8 +531,14 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
     turn_keys = np.zeros((N, K), np.uint32) if first.turn_key is not None else None
     free = {}
     for (level, name), (dtype, dim) in extra_kind.items():
-        shape = (R, T) if level == "token" else (N, K) + ((dim,) if dim else ())
-        free[name] = np.zeros(shape, dtype)
+        lead = {"token": (R, T), "turn": (N, K), "traj": (N,)}[level]
+        free[name] = np.zeros(lead + (() if level == "token" or not dim else (dim,)), dtype)
+    with_edges = [tr.edges is not None for tr in trajs]
+    if any(with_edges) and not all(with_edges):
+        raise RecordError(with_edges.index(False), "lacks 'edges' while other records have "
+                                                   "them: give 'edges' (maybe []) on every record or on none")
+    edges = (np.full((N, bucket(max(len(tr.edges) for tr in trajs), 4), 3), -1, np.int32)
+             if all(with_edges) else None)
 
     rec_traj, rec_spans = [0] * len(trajs), [None] * len(trajs)
     group_id_of: dict = {}
@@ -507,6 +552,10 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
             rec_traj[i] = n
             group_ids[n] = group_id_of.setdefault(tr.group, n)
             task_ids[n], traj_mask[n], outcome[n] = task_index[tr.task], True, tr.outcome
+            for name, x in tr.traj_extras.items():
+                free[name][n] = x
+            if edges is not None and tr.edges:
+                edges[n, :len(tr.edges)] = tr.edges
             spans, pos = [], 0
             for k, t in enumerate(tr.turns):
                 if layout == "per_step" and k > 0:
@@ -546,6 +595,8 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
     if turn_keys is not None:
         extras["turn_keys"] = turn_keys
     extras.update(free)
+    if edges is not None:
+        extras["edges"] = edges
     batch = TrajectoryBatch(tokens=tokens, action_mask=action_mask, turn_ids=turn_ids,
                             row_traj=row_traj, old_logprobs=old_lp, turn_mask=turn_mask,
                             turn_rewards=turn_rewards, state_keys=state_keys,
@@ -567,6 +618,23 @@ _SPEC = {  # field: (level, dtype kind)
     "group_ids": ("N", "i"), "task_ids": ("N", "i"), "traj_mask": ("N", "b"),
     "outcome": ("N", "f"),
 }
+
+
+def _validate_edges(x, N, K, turn_mask):
+    """extras['edges']: [N, E, 3] int (src_turn, dst_turn, type); rows of -1 are padding."""
+    if x.ndim != 3 or x.shape[0] != N or x.shape[2] != 3 or x.dtype.kind not in "iu":
+        raise ValueError(f"extras['edges'] must be an int array [N, E, 3] = [{N}, E, 3] of "
+                         f"(src_turn, dst_turn, type), -1 rows for padding; got {x.shape} "
+                         f"{x.dtype}")
+    pad = (x == -1).all(axis=2)
+    real = ~pad
+    turns = turn_mask.sum(axis=1)[:, None]
+    bad = real & ((x[..., 0] < 0) | (x[..., 0] >= turns) | (x[..., 1] < 0)
+                  | (x[..., 1] >= turns) | (x[..., 2] < 0))
+    if bad.any():
+        i, e = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"extras['edges'][{i}, {e}] = {x[i, e].tolist()}: src/dst must be turns "
+                         f"of trajectory {i} (it has {int(turns[i, 0])}) and type >= 0")
 
 
 def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
@@ -669,6 +737,9 @@ def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
             raise ValueError(f"{f}{list(first_bad(bad))} = {a[f][first_bad(bad)]} is not finite")
     for name, x in batch.extras.items():
         x = np.asarray(x)
+        if name == "edges":
+            _validate_edges(x, N, K, a["turn_mask"])
+            continue
         if name in TOKEN_EXTRAS and x.shape != (R, T):
             raise ValueError(f"extras['{name}'] must have shape [R, T] = {(R, T)}, got {x.shape}")
         if name in TURN_EXTRAS and x.shape != (N, K):
@@ -680,6 +751,10 @@ def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
             if (~np.isfinite(x) & where).any():
                 raise ValueError(f"extras['{name}']{list(first_bad(~np.isfinite(x) & where))} "
                                  f"is not finite")
+        elif where is None and x.shape[:1] == (N,) and x.dtype.kind == "f":
+            bad = ~np.isfinite(x) & tm.reshape((N,) + (1,) * (x.ndim - 1))
+            if bad.any():
+                raise ValueError(f"extras['{name}']{list(first_bad(bad))} is not finite")
     if num_shards > 1:
         if N % num_shards or R % num_shards:
             raise ValueError(f"num_shards={num_shards} must divide N = {N} and R = {R}")

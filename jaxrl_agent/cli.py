@@ -2,7 +2,8 @@
 
   jaxrl-agent train [CONFIG.yaml] [--set section.key=value ...] [--resume]
   jaxrl-agent eval CHECKPOINT_DIR [--step N] [--tasks N] [--split test|train]
-  jaxrl-agent credit ROLLOUTS.jsonl --estimator NAME [--set key=value ...] [--layout ...] --out OUT
+  jaxrl-agent credit ROLLOUTS.jsonl --estimator NAME [--shaping NAME ...] [--then NAME ...]
+                     [--set key=value | --set stage.key=value ...] [--layout ...] --out OUT
   jaxrl-agent estimators
   jaxrl-agent convert HF_DIR OUT_DIR [--dtype ...] [--max-shard-bytes N]
   jaxrl-agent sample HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
@@ -20,6 +21,8 @@ import time
 import numpy as np
 import yaml
 
+from jaxrl_agent.config import _yaml_load
+
 
 class CliError(Exception):
     """An error the user can fix; printed without a traceback, exit status 2."""
@@ -32,7 +35,7 @@ def _parse_sets(items):
             raise CliError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
         try:
-            params[key.strip()] = yaml.safe_load(raw)
+            params[key.strip()] = _yaml_load(raw)  # reads 1e-6 as a float (YAML 1.1 does not)
         except yaml.YAMLError as e:
             raise CliError(f"--set {item!r}: cannot parse the value ({e})") from None
     return params
@@ -124,9 +127,21 @@ def cmd_credit(args) -> int:
     from jaxrl_agent.batch import RecordError, pack_records
 
     params = _parse_sets(args.set)
+    staged = list(args.shaping or []) + list(args.then or [])
+    stage_params = {name: {} for name in staged}
+    for key in [k for k in params if "." in k]:
+        stage, hp = key.split(".", 1)
+        if stage not in stage_params:
+            raise CliError(f"--set {key}=...: {stage!r} is not a --shaping or --then stage "
+                           f"(stages: {', '.join(staged) or 'none'}); plain keys go to the "
+                           f"estimator")
+        stage_params[stage][hp] = params.pop(key)
     try:
-        spec = estimators.spec(args.estimator)
+        spec = estimators.spec(args.estimator, "estimator")
         estimators.check_hyper_params(args.estimator, params)
+        pipe = estimators.Pipeline.build(
+            args.estimator, params, shaping=[(n, stage_params[n]) for n in args.shaping or []],
+            then=[(n, stage_params[n]) for n in args.then or []])
     except ValueError as e:
         raise CliError(str(e)) from None
     records, lines = read_records(args.rollouts)
@@ -142,7 +157,8 @@ def cmd_credit(args) -> int:
     state = spec.init_state(len(index.task_index)) if spec.stateful else None
     start = time.perf_counter()
     try:
-        out = estimators.compute(args.estimator, batch, state=state, validate=False, **params)
+        out = estimators.compute(args.estimator, batch, state=state, validate=False,
+                                 shaping=pipe.shaping, then=pipe.then, **params)
     except (ValueError, TypeError) as e:
         raise CliError(str(e)) from None
     adv = out[0] if spec.stateful else out
@@ -151,8 +167,10 @@ def cmd_credit(args) -> int:
         raise CliError(f"{args.estimator} produced non-finite credit; nothing was written")
     elapsed = time.perf_counter() - start
     hp = {**spec.hyper_params, **params}
-    print(f"estimator {args.estimator} ({', '.join(f'{k}={v}' for k, v in hp.items())}): "
-          f"{elapsed:.2f} s including compilation", file=sys.stderr)
+    what = f"estimator {args.estimator} ({', '.join(f'{k}={v}' for k, v in hp.items())})"
+    if staged:
+        what = " -> ".join(list(args.shaping or []) + [what] + list(args.then or []))
+    print(f"{what}: {elapsed:.2f} s including compilation", file=sys.stderr)
     rows = list(credit_rows(records, index, batch, adv))
     _write_atomic(args.out, (json.dumps(r) for r in rows))
     print(summary_table(rows))
@@ -164,11 +182,16 @@ def cmd_credit(args) -> int:
 def cmd_estimators(args) -> int:
     from jaxrl_agent import estimators
 
-    for name in estimators.names():
-        spec = estimators.spec(name)
-        hp = ", ".join(f"{k}={v!r}" for k, v in spec.hyper_params.items())
-        doc = (spec.fn.__doc__ or "").strip().splitlines()[0]
-        print(f"{name:<22} {doc}\n{'':<22} {hp}{' [stateful]' if spec.stateful else ''}")
+    titles = {"estimator": "estimators (--estimator)",
+              "shaping": "reward shaping, before the estimator (--shaping)",
+              "transform": "credit transforms, after the estimator (--then)"}
+    for kind, title in titles.items():
+        print(f"# {title}")
+        for name in estimators.names(kind):
+            spec = estimators.spec(name)
+            hp = ", ".join(f"{k}={v!r}" for k, v in spec.hyper_params.items())
+            doc = ((spec.fn.__doc__ or "").strip().splitlines() or [""])[0]
+            print(f"{name:<22} {doc}\n{'':<22} {hp}{' [stateful]' if spec.stateful else ''}")
     return 0
 
 
@@ -336,8 +359,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("rollouts", metavar="ROLLOUTS.jsonl")
     c.add_argument("--estimator", required=True, help="estimator name (see `jaxrl-agent "
                                                       "estimators`)")
+    c.add_argument("--shaping", action="append", metavar="NAME",
+                   help="reward shaping applied before the estimator, e.g. --shaping pbrs "
+                        "(repeatable, in order)")
+    c.add_argument("--then", action="append", metavar="NAME",
+                   help="credit transform applied to the estimator's advantages, e.g. "
+                        "--then reallocate (repeatable, in order)")
     c.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="estimator hyper-parameter, e.g. --set gamma=0.99 (repeatable)")
+                   help="hyper-parameter: --set gamma=0.99 for the estimator, --set "
+                        "STAGE.KEY=VALUE for a --shaping/--then stage (repeatable)")
     c.add_argument("--layout", choices=("concatenated", "per_step"), default="concatenated")
     c.add_argument("--out", required=True, metavar="OUT.jsonl")
     c.set_defaults(func=cmd_credit)

@@ -10,6 +10,9 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     rollout:    tasks_per_step, group_size, max_turns, max_new_tokens, max_context_tokens,
                 temperature, top_k, top_p, on_invalid
     estimator:  name, params {}              (params keys = estimators.spec(name).hyper_params)
+                shaping [], then []          (stages {name, params} or a bare name: reward
+                                              shaping before the estimator, credit
+                                              transforms such as re-allocation after it)
     loss:       policy, params {}, agg, kl_coef, kl_estimator, entropy_coef, value_coef
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
     trainer:    steps, micro_batches, max_policy_lag, seed, warmup_sft_steps, eval_every,
@@ -111,6 +114,8 @@ class RolloutSection:
 class EstimatorSection:
     name: str = "grpo"
     params: dict = dataclasses.field(default_factory=dict)
+    shaping: list = dataclasses.field(default_factory=list)  # [{name, params}] before `name`
+    then: list = dataclasses.field(default_factory=list)  # [{name, params}] after `name`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +249,11 @@ def _coerce(value, tp, key: str):
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is list:
+        if value is None:
+            return []
+        if isinstance(value, (list, tuple)):
+            return list(value)
     elif tp is dict:
         if value is None:
             return {}
@@ -392,6 +402,59 @@ def _kwonly(fn, exclude=()) -> list[str]:
             if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in exclude]
 
 
+def stages(section: "EstimatorSection", which: str) -> tuple:
+    """``estimator.shaping`` / ``estimator.then`` as ``((name, ((param, value), ...)), ...)``;
+    ``ConfigError`` naming the entry for a malformed one."""
+    out = []
+    for i, item in enumerate(getattr(section, which)):
+        key = f"estimator.{which}[{i}]"
+        if isinstance(item, str):
+            item = {"name": item}
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ConfigError(f"{key} must be a stage name or {{name: str, params: {{}}}}, "
+                              f"got {item!r}")
+        extra = sorted(set(item) - {"name", "params"})
+        if extra:
+            raise ConfigError(f"{key}: unknown key(s) {extra}; a stage has name and params")
+        params = item.get("params") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{key}.params must be a mapping, got {params!r}")
+        out.append((item["name"], tuple(sorted(params.items()))))
+    return tuple(out)
+
+
+def _check_stages(cfg: "RunConfig") -> None:
+    """Shaping and transform stages: known names of the right kind, known params, and inputs
+    that the training loop can supply (traced once on a tiny batch; nothing is compiled)."""
+    import jax
+
+    from jaxrl_agent import estimators
+    from jaxrl_agent.batch import pack_records
+
+    est = cfg.estimator
+    for which, kind in (("shaping", "shaping"), ("then", "transform")):
+        for i, (name, params) in enumerate(stages(est, which)):
+            key = f"estimator.{which}[{i}]"
+            try:
+                estimators.spec(name, kind)
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
+            _check_params(dict(params), list(estimators.spec(name).hyper_params),
+                          f"{key}.params", f"{kind} {name!r}")
+    if not (est.shaping or est.then):
+        return
+    turn = {"observation": [1], "action": [2, 3], "logprobs": [-1.0, -1.0]}
+    recs = [{"group": 0, "outcome": float(o), "turns": [turn, turn]} for o in (0, 1)]
+    batch, _ = pack_records(recs, layout=cfg.trainer.layout)
+    pipe = estimators.Pipeline(("grpo", ()), stages(est, "shaping"), stages(est, "then"))
+    try:
+        jax.eval_shape(pipe, batch)
+    except ValueError as e:
+        raise ConfigError(f"estimator stages {list(pipe.names)}: {e}. The training loop "
+                          f"supplies no such input; use these stages with `jaxrl-agent credit` "
+                          f"on records that carry it") from None
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Semantic checks against the registries; raises ``ConfigError`` with a clear message,
     returns ``cfg`` otherwise. Does not touch the file system (see ``check_paths``)."""
@@ -457,6 +520,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("estimator step_group with key 'turn_key' reads extras['turn_keys'], "
                           "which the training loop does not produce; use it with "
                           "`jaxrl-agent credit` on records that carry a 'turn_key'")
+
+    _check_stages(cfg)
 
     lo = cfg.loss
     loss_names = [n for n in POLICY_LOSSES if n in losses.names()]
@@ -544,6 +609,9 @@ def describe(cfg: RunConfig) -> str:
     model = (m.hf_path or f"tiny built-in ({m.num_layers}L d={m.hidden_size} "
              f"h={m.num_heads}/{m.num_kv_heads} V={m.vocab_size})")
     est = cfg.estimator.name + (f" {cfg.estimator.params}" if cfg.estimator.params else "")
+    pre = [n for n, _ in stages(cfg.estimator, "shaping")]
+    post = [n for n, _ in stages(cfg.estimator, "then")]
+    est = " -> ".join(pre + [est] + post)
     kl = f", kl {lo.kl_estimator}*{lo.kl_coef:g}" if lo.kl_coef else ""
     ent = f", entropy*{lo.entropy_coef:g}" if lo.entropy_coef else ""
     return "\n".join([

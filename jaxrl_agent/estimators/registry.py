@@ -1,4 +1,17 @@
-"""Estimators by name, for configs and the CLI. The names are a public contract."""
+"""Estimators by name, for configs and the CLI. The names are a public contract.
+
+Three kinds of registered functions compose into one credit pipeline:
+
+* ``estimator``: ``f(batch, *, hp, axis_name=None) -> Advantages`` (GRPO, GiGPO, GAE, ...).
+* ``shaping``: ``f(batch, *, hp, axis_name=None) -> TrajectoryBatch`` with shaped
+  ``turn_rewards`` / ``extras['token_rewards']`` (PBRS, uniform redistribution, ...): applied
+  before the estimator.
+* ``transform``: ``f(adv, batch, *, hp, axis_name=None) -> Advantages`` (re-allocation and
+  dense add-ons: TRIAL, CoRT, TRACE, ...): applied to the estimator's output, in order.
+
+``Pipeline`` runs shaping* -> estimator -> transform*; ``names()`` lists estimators,
+``names(kind)`` the other kinds.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +25,14 @@ import jax
 from jaxrl_agent.batch import TrajectoryBatch
 
 
+KINDS = ("estimator", "shaping", "transform")
+
+
 @dataclasses.dataclass(frozen=True)
 class EstimatorSpec:
     name: str
     fn: Callable
+    kind: str = "estimator"
     stateful: bool = False  # takes state= and returns (Advantages, new_state)
     init_state: Callable | None = None  # init_state(num_tasks) for stateful estimators
     check_state: Callable | None = None  # host-side check_state(batch, state)
@@ -31,21 +48,38 @@ class EstimatorSpec:
 _REGISTRY: dict[str, EstimatorSpec] = {}
 
 
-def register(name: str, fn: Callable, *, stateful: bool = False, init_state=None,
-             check_state=None) -> None:
+def register(name: str, fn: Callable, *, kind: str = "estimator", stateful: bool = False,
+             init_state=None, check_state=None) -> None:
     if name in _REGISTRY:
         raise ValueError(f"estimator {name!r} is already registered")
-    _REGISTRY[name] = EstimatorSpec(name, fn, stateful, init_state, check_state)
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if stateful and kind != "estimator":
+        raise ValueError("only estimators may be stateful")
+    _REGISTRY[name] = EstimatorSpec(name, fn, kind, stateful, init_state, check_state)
 
 
-def names() -> list[str]:
-    return sorted(_REGISTRY)
+def names(kind: str = "estimator") -> list[str]:
+    """Registered names of one kind (``"estimator"``, ``"shaping"``, ``"transform"``) or of
+    every kind (``"all"``)."""
+    if kind != "all" and kind not in KINDS:
+        raise ValueError(f"kind must be 'all' or one of {KINDS}, got {kind!r}")
+    return sorted(n for n, s in _REGISTRY.items() if kind == "all" or s.kind == kind)
 
 
-def spec(name: str) -> EstimatorSpec:
+def spec(name: str, kind: str | None = None) -> EstimatorSpec:
+    """The spec of ``name``; with ``kind``, a ValueError unless it is of that kind."""
     if name not in _REGISTRY:
-        raise ValueError(f"unknown estimator {name!r}; known: {', '.join(names())}")
-    return _REGISTRY[name]
+        listed = names(kind or "estimator")
+        raise ValueError(f"unknown {kind or 'estimator'} {name!r}; known: {', '.join(listed)}"
+                         + ("" if kind else f" (shaping: {', '.join(names('shaping'))}; "
+                            f"transforms: {', '.join(names('transform'))})"))
+    s = _REGISTRY[name]
+    if kind is not None and s.kind != kind:
+        article = lambda k: ("an " if k[0] in "aeiou" else "a ") + k  # noqa: E731
+        raise ValueError(f"{name!r} is {article(s.kind)}, not {article(kind)}; {kind}s: "
+                         f"{', '.join(names(kind))}")
+    return s
 
 
 def get(name: str) -> Callable:
@@ -63,16 +97,87 @@ def check_hyper_params(name: str, params: dict) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _jitted_pipeline(pipe: "Pipeline"):
+    return jax.jit(pipe)
+
+
+@functools.lru_cache(maxsize=None)
 def _jitted(name: str, params: tuple):
     return jax.jit(functools.partial(spec(name).fn, **dict(params)))
 
 
-def compute(name: str, batch: TrajectoryBatch, *, state=None, validate: bool = True, **params):
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """shaping* -> estimator -> transform*, as one pure, jittable function of the batch.
+
+    Each stage is ``(name, ((param, value), ...))`` (hashable: use it as a static argument).
+    ``Pipeline.build("grpo", then=[("trial", {"lam": 0.5})])`` accepts dicts.
+    """
+
+    estimator: tuple
+    shaping: tuple = ()
+    then: tuple = ()
+
+    @staticmethod
+    def _stage(item, kind):
+        name, params = (item, {}) if isinstance(item, str) else item
+        spec(name, kind)
+        params = dict(params or {})
+        check_hyper_params(name, params)
+        return name, tuple(sorted(params.items()))
+
+    @classmethod
+    def build(cls, estimator, params=None, *, shaping=(), then=()) -> "Pipeline":
+        return cls(cls._stage((estimator, params), "estimator"),
+                   tuple(cls._stage(s, "shaping") for s in shaping),
+                   tuple(cls._stage(t, "transform") for t in then))
+
+    @property
+    def stateful(self) -> bool:
+        return spec(self.estimator[0]).stateful
+
+    @property
+    def names(self) -> tuple:
+        return (tuple(n for n, _ in self.shaping) + (self.estimator[0],)
+                + tuple(n for n, _ in self.then))
+
+    def __call__(self, batch: TrajectoryBatch, *, state=None, axis_name=None):
+        """Advantages, or (Advantages, new_state) for a stateful estimator."""
+        ax = {} if axis_name is None else {"axis_name": axis_name}
+        for name, params in self.shaping:
+            batch = get(name)(batch, **dict(params), **ax)
+        name, params = self.estimator
+        est = get(name)
+        if self.stateful:
+            adv, state = est(batch, state=state, **dict(params), **ax)
+        else:
+            adv = est(batch, **dict(params), **ax)
+        for name, params in self.then:
+            adv = get(name)(adv, batch, **dict(params), **ax)
+        return (adv, state) if self.stateful else adv
+
+
+def compute(name: str, batch: TrajectoryBatch, *, state=None, validate: bool = True,
+            shaping=(), then=(), **params):
     """Validates ``batch`` on the host, then runs the named estimator jitted.
 
-    Hyper-parameters are static (one compile per distinct setting and batch shape). Returns
-    ``Advantages``, or ``(Advantages, new_state)`` for stateful estimators.
+    ``shaping`` and ``then`` list shaping and transform stages (names or ``(name, params)``)
+    around it (see ``Pipeline``). Hyper-parameters are static (one compile per distinct
+    setting and batch shape). Returns ``Advantages``, or ``(Advantages, new_state)`` for
+    stateful estimators.
     """
+    if shaping or then:
+        pipe = Pipeline.build(name, params, shaping=shaping, then=then)
+        if validate:
+            batch.validate()
+        if pipe.stateful:
+            if state is None:
+                raise ValueError(f"estimator {name!r} is stateful: pass state=")
+            return jax.jit(pipe)(batch, state=state)
+        if state is not None:
+            raise ValueError(f"estimator {name!r} takes no state")
+        return _jitted_pipeline(pipe)(batch)
+    spec(name, "estimator")
     check_hyper_params(name, params)
     if validate:
         batch.validate()

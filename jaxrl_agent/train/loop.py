@@ -179,6 +179,8 @@ class Trainer:
         self.step_cfg = StepConfig(
             estimator=cfg.estimator.name,
             estimator_params=tuple(sorted(cfg.estimator.params.items())),
+            shaping=config_lib.stages(cfg.estimator, "shaping"),
+            then=config_lib.stages(cfg.estimator, "then"),
             policy_loss=cfg.loss.policy, policy_params=tuple(sorted(cfg.loss.params.items())),
             agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
             entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,

@@ -74,6 +74,8 @@ class StepConfig:
 
     estimator: str = "grpo"
     estimator_params: tuple = ()
+    shaping: tuple = ()  # ((name, params), ...) before the estimator (registry kind "shaping")
+    then: tuple = ()  # ((name, params), ...) after it (registry kind "transform")
     policy_loss: str = "ppo"
     policy_params: tuple = ()
     agg: str = "token_mean"
@@ -237,11 +239,11 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
         h = _decision_hidden(graphdef, state.params, rest, batch)
         est_batch = est_batch.replace(extras={**est_batch.extras, "hidden": h,
                                               "state_features": h})
-    est_fn = functools.partial(spec.fn, **dict(cfg.estimator_params))
+    pipe = estimators.Pipeline((cfg.estimator, cfg.estimator_params), cfg.shaping, cfg.then)
     if spec.stateful:
-        adv, est_state = est_fn(est_batch, state=state.est_state)
+        adv, est_state = pipe(est_batch, state=state.est_state)
     else:
-        adv, est_state = est_fn(est_batch), state.est_state
+        adv, est_state = pipe(est_batch), state.est_state
     adv_tok = jax.lax.stop_gradient(adv.token)
     returns = _token_returns(adv, batch)
     ref_lp = None
