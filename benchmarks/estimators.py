@@ -3,6 +3,7 @@
     python benchmarks/estimators.py            # N in {1k, 8k, 64k} x K in {1, 8, 32}, then GiGPO
     python benchmarks/estimators.py --quick    # N in {1k, 8k} x K in {1, 8} (no GiGPO section)
     python benchmarks/estimators.py --gigpo    # only the GiGPO section
+    python benchmarks/estimators.py --allocation   # only the re-allocation section
 
 For each (N trajectories, K turns) the script builds one synthetic batch (groups of 8, 4
 observation + 4 action tokens per turn, concatenated layout), times each estimator jitted
@@ -22,6 +23,11 @@ against the memory-bandwidth floor of the bytes GiGPO must read and write. It th
 where the jitted time goes and times sort-free prototypes of the dominant op. Timings are
 medians of wall-clock time and of process CPU time (the CPU time is the steadier number when
 other jobs share the cores).
+The re-allocation section (``run_allocation``) times GRPO followed by the allocation
+primitive (turn weights, token weights, exact-mass clipping, the shuffled control) and two
+methods built on it (TRIAL: token log-prob gaps; IAPO: an influence graph), against GRPO alone
+(so the increment is the re-allocation's own cost), a per-trajectory numpy loop of the
+primitive, and the memory-copy floor.
 No number here is asserted anywhere: tests never time anything.
 """
 
@@ -320,6 +326,108 @@ def profile_gigpo(batches, repeats, bw, bw_cpu):
                   f"{100 * c / whole:>5.0f}%{extra}", flush=True)
 
 
+ALLOC_SIZES = ((8192, 32), (65536, 8))
+# (label, pipeline stages after grpo); a stage whose name is not registered is skipped
+ALLOC_CASES = (
+    ("grpo alone (the base)", ()),
+    ("reallocate", (("reallocate", {"weights": "w"}),)),
+    ("reallocate clip [.5, 2]", (("reallocate", {"weights": "w", "clip_min": 0.5,
+                                                 "clip_max": 2.0}),)),
+    ("reallocate per token", (("reallocate", {"weights": "w_tok"}),)),
+    ("shuffled_control", (("shuffled_control", {"weights": "w"}),)),
+    ("trial", (("trial", {}),)),
+    ("iapo", (("iapo", {}),)),
+)
+
+
+def allocation_batch(n: int, k: int, seed: int = 0):
+    """``synthetic_batch`` plus the signals re-allocation reads: turn weights ``w`` [N, K],
+    token weights ``w_tok`` and ``teacher_logprobs`` [R, T], and an influence graph
+    ``edges`` [N, 8, 3] (each turn but the first points back at an earlier one)."""
+    b = synthetic_batch(n, k, seed)
+    rng = np.random.default_rng(seed + 1)
+    am, tm = np.asarray(b.action_mask), np.asarray(b.turn_mask)
+    lp = np.asarray(b.old_logprobs)
+    e = np.full((b.num_traj, 8, 3), -1, np.int32)
+    turns = tm.sum(axis=1)
+    for j in range(8):
+        dst = np.minimum(j + 1, np.maximum(turns - 1, 0))
+        ok = (j + 1 < turns)
+        e[ok, j, 0] = rng.integers(0, j + 1, ok.sum())
+        e[ok, j, 1] = dst[ok]
+        e[ok, j, 2] = rng.integers(0, 2, ok.sum())
+    extras = dict(b.extras, w=np.where(tm, rng.random(tm.shape), 0).astype(np.float32),
+                  w_tok=np.where(am, rng.random(am.shape), 0).astype(np.float32),
+                  teacher_logprobs=np.where(am, lp + rng.normal(0, 0.5, am.shape), 0)
+                  .astype(np.float32), edges=e)
+    return b.replace(extras=extras).validate()
+
+
+def reallocate_loop(batch, adv, weights: str, clip_min=None, clip_max=None):
+    """The loop baseline: per trajectory, numpy, the way a PyTorch trainer would write it
+    (normalise the turn weights by token counts, clip and renormalise until stable), given
+    the base advantages ``adv`` [R, T] (numpy)."""
+    b = jax.tree.map(np.asarray, batch)
+    out = np.zeros_like(adv)
+    for i in np.nonzero(b.traj_mask)[0]:
+        m = b.action_mask[i]
+        w = b.extras[weights][i][b.turn_ids[i][m]]
+        w = w * m.sum() / w.sum() if w.sum() > 0 else np.ones_like(w)
+        pinned = np.zeros(w.shape, bool)
+        for _ in range(64):
+            lo, hi = clip_min if clip_min is not None else -np.inf, clip_max or np.inf
+            new = pinned | (w < lo) | (w > hi)
+            w = np.clip(w, lo, hi)
+            free = w[~new].sum()
+            if free > 0:
+                w[~new] *= (m.sum() - w[new].sum()) / free
+            pinned = new
+            if not ((w[~pinned] < lo) | (w[~pinned] > hi)).any():
+                break
+        out[i, m] = adv[i, m] * w
+    return out
+
+
+def run_allocation(repeats: int, sizes=ALLOC_SIZES):
+    """grpo -> re-allocation pipelines, jitted, against grpo alone (the increment is what the
+    re-allocation costs), a per-trajectory numpy loop of ``reallocate`` and the copy floor."""
+    bw = copy_bandwidth()
+    print(f"Re-allocation on top of GRPO (jax {jax.__version__}, {os.cpu_count()} cores; "
+          f"memory-copy bandwidth {bw / 1e9:.1f} GB/s)\n")
+    header = (f"{'pipeline':<28}{'N':>7}{'K':>4}{'tokens':>10}{'jit ms':>9}{'+ over grpo':>12}"
+              f"{'loop ms':>10}{'speed-up':>9}{'% copy':>8}")
+    print(header)
+    print("-" * len(header), flush=True)
+    for n, k in sizes:
+        batch = allocation_batch(n, k)
+        dev = jax.device_put(batch)
+        base_adv = np.asarray(jax.jit(estimators.get("grpo"))(dev).token)
+        base_ms = None
+        for label, then in ALLOC_CASES:
+            if any(name not in estimators.names("transform") for name, _ in then):
+                continue
+            pipe = estimators.Pipeline.build("grpo", then=then)
+            fn = jax.jit(pipe)
+            try:
+                jax.block_until_ready(fn(dev))
+            except ValueError as e:
+                print(f"{label:<28}{n:>7}{k:>4}  skipped: {str(e).splitlines()[0][:60]}")
+                continue
+            t = median_time(lambda: fn(dev), repeats)
+            base_ms = t * 1e3 if base_ms is None else base_ms
+            nbytes = read_bytes(pipe, batch)
+            loop = "-", "-"
+            if label in ("reallocate", "reallocate clip [.5, 2]"):
+                hp = dict(then[0][1])
+                t_loop = median_time(lambda: reallocate_loop(batch, base_adv, hp["weights"],
+                                                             hp.get("clip_min"),
+                                                             hp.get("clip_max")), 1)
+                loop = f"{t_loop * 1e3:.0f}", f"{t_loop / t:.0f}x"
+            print(f"{label:<28}{n:>7}{k:>4}{int(batch.action_mask.sum()):>10}{t * 1e3:>9.2f}"
+                  f"{t * 1e3 - base_ms:>12.2f}{loop[0]:>10}{loop[1]:>9}"
+                  f"{100 * nbytes / t / bw:>7.1f}%", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="N in {1k, 8k}, K in {1, 8}; no GiGPO")
@@ -331,7 +439,12 @@ def main():
     p.add_argument("--loop-repeats", type=int, default=3,
                    help="runs of the GiGPO loop baseline per batch (median)")
     p.add_argument("--no-profile", action="store_true", help="GiGPO table without the profile")
+    p.add_argument("--allocation", action="store_true",
+                   help="only the re-allocation section (grpo -> reallocate / trial / iapo)")
     args = p.parse_args()
+    if args.allocation:
+        run_allocation(args.repeats)
+        return
     if not args.gigpo:
         ns, ks = ((1024, 8192), (1, 8)) if args.quick else ((1024, 8192, 65536), (1, 8, 32))
         run([(n, k) for n in ns for k in ks], args.repeats, args.estimators or estimators.names())
