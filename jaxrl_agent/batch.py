@@ -58,6 +58,10 @@ class TrajectoryBatch:
       extras: optional method-specific arrays, e.g. ``ref_logprobs`` [R, T], ``token_values``
         [R, T], ``turn_values`` [N, K].
       layout: static, ``"concatenated"`` or ``"per_step"``.
+      extra_levels: static ``((name, level), ...)`` with level ``"token"`` [R, T, ...],
+        ``"turn"`` [N, K, ...] or ``"traj"`` [N, ...] for extras whose level their shape alone
+        does not tell (an [N, D] vector with D = K, an [N, K] array when N, K = R, T);
+        ``pack_records`` fills it. Extras not listed are read by shape.
     """
 
     tokens: Any
@@ -75,6 +79,24 @@ class TrajectoryBatch:
     outcome: Any
     extras: dict = dataclasses.field(default_factory=dict)
     layout: str = struct.field(pytree_node=False, default="concatenated")
+    extra_levels: tuple = struct.field(pytree_node=False, default=())
+
+    def extra_level(self, name: str, shape) -> str | None:
+        """``"token"``, ``"turn"`` or ``"traj"``: the level of ``extras[name]`` (declared in
+        ``extra_levels``, else told by its shape), or None for an unknown shape."""
+        shape = tuple(shape)
+        lead = {"token": (self.num_rows, self.row_len), "turn": (self.num_traj, self.num_turns),
+                "traj": (self.num_traj,)}
+        declared = dict(self.extra_levels).get(name)
+        if declared is not None and shape[:len(lead[declared])] == lead[declared]:
+            return declared  # (a replaced array of another shape is read by its shape)
+        if shape[:2] == (self.num_rows, self.row_len):
+            return "token"
+        if shape[:2] == (self.num_traj, self.num_turns):
+            return "turn"
+        if shape[:1] == (self.num_traj,):
+            return "traj"
+        return None
 
     @property
     def num_traj(self) -> int:
@@ -282,7 +304,9 @@ def _check_edges(idx, v, num_turns):
 
 
 _OPTIONAL_TURN_FIELDS = ("logprobs", "value", "values", "ref_logprobs", "turn_key")
-_RESERVED_EXTRAS = TOKEN_EXTRAS + TURN_EXTRAS + ("turn_keys", "edges")
+# extras built from their own record fields (the other TOKEN_/TURN_EXTRAS names, e.g.
+# teacher_logprobs or token_rewards, come from token_extras / turn_extras like any signal)
+_RESERVED_EXTRAS = ("ref_logprobs", "token_values", "turn_values", "turn_keys", "edges")
 
 
 def _parse_record(idx: int, rec) -> _Traj:
@@ -597,11 +621,17 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
     extras.update(free)
     if edges is not None:
         extras["edges"] = edges
+    levels = {name: "token" for name in tok_extra}
+    levels.update({name: level for (level, name) in extra_kind})
+    levels.update({name: "turn" for name in ("turn_values", "turn_keys") if name in extras})
+    if edges is not None:
+        levels["edges"] = "traj"
     batch = TrajectoryBatch(tokens=tokens, action_mask=action_mask, turn_ids=turn_ids,
                             row_traj=row_traj, old_logprobs=old_lp, turn_mask=turn_mask,
                             turn_rewards=turn_rewards, state_keys=state_keys,
                             action_keys=action_keys, group_ids=group_ids, task_ids=task_ids,
-                            traj_mask=traj_mask, outcome=outcome, extras=extras, layout=layout)
+                            traj_mask=traj_mask, outcome=outcome, extras=extras, layout=layout,
+                            extra_levels=tuple(sorted(levels.items())))
     validate_batch(batch, num_shards=num_shards)
     if caller_index is not None:  # extended in place, only once everything succeeded
         caller_index.update(task_index)
@@ -744,15 +774,16 @@ def validate_batch(batch: TrajectoryBatch, num_shards: int = 1) -> None:
             raise ValueError(f"extras['{name}'] must have shape [R, T] = {(R, T)}, got {x.shape}")
         if name in TURN_EXTRAS and x.shape != (N, K):
             raise ValueError(f"extras['{name}'] must have shape [N, K] = {(N, K)}, got {x.shape}")
-        where = (am if name in TOKEN_EXTRAS or (name not in TURN_EXTRAS and x.shape == (R, T))
-                 else a["turn_mask"] if name in TURN_EXTRAS or x.shape[:2] == (N, K) else None)
+        declared = dict(batch.extra_levels).get(name)
+        lead = {"token": (R, T), "turn": (N, K), "traj": (N,)}.get(declared)
+        level = batch.extra_level(name, x.shape)
+        if lead is not None and x.shape[:len(lead)] != lead:
+            raise ValueError(f"extras['{name}'] is declared per {declared} (extra_levels) and must "
+                             f"have leading shape {list(lead)}, got {x.shape}")
+        where = {"token": am, "turn": a["turn_mask"], "traj": tm}.get(level)
         if where is not None and x.dtype.kind == "f":
-            where = where.reshape(where.shape + (1,) * (x.ndim - 2))
-            if (~np.isfinite(x) & where).any():
-                raise ValueError(f"extras['{name}']{list(first_bad(~np.isfinite(x) & where))} "
-                                 f"is not finite")
-        elif where is None and x.shape[:1] == (N,) and x.dtype.kind == "f":
-            bad = ~np.isfinite(x) & tm.reshape((N,) + (1,) * (x.ndim - 1))
+            where = where.reshape(where.shape + (1,) * (x.ndim - where.ndim))
+            bad = ~np.isfinite(x) & where
             if bad.any():
                 raise ValueError(f"extras['{name}']{list(first_bad(bad))} is not finite")
     if num_shards > 1:

@@ -43,26 +43,22 @@ def zero_padding(batch: TrajectoryBatch) -> TrajectoryBatch:
     """Sets every float entry outside its mask to 0 (padding may hold anything, NaN too).
 
     Token-level arrays are masked by ``action_mask``, turn-level by ``turn_mask``,
-    trajectory-level by ``traj_mask``; extras by their shape.
+    trajectory-level by ``traj_mask``; extras by their level (``batch.extra_level``: declared
+    in ``extra_levels``, else told by the shape).
     """
-    n, k = batch.num_traj, batch.num_turns
-    r, t = batch.num_rows, batch.row_len
+    masks = {"token": batch.action_mask, "turn": batch.turn_mask, "traj": batch.traj_mask}
 
-    def clean(x):
-        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    def clean(x, level):
+        if level is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             return x
-        shape = jnp.shape(x)
-        if shape == (r, t):
-            return jnp.where(batch.action_mask, x, 0.0)
-        if shape[:2] == (n, k):
-            return jnp.where(batch.turn_mask.reshape((n, k) + (1,) * (len(shape) - 2)), x, 0.0)
-        if shape[:1] == (n,):
-            return jnp.where(batch.traj_mask.reshape((n,) + (1,) * (len(shape) - 1)), x, 0.0)
-        return x
+        m = masks[level]
+        return jnp.where(m.reshape(m.shape + (1,) * (jnp.ndim(x) - m.ndim)), x, 0.0)
 
     return batch.replace(
-        old_logprobs=clean(batch.old_logprobs), turn_rewards=clean(batch.turn_rewards),
-        outcome=clean(batch.outcome), extras={name: clean(x) for name, x in batch.extras.items()})
+        old_logprobs=clean(batch.old_logprobs, "token"),
+        turn_rewards=clean(batch.turn_rewards, "turn"), outcome=clean(batch.outcome, "traj"),
+        extras={name: clean(x, batch.extra_level(name, jnp.shape(x)))
+                for name, x in batch.extras.items()})
 
 
 def local_view(batch: TrajectoryBatch, axis_name=None) -> TrajectoryBatch:

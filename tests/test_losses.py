@@ -763,7 +763,10 @@ def test_errors_name_the_field():
 
 def test_registry():
     assert L.names() == ("ppo", "gspo", "cispo", "soft_gate", "reinforce", "value", "sarsa",
-                         "k1", "k2", "k3", "k1_st", "k3_st", "entropy")
+                         "k1", "k2", "k3", "k1_st", "k3_st", "entropy", "sdl", "sdar", "edge",
+                         "ucob", "icsd", "craft", "treeopsd", "t_reg", "weighted_sft")
+    from tests.reference import distill_ref
+    assert set(distill_ref.LOSS_REFERENCES) == set(L.distill.LOSSES)  # each has a reference
     assert L.get("soft_gate") is L.soft_gate and L.get("value") is L.value
     assert L.AGG_MODES == ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                            "seq_mean_token_sum_norm", "traj_mean_token_mean")

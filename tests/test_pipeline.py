@@ -289,3 +289,26 @@ def test_train_step_runs_the_pipeline():
     assert float(o1["metrics"]["loss"]) == float(o0["metrics"]["loss"])
     assert np.isfinite(float(o2["metrics"]["loss"]))
     assert float(o2["metrics"]["loss"]) != float(o0["metrics"]["loss"])
+
+
+def test_extra_levels_disambiguate_shapes():
+    """A trajectory vector [N, D] with D = K is not a per-turn array: padding cleanup keeps
+    entries past a trajectory's last turn, and NaN there is refused (it is real data)."""
+    from jaxrl_agent import segments
+    recs = _records(n=3)
+    for r in recs:
+        r["turns"] = r["turns"][:1]
+        r["traj_extras"] = {"vec": [1.0, 2.0, 3.0, 4.0]}
+    recs[0]["turns"] = recs[0]["turns"] * 4  # K = 4 = D
+    b, index = pack_records(recs)
+    assert b.num_turns == 4 and b.extras["vec"].shape == (b.num_traj, 4)
+    assert b.extra_level("vec", (b.num_traj, 4)) == "traj"
+    assert b.extra_level("w", b.turn_mask.shape) == "turn"
+    clean = segments.zero_padding(b)
+    np.testing.assert_array_equal(np.asarray(clean.extras["vec"])[index.traj[1]], [1, 2, 3, 4])
+    vec = np.array(b.extras["vec"])
+    vec[index.traj[1], 3] = np.nan
+    with pytest.raises(ValueError, match="extras\\['vec'\\]"):
+        b.replace(extras={**b.extras, "vec": vec}).validate()
+    with pytest.raises(ValueError, match="declared per traj"):
+        b.replace(extras={**b.extras, "vec": vec[:2]}).validate()

@@ -8,7 +8,8 @@ from jaxrl_agent.estimators.outcome import (
     SPOState, check_spo_state, group_centered_outcome, group_normalized_outcome, leave_one_out_outcome,
     reinforce_pp, reinforce_pp_baseline, rollout_level, single_stream, single_stream_pp,
     spo_init, traj_advantages)
-from jaxrl_agent.estimators import allocation
+from jaxrl_agent.estimators import allocation, routing, shaping
+from jaxrl_agent.losses import distill as _distill
 from jaxrl_agent.estimators.allocation import (normalize_weights, reallocate, shuffle_weights,
                                                shuffled_control, token_weights)
 from jaxrl_agent.estimators.bipace import bipace
@@ -49,27 +50,14 @@ register("progpo", progpo)
 register("bipace", bipace)
 register("hae", hae)
 # families (d), (e): dense shaping and re-allocation (each module lists what it registers)
-def _family_modules():
-    import importlib
-    out = [allocation]
-    for full in ("jaxrl_agent.estimators.shaping", "jaxrl_agent.estimators.routing",
-                 "jaxrl_agent.losses.distill"):
-        try:
-            out.append(importlib.import_module(full))
-        except ModuleNotFoundError as e:  # TODO(issue 6): plain imports once all modules exist
-            if e.name != full:
-                raise
-    return out
-
-
-for _module in _family_modules():
+for _module in (shaping, allocation, routing, _distill):
     for _kind, _table in (("estimator", "ESTIMATORS"), ("shaping", "SHAPINGS"),
                           ("transform", "TRANSFORMS")):
         for _name, _fn in getattr(_module, _table, {}).items():
             register(_name, _fn, kind=_kind)
 
 __all__ = [
-    "KINDS", "Pipeline", "allocation", "normalize_weights", "reallocate", "shuffle_weights",
+    "KINDS", "Pipeline", "allocation", "routing", "shaping", "normalize_weights", "reallocate", "shuffle_weights",
     "shuffled_control", "token_weights",
     "bipace", "episode_advantage", "g2po", "gagpo", "gigpo", "graphgpo", "hae", "hae_streams", "matchtir",
     "normalize_in_groups", "progpo", "rtmc", "step_group", "step_returns", "tree_value",

@@ -22,7 +22,7 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_unit, require
+from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
 
 LEVELS = ("trajectory", "turn", "group")
 
@@ -39,12 +39,14 @@ def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: 
         w_hat_i = w_i * sum_s mu / sum_s mu w            (mean 1; uniform if sum_s mu w = 0)
         w'_i    = floor + (1 - floor) w_hat_i            (residual support path, mean still 1)
 
-    then, if ``clip_min``/``clip_max`` are given, w' is projected onto [clip_min, clip_max]
-    with the mean kept at exactly 1: entries outside the bounds are pinned to them and the free
-    entries are rescaled to carry the remaining mass, until no free entry leaves the bounds
-    (the pinned set only grows, so this ends in at most #entries rounds; ``max_iters`` caps
-    it). Feasible when clip_min <= 1 <= clip_max; a segment whose entries are all pinned keeps
-    the pinned values (the mean is then as close to 1 as the bounds allow).
+    then, if ``clip_min``/``clip_max`` are given and a segment has entries outside them, its
+    weights become clip(c w', clip_min, clip_max) with the per-segment scale c that makes the
+    mean exactly 1 (c by bisection, ``max_iters`` steps, then an analytic rescale of the
+    entries strictly inside the bounds): entries past a bound are pinned to it and the others
+    keep their ratios. Feasible when clip_min <= 1 <= clip_max and some weight is positive;
+    zero weights, which no scale can lift, share any mass still missing evenly. With
+    infeasible bounds (clip_min > 1 or clip_max < 1) every entry ends at the violated bound,
+    as close to mean 1 as allowed. Segments inside the bounds are left as they are.
 
     Args:
       w: [M] raw weights (negative values are treated as 0).
@@ -57,7 +59,8 @@ def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: 
     """
     check_unit("floor", floor)
     ok = valid.astype(bool)
-    mu = ok.astype(jnp.float32) if measure is None else jnp.where(ok, measure, 0.0).astype(jnp.float32)
+    mu = (ok.astype(jnp.float32) if measure is None
+          else jnp.where(ok, measure, 0.0).astype(jnp.float32))
     ok = ok & (mu > 0)
     seg = jnp.where(ok, seg, num_segments)
     safe = jnp.clip(seg, 0, num_segments - 1)
@@ -72,8 +75,9 @@ def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: 
     top = jax.ops.segment_max(jnp.where(ok, w, -jnp.inf), seg, num_segments)
     bottom = jax.ops.segment_min(jnp.where(ok, w, jnp.inf), seg, num_segments)
     uniform = ((mass <= 0.0) | (top == bottom))[safe]
-    w_hat = jnp.where(uniform, 1.0, w * (total / jnp.where(mass > 0, mass, 1.0))[safe])
+    w_hat = w * (total / jnp.where(mass > 0, mass, 1.0))[safe]
     out = floor + (1.0 - floor) * w_hat if floor else w_hat
+    out = jnp.where(uniform, 1.0, out)  # exactly 1, whatever the floor
     if clip_min is not None or clip_max is not None:
         lo = -jnp.inf if clip_min is None else jnp.float32(clip_min)
         hi = jnp.inf if clip_max is None else jnp.float32(clip_max)
@@ -82,26 +86,41 @@ def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: 
 
 
 def _project_mean_one(w, seg, ok, mu, total, lo, hi, num_segments, max_iters):
+    """Mean-1 weights inside [lo, hi] of the form clip(c_s w, lo, hi) per segment s.
+
+    F_s(c) = sum_s mu clip(c w, lo, hi) is non-decreasing in c, so c_s is found by bisection
+    on log c (``max_iters`` halvings of [e^-60, e^60]); then the entries strictly inside the
+    bounds are rescaled analytically so the mass is exact. Zero weights cannot be scaled: if
+    the mass is still short (every positive entry at ``hi``), they share the rest evenly.
+    Segments already inside the bounds are returned unchanged (bit for bit)."""
     safe = jnp.clip(seg, 0, num_segments - 1)
 
     def seg_sum(x):
         return jax.ops.segment_sum(jnp.where(ok, x, 0.0), seg, num_segments)
 
-    def body(carry):
-        w, pinned, _, it = carry
-        new_pin = pinned | (w < lo) | (w > hi)
-        w = jnp.clip(w, lo, hi)
-        fixed = seg_sum(jnp.where(new_pin, mu * w, 0.0))
-        free = seg_sum(jnp.where(new_pin, 0.0, mu * w))
-        scale = jnp.where(free > 0, (total - fixed) / jnp.where(free > 0, free, 1.0), 1.0)
-        w = jnp.where(new_pin, w, w * jnp.maximum(scale, 0.0)[safe])
-        moved = jnp.any(ok & ~new_pin & ((w < lo) | (w > hi)))
-        return w, new_pin, moved, it + 1
+    outside = seg_sum(((w < lo) | (w > hi)).astype(jnp.float32)) > 0
 
-    zero = jnp.zeros_like(w, dtype=bool)
-    init = (w, zero, jnp.any(ok), jnp.int32(0) + jnp.sum(zero).astype(jnp.int32))
-    w, _, _, _ = lax.while_loop(lambda c: c[2] & (c[3] < max_iters), body, init)
-    return jnp.clip(w, lo, hi)
+    def body(_, ab):
+        a, b = ab
+        mid = 0.5 * (a + b)
+        low = seg_sum(mu * jnp.clip(jnp.exp(mid)[safe] * w, lo, hi)) < total
+        return jnp.where(low, mid, a), jnp.where(low, b, mid)
+
+    # built from the inputs: varies over a mesh axis like them (shard_map's type check)
+    zero = jnp.zeros((num_segments,), jnp.float32) + jnp.sum(jnp.where(ok, 0.0, 0.0))
+    a, b = lax.fori_loop(0, max_iters, body, (zero - 60.0, zero + 60.0))
+    x = jnp.exp(0.5 * (a + b))[safe] * w
+    free = (x > lo) & (x < hi)
+    fixed = seg_sum(jnp.where(free, 0.0, mu * jnp.clip(x, lo, hi)))
+    free_w = seg_sum(jnp.where(free, mu * w, 0.0))
+    scale = jnp.where(free_w > 0, (total - fixed) / jnp.where(free_w > 0, free_w, 1.0), 0.0)
+    y = jnp.clip(jnp.where(free, w * scale[safe], x), lo, hi)
+    zw = ok & (w <= 0)
+    short = total - seg_sum(mu * y)
+    zmu = seg_sum(jnp.where(zw, mu, 0.0))
+    share = jnp.where((short > 0) & (zmu > 0), short / jnp.where(zmu > 0, zmu, 1.0), 0.0)
+    y = jnp.where(zw, jnp.clip(y + share[safe], lo, hi), y)
+    return jnp.where(outside[safe], y, w)
 
 
 # ----------------------------------------------------------------------------- shuffled control
@@ -128,29 +147,43 @@ def permute_within(x, seg, valid, rand):
 
 
 def _turn_rand(batch, seed, axis_name):
+    """uint32 keys [N, K]: a hash of (seed, global trajectory index, turn index), so the
+    permutation does not depend on padding (K, extra trajectories) or sharding."""
     n_off, _ = _global_offsets(batch, axis_name)
     n, k = batch.num_traj, batch.num_turns
-    idx = (jnp.arange(n)[:, None] + n_off) * k + jnp.arange(k)[None, :]
-    return segments.hash_combine(jnp.uint32(seed), idx.astype(jnp.uint32))
+    traj = jnp.broadcast_to((jnp.arange(n) + n_off)[:, None], (n, k)).astype(jnp.uint32)
+    turn = jnp.broadcast_to(jnp.arange(k)[None, :], (n, k)).astype(jnp.uint32)
+    return segments.hash_combine(segments.hash_combine(jnp.uint32(seed), traj), turn)
 
 
 def _token_rand(batch, seed, axis_name):
-    _, r_off = _global_offsets(batch, axis_name)
-    r, t = batch.num_rows, batch.row_len
-    idx = (jnp.arange(r)[:, None] + r_off) * t + jnp.arange(t)[None, :]
-    return segments.hash_combine(jnp.uint32(seed) ^ jnp.uint32(0x5BD1E995), idx.astype(jnp.uint32))
+    """uint32 keys [R, T]: a hash of (seed, global trajectory, turn, position of the token
+    inside its turn's action tokens): the same in both layouts, under any padding and
+    sharded or not."""
+    n_off, _ = _global_offsets(batch, axis_name)
+    m = batch.action_mask
+    rank = jnp.cumsum(m.astype(jnp.int32), axis=1) - 1  # rank among the row's action tokens
+    first, _ = segments.turn_boundary_masks(batch)
+    start = segments.token_to_turn(jnp.where(first, rank, 0), batch)  # rank of each turn's 1st
+    pos = rank - segments.turn_to_token(start, batch)
+    traj = jnp.broadcast_to((batch.row_traj + n_off)[:, None], m.shape).astype(jnp.uint32)
+    turn = jnp.clip(batch.turn_ids, 0, batch.num_turns - 1).astype(jnp.uint32)
+    h = segments.hash_combine(jnp.uint32(seed) ^ jnp.uint32(0x5BD1E995), traj)
+    h = segments.hash_combine(segments.hash_combine(h, turn), pos.astype(jnp.uint32))
+    return jnp.where(m, h, jnp.uint32(0))
 
 
 def shuffle_weights(w, batch: TrajectoryBatch, *, level: str = "trajectory", seed: int = 0,
-                    axis_name=None):
+                    axis_name=None, per: str | None = None):
     """The matched-concentration shuffled control of a weight array (d1): the weights of every
     trajectory (``level="trajectory"``/``"group"``) or turn (``"turn"``) are randomly permuted
     over its valid turns ([N, K] weights) or action tokens ([R, T] weights). Same multiset
     (same entropy and Gini), random placement; deterministic for a ``seed`` and the same
-    sharded or not."""
+    sharded or not, in both layouts and under any padding. ``per``: ``"turn"`` ([N, K]) or
+    ``"token"`` ([R, T]); ``None`` infers it from the shape."""
     check_choice("level", level, LEVELS)
     b = segments.localize(batch, axis_name)
-    if w.shape == b.turn_mask.shape:
+    if _is_per_turn(w, b, per):
         n, k = w.shape
         valid = segments.valid_turns(b)
         seg = jnp.broadcast_to(jnp.arange(n)[:, None] * (k if level == "turn" else 1)
@@ -176,19 +209,33 @@ def _token_segments(batch: TrajectoryBatch, level: str):
     return batch.group_ids[jnp.clip(traj, 0, batch.num_traj - 1)]
 
 
+def _is_per_turn(w, batch, per):
+    """Whether ``w`` holds per-turn [N, K] (True) or per-token [R, T] (False) values."""
+    if per is not None:
+        check_choice("per", per, ("turn", "token"))
+        want = batch.turn_mask.shape if per == "turn" else batch.tokens.shape
+        if w.shape != want:
+            raise ValueError(f"per={per!r} weights must have shape {want}, got {w.shape}")
+        return per == "turn"
+    if w.shape == batch.turn_mask.shape:
+        return True
+    if w.shape != batch.tokens.shape:
+        raise ValueError(f"weights must have shape [N, K] = {batch.turn_mask.shape} or [R, T] = "
+                         f"{batch.tokens.shape}, got {w.shape}")
+    return False
+
+
 def token_weights(raw, batch: TrajectoryBatch, *, level: str = "trajectory", floor: float = 0.0,
-                  clip_min=None, clip_max=None, measure=None):
+                  clip_min=None, clip_max=None, measure=None, per: str | None = None):
     """Normalised token weights [R, T] (mean 1 per ``level`` segment over action tokens) from
     raw non-negative weights given per turn [N, K] (each token of turn k gets w_k) or per
     token [R, T]. ``measure`` [R, T] (default 1 per action token) is the mass each token
-    carries in the mean. ``batch`` must be block-local (``segments.local_view``)."""
+    carries in the mean. ``batch`` must be block-local (``segments.local_view``). ``per``
+    (``"turn"``/``"token"``) says which one ``raw`` is where N, K = R, T; default: by shape."""
     check_choice("level", level, LEVELS)
     raw = jnp.asarray(raw, jnp.float32)
-    if raw.shape == batch.turn_mask.shape:
+    if _is_per_turn(raw, batch, per):
         raw = segments.turn_to_token(raw, batch)
-    elif raw.shape != batch.tokens.shape:
-        raise ValueError(f"weights must have shape [N, K] = {batch.turn_mask.shape} or [R, T] = "
-                         f"{batch.tokens.shape}, got {raw.shape}")
     valid = batch.action_mask & batch.traj_mask[jnp.clip(batch.row_traj, 0, batch.num_traj - 1)][:, None]
     nseg = batch.num_traj * (batch.num_turns if level == "turn" else 1)
     seg = _token_segments(batch, level)
@@ -222,8 +269,10 @@ def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weigh
     Properties: sum_t m A'_t = A_i sum_t m per trajectory for trajectory-constant A (P8);
     sign(A'_t) in {sign(A_t), 0} (P9); constant weights give A' = A exactly (P10).
     """
+    _check_bounds(clip_min, clip_max)
     b = segments.local_view(batch, axis_name)
-    raw = require(b, weights, "reallocate", "non-negative weights [N, K] or [R, T]")
+    raw = lax.stop_gradient(require(b, weights, "reallocate", "non-negative weights [N, K] or "
+                                                              "[R, T]"))
     if shuffle:
         raw = shuffle_weights(raw, batch, level=level, seed=seed, axis_name=axis_name)
     w = token_weights(raw, b, level=level, floor=floor, clip_min=clip_min, clip_max=clip_max)
@@ -241,5 +290,800 @@ def shuffled_control(adv: Advantages, batch: TrajectoryBatch, *, weights: str = 
                       clip_max=clip_max, shuffle=True, seed=seed, axis_name=axis_name)
 
 
+
+# ============================================================================= named methods
+#
+# Each method below computes raw weights (or a dense add-on) from its signal and hands them to
+# the primitive. Log-prob contrasts take two field-name hyper-parameters, ``teacher`` and
+# ``student``: the name of an [R, T] extra, or ``"old_logprobs"`` for ``batch.old_logprobs``.
+# Every signal is read through ``lax.stop_gradient`` (P15). The teacher scoring (hindsight,
+# rubric, evidence, answer-conditioned contexts) runs outside: these functions consume its
+# log-probs as arrays.
+
+
+def _check_bounds(clip_min, clip_max):
+    if clip_min is not None and clip_max is not None and clip_min > clip_max:
+        raise ValueError(f"clip_min must be <= clip_max, got {clip_min} > {clip_max}")
+
+
+def _check_weight_bounds(w_min, w_max):
+    if not 0.0 < w_min <= 1.0 <= w_max:
+        raise ValueError(f"need 0 < w_min <= 1 <= w_max (mean-1 weights), got w_min={w_min}, "
+                         f"w_max={w_max}")
+
+
+def _check_nonneg(name, value):
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _field(b: TrajectoryBatch, name: str, who: str, what: str):
+    """``batch.old_logprobs`` / ``batch.outcome`` for those names, else ``extras[name]``."""
+    if name == "old_logprobs":
+        return b.old_logprobs
+    if name == "outcome":
+        return b.outcome
+    return require(b, name, who, what)
+
+
+def _token_field(b, name, who, what):
+    x = jnp.asarray(_field(b, name, who, what))
+    if x.shape != b.tokens.shape:
+        raise ValueError(f"{who}: '{name}' must be per token [R, T] = {b.tokens.shape}, got "
+                         f"{x.shape}")
+    return lax.stop_gradient(jnp.where(_token_valid(b), x.astype(jnp.float32), 0.0))
+
+
+def _turn_field(b, name, who, what):
+    x = jnp.asarray(_field(b, name, who, what))
+    if x.shape != b.turn_mask.shape:
+        raise ValueError(f"{who}: '{name}' must be per turn [N, K] = {b.turn_mask.shape}, got "
+                         f"{x.shape}")
+    return lax.stop_gradient(jnp.where(segments.valid_turns(b), x.astype(jnp.float32), 0.0))
+
+
+def _token_valid(b):
+    return b.action_mask & b.traj_mask[jnp.clip(b.row_traj, 0, b.num_traj - 1)][:, None]
+
+
+def _gap(b, teacher, student, who):
+    """g_t = lp_teacher - lp_student on valid action tokens (detached), 0 elsewhere."""
+    return (_token_field(b, teacher, who, "teacher log-probs [R, T]")
+            - _token_field(b, student, who, "student log-probs [R, T]"))
+
+
+def _base_token(adv, b):
+    return jnp.where(b.action_mask, adv.token, 0.0).astype(jnp.float32)
+
+
+def _base_turn(adv, b):
+    """The base credit per turn: ``adv.turn``, or the token mean per turn where it is None."""
+    turn = adv.turn if adv.turn is not None else segments.token_to_turn(_base_token(adv, b), b,
+                                                                         "mean")
+    return jnp.where(segments.valid_turns(b), turn, 0.0)
+
+
+def _set_token(adv, tok, b):
+    """Advantages with token credit ``tok``; the turn credit is its token mean per turn."""
+    tok = jnp.where(b.action_mask, tok, 0.0).astype(jnp.float32)
+    turn = jnp.where(segments.valid_turns(b), segments.token_to_turn(tok, b, "mean"), 0.0)
+    return adv.replace(token=tok, turn=turn)
+
+
+def _reweight(adv, batch, b, raw, *, per, level="trajectory", floor=0.0, clip_min=None,
+              clip_max=None, shuffle=False, seed=0, axis_name=None):
+    """raw -> (optionally shuffled) -> ``token_weights`` -> A' = A w'."""
+    if shuffle:
+        raw = shuffle_weights(raw, batch, level=level, seed=seed, axis_name=axis_name, per=per)
+    w = token_weights(raw, b, level=level, floor=floor, clip_min=clip_min, clip_max=clip_max,
+                      per=per)
+    return apply_token_weights(adv, w, b)
+
+
+def _traj_turn_std(x, b, ddof: int = 1):
+    """Per-trajectory std over valid turns of an [N, K] array, broadcast to [N, 1]."""
+    n, k = x.shape
+    ids = jnp.broadcast_to(jnp.arange(n)[:, None], (n, k)).reshape(-1)
+    _, std, _ = segments.segment_stats(x.reshape(-1), ids, segments.valid_turns(b).reshape(-1),
+                                       n, ddof)
+    return std[:, None]
+
+
+def _token_traj(b):
+    return jnp.broadcast_to(jnp.clip(b.row_traj, 0, b.num_traj - 1)[:, None], b.tokens.shape)
+
+
+def _turn_index(b):
+    """Flat turn index i * K + k of every action token; N * K elsewhere (dropped)."""
+    n, k = b.num_traj, b.num_turns
+    idx = _token_traj(b) * k + jnp.clip(b.turn_ids, 0, k - 1)
+    return jnp.where(b.action_mask, idx, n * k)
+
+
+def _turn_max(x, b):
+    """Per-turn maximum of a token array, gathered back to the tokens ([R, T])."""
+    n, k = b.num_traj, b.num_turns
+    idx = _turn_index(b)
+    top = jax.ops.segment_max(jnp.where(b.action_mask, x, -jnp.inf).reshape(-1), idx.reshape(-1),
+                              n * k)
+    return jnp.where(b.action_mask, top[jnp.clip(idx, 0, n * k - 1)], 0.0)
+
+
+def _signed_turn_credit(adv, batch, b, x, *, alpha, w_min, w_max, eps, mode, shuffle, seed,
+                        axis_name):
+    """Turn score x [N, K] -> credit. z_k = x_k / (std_k x + eps) within the trajectory;
+    ``reweight``: w_k = clip(1 + alpha sign(A_k) z_k, w_min, w_max), renormalised to token
+    mass 1 per trajectory inside the same bounds; ``additive``: A_k + alpha z_k."""
+    valid = segments.valid_turns(b)
+    z = jnp.where(valid, x / (_traj_turn_std(x, b) + eps), 0.0)
+    if mode == "additive":
+        return _set_token(adv, _base_token(adv, b) + alpha * segments.turn_to_token(z, b), b)
+    raw = jnp.clip(1.0 + alpha * jnp.sign(_base_turn(adv, b)) * z, w_min, w_max)
+    return _reweight(adv, batch, b, jnp.where(valid, raw, 0.0), per="turn", clip_min=w_min,
+                     clip_max=w_max, shuffle=shuffle, seed=seed, axis_name=axis_name)
+
+
+# ----------------------------------------------------------------------------- e1 TRIAL
+
+
+def trial(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+          student: str = "old_logprobs", lam: float = 0.1, shuffle: bool = False,
+          seed: int = 0, axis_name=None) -> Advantages:
+    """TRIAL (trajectory-relative hindsight distillation) as an advantage add-on. [X] formula
+    of METHODS.md e1 (TRIAL paper, consistent with its abstract).
+
+        g_t = lp_hind_t - lp_ord_t                 (``teacher`` - ``student``, detached)
+        M_k = mean_{t in k} |g_t|,  mu_k = M_k / (sum_k n_k M_k / sum_k n_k)
+        A'_t = A_t + lam mu_{k(t)} g_t
+
+    mu has eligible-token-weighted mean exactly 1 over each trajectory (``token_weights``;
+    uniform when every M_k is equal or 0) and is invariant to scaling g. ``shuffle`` permutes
+    the turn magnitudes M within each trajectory first (the matched shuffled control).
+    ``lam = 0`` gives the base advantage bit for bit.
+    """
+    _check_nonneg("lam", lam)
+    b = segments.local_view(batch, axis_name)
+    g = _gap(b, teacher, student, "trial")
+    mag = segments.token_to_turn(jnp.abs(g), b, "mean")
+    if shuffle:
+        mag = shuffle_weights(mag, batch, seed=seed, axis_name=axis_name, per="turn")
+    mu = token_weights(mag, b, per="turn")
+    if lam == 0:
+        return _set_token(adv, _base_token(adv, b), b)
+    return _set_token(adv, _base_token(adv, b) + lam * mu * g, b)
+
+
+# ----------------------------------------------------------------------------- e2 StepOPSD
+
+
+def stepopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+             student: str = "old_logprobs", lambda_mix: float = 0.5, alpha_clip: float = 0.5,
+             eps: float = 1e-6, token_dist: bool = False, shuffle: bool = False, seed: int = 0,
+             axis_name=None) -> Advantages:
+    """StepOPSD: step-aware sign-preserving shaping with a per-step credit budget. [X] formula
+    of METHODS.md e2 (StepOPSD paper).
+
+        s_k = mean_{t in k} (lp_T - lp_S),  s~_k = s_k / (std_k s + eps)   (per trajectory)
+        m_k = clip(1 + lambda_mix sign(A_k) s~_k, 1 - alpha_clip, 1 + alpha_clip)
+        m <- m renormalised to token mass 1 per trajectory, kept inside the same bounds
+        A'_t = A_t m_{k(t)} [ * w_t,  w_t ∝ softplus(sign(A_t) g_t), mean 1 per step ]
+
+    P8 per trajectory, P9 (m > 0 for alpha_clip < 1), P17 (m in [1 - alpha_clip,
+    1 + alpha_clip] when feasible), P10 (lambda_mix = 0 gives A bit for bit, token_dist off).
+    """
+    check_unit("alpha_clip", alpha_clip)
+    _check_nonneg("lambda_mix", lambda_mix)
+    check_positive("eps", eps)
+    b = segments.local_view(batch, axis_name)
+    g = _gap(b, teacher, student, "stepopsd")
+    s = segments.token_to_turn(g, b, "mean")
+    out = _signed_turn_credit(adv, batch, b, s, alpha=lambda_mix, w_min=1.0 - alpha_clip,
+                              w_max=1.0 + alpha_clip, eps=eps, mode="reweight",
+                              shuffle=shuffle, seed=seed, axis_name=axis_name)
+    if not token_dist:
+        return out
+    w_tok = token_weights(jax.nn.softplus(jnp.sign(_base_token(adv, b)) * g), b, level="turn",
+                          per="token")
+    return _set_token(out, out.token * w_tok, b)
+
+
+# ----------------------------------------------------------------------------- e4 CoRT
+
+
+def cort(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+         student: str = "old_logprobs", kappa: float = 0.5, tau: float = 1.0,
+         w_min: float = 0.2, w_max: float = 2.0, absolute: bool = False, shuffle: bool = False,
+         seed: int = 0, axis_name=None) -> Advantages:
+    """CoRT: counterfactual-replay rubric token weights. [X] formula of METHODS.md e4 (CoRT
+    paper).
+
+        c_t = lp_rubric_t - lp_free_t   (``teacher`` - ``student``; when the rubric is in the
+              rollout prompt use teacher="old_logprobs", student=<criteria-free field>)
+        w_t = clip(1 + kappa tanh(c_t / tau), w_min, w_max)   (|c_t| with ``absolute``)
+        w   <- mean 1 per response, kept inside [w_min, w_max];  A'_t = A_t w_t
+
+    P8 per response, P9 (w_min > 0), P17, P10 (kappa = 0 gives A bit for bit); the weights
+    are monotone in c.
+    """
+    _check_nonneg("kappa", kappa)
+    check_positive("tau", tau)
+    _check_weight_bounds(w_min, w_max)
+    b = segments.local_view(batch, axis_name)
+    c = _gap(b, teacher, student, "cort")
+    c = jnp.abs(c) if absolute else c
+    raw = jnp.where(_token_valid(b), jnp.clip(1.0 + kappa * jnp.tanh(c / tau), w_min, w_max), 0.0)
+    return _reweight(adv, batch, b, raw, per="token", clip_min=w_min, clip_max=w_max,
+                     shuffle=shuffle, seed=seed, axis_name=axis_name)
+
+
+# ----------------------------------------------------------------------------- e6 RVCO
+
+
+def _segment_median(x, seg, valid, num_segments):
+    """Per-segment median [S] of x [M] over ``valid`` entries (the mean of the two middle
+    values for an even count; 0 for an empty segment). Sort-based."""
+    x = x.reshape(-1)
+    seg = jnp.where(valid.reshape(-1), seg.reshape(-1), num_segments)
+    order = jnp.lexsort((x, seg))
+    xs, ss = x[order], seg[order]
+    pos = jnp.arange(x.shape[0], dtype=jnp.int32)
+    start = jax.ops.segment_min(pos, ss, num_segments)
+    count = jax.ops.segment_sum(jnp.ones_like(pos), ss, num_segments)
+    safe = jnp.clip(ss, 0, num_segments - 1)
+    rank = pos - start[safe]
+    c = count[safe]
+    real = ss < num_segments
+    lo = jax.ops.segment_sum(jnp.where(real & (rank == (c - 1) // 2), xs, 0.0), ss, num_segments)
+    hi = jax.ops.segment_sum(jnp.where(real & (rank == c // 2), xs, 0.0), ss, num_segments)
+    return 0.5 * (lo + hi)
+
+
+def rvco(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+         student: str = "old_logprobs", tau: float = 1.0, beta: float = 0.1,
+         absolute: bool = True, eps: float = 1e-6, shuffle: bool = False, seed: int = 0,
+         axis_name=None) -> Advantages:
+    """RVCO: residual visual credit as a budgeted entropic router. [X] formula of METHODS.md e6
+    (Residual Visual Credit Optimization paper).
+
+        e_t = |lp(y_t | image) - lp(y_t | corrupted image)|   (|``teacher`` - ``student``|;
+              signed with absolute=False)
+        z_t = (e_t - median e) / (MAD e + eps)                 (robust, per trajectory)
+        p_t = softmax_t(z_t / tau),  w_t = (1 - beta) N p_t + beta   (N valid tokens)
+        A'_t = A_t w_t
+
+    The mean of w is exactly 1 (``token_weights`` with ``floor=beta``). P8, P9
+    (w >= beta), P17 (w <= (1 - beta) N + beta), invariant to e -> a e + c (a > 0);
+    tau -> 0 is hard selection of the argmax, tau -> inf uniform.
+    """
+    check_positive("tau", tau)
+    check_unit("beta", beta)
+    check_positive("eps", eps)
+    b = segments.local_view(batch, axis_name)
+    e = _gap(b, teacher, student, "rvco")
+    e = jnp.abs(e) if absolute else e
+    valid = _token_valid(b)
+    seg = _token_traj(b)
+    n = b.num_traj
+    med = _segment_median(e, seg, valid, n)[seg]
+    mad = _segment_median(jnp.abs(e - med), seg, valid, n)[seg]
+    z = jnp.where(valid, (e - med) / (mad + eps) / tau, 0.0)
+    top = jax.ops.segment_max(jnp.where(valid, z, -jnp.inf).reshape(-1), seg.reshape(-1), n)
+    raw = jnp.where(valid, jnp.exp(z - top[seg]), 0.0)
+    return _reweight(adv, batch, b, raw, per="token", floor=beta, shuffle=shuffle, seed=seed,
+                     axis_name=axis_name)
+
+
+# ----------------------------------------------------------------------------- e9 AgentOPSD
+
+
+def belief_revisions(e, valid, l0, rho: float = 1.0):
+    """Recursive log-odds belief over turns: l_k = rho l_{k-1} + e_k from l_0, and the
+    revisions Delta_k = sigmoid(l_k) - sigmoid(l_{k-1}) (0 on missing turns).
+
+    Args:
+      e: [N, K] turn evidence; valid: [N, K] bool; l0: [N] prior log-odds.
+    Returns:
+      (l [N, K] belief after each turn, delta [N, K]).
+    """
+    def step(prev, xs):
+        e_k, v_k = xs
+        cur = jnp.where(v_k, rho * prev + e_k, prev)
+        return cur, (cur, jnp.where(v_k, jax.nn.sigmoid(cur) - jax.nn.sigmoid(prev), 0.0))
+
+    _, (l, delta) = lax.scan(step, l0.astype(jnp.float32), (e.T, valid.T))
+    return l.T, delta.T
+
+
+def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+              student: str = "old_logprobs", p0: float | None = 0.5, rho: float = 1.0,
+              alpha: float = 0.5, w_min: float = 0.2, w_max: float = 3.0, eps: float = 1e-6,
+              mode: str = "reweight", shuffle: bool = False, seed: int = 0,
+              axis_name=None) -> Advantages:
+    """AgentOPSD: a recursive Bayesian belief over turns from teacher-student evidence. [X]
+    formula of METHODS.md e9 (AgentOPSD paper).
+
+        e_k = sum_{t in k} (lp_T - lp_S)             (turn log-likelihood ratio)
+        l_0 = logit(p0),  l_k = rho l_{k-1} + e_k,  Delta_k = sigmoid(l_k) - sigmoid(l_{k-1})
+        reweight: w_k = clip(1 + alpha sign(A_k) Delta_k / (std_k Delta + eps), w_min, w_max),
+                  renormalised to token mass 1 per trajectory (inside the bounds); A' = A w
+        additive: A'_k = A_k + alpha Delta_k
+
+    ``p0=None`` takes the group success rate, mean_g clip(outcome, 0, 1), clipped to
+    [1e-3, 1 - 1e-3]. Sum_k Delta_k telescopes (P11); e = 0 (teacher = student) gives A
+    bit for bit (P10); P8/P9 in ``reweight`` mode.
+    """
+    check_choice("mode", mode, ("reweight", "additive"))
+    if p0 is not None and not 0.0 < p0 < 1.0:
+        raise ValueError(f"p0 must lie in (0, 1) or be None (group success rate), got {p0}")
+    _check_nonneg("alpha", alpha)
+    _check_nonneg("rho", rho)
+    _check_weight_bounds(w_min, w_max)
+    check_positive("eps", eps)
+    b = segments.local_view(batch, axis_name)
+    e = segments.token_to_turn(_gap(b, teacher, student, "agentopsd"), b, "sum")
+    if p0 is None:
+        rate, _, _ = segments.group_stats(jnp.clip(b.outcome, 0.0, 1.0), b.group_ids, b.traj_mask)
+        p = jnp.clip(rate, 1e-3, 1.0 - 1e-3)
+    else:
+        p = jnp.full((b.num_traj,), p0, jnp.float32)
+    _, delta = belief_revisions(e, segments.valid_turns(b), jnp.log(p) - jnp.log1p(-p), rho)
+    if mode == "additive":
+        return _set_token(adv, _base_token(adv, b) + alpha * segments.turn_to_token(delta, b), b)
+    return _signed_turn_credit(adv, batch, b, delta, alpha=alpha, w_min=w_min, w_max=w_max,
+                               eps=eps, mode=mode, shuffle=shuffle, seed=seed,
+                               axis_name=axis_name)
+
+
+# ----------------------------------------------------------------------------- e10 PBSD
+
+
+def pbsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+         student: str = "old_logprobs", alpha: float = 0.5, w_min: float = 0.2,
+         w_max: float = 3.0, eps: float = 1e-6, mode: str = "reweight", shuffle: bool = False,
+         seed: int = 0, axis_name=None) -> Advantages:
+    """PBSD: privileged Bayesian self-distillation turn credit (METHODS.md e10, S: the Bayes
+    decomposition of the PBSD abstract; the weight map w(s) is [X], as e9 without recursion).
+
+        s_k = sum_{t in k} (lp(y_t | x, a*, y<t) - lp(y_t | x, y<t)),   sum_k s_k = S
+        reweight: w_k = clip(1 + alpha sign(A_k) s_k / (std_k s + eps), w_min, w_max),
+                  renormalised to token mass 1 per trajectory;  A' = A w
+        additive: A'_k = A_k + alpha s_k / (std_k s + eps)
+
+    The answer-conditioned teacher log-probs are ``teacher``; the student is the rollout
+    policy. Teacher = student gives s = 0 and A bit for bit.
+    """
+    check_choice("mode", mode, ("reweight", "additive"))
+    _check_nonneg("alpha", alpha)
+    _check_weight_bounds(w_min, w_max)
+    check_positive("eps", eps)
+    b = segments.local_view(batch, axis_name)
+    s = segments.token_to_turn(_gap(b, teacher, student, "pbsd"), b, "sum")
+    return _signed_turn_credit(adv, batch, b, s, alpha=alpha, w_min=w_min, w_max=w_max, eps=eps,
+                               mode=mode, shuffle=shuffle, seed=seed, axis_name=axis_name)
+
+
+# ----------------------------------------------------------------------------- e12 DCSD
+
+
+def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+         student: str = "old_logprobs", probe: str = "probe", q_init: float = 0.5,
+         lam: float = 0.1, temperature: float = 1.0, axis_name=None) -> Advantages:
+    """DCSD: decoupled credit direction and magnitude. [X] formula of METHODS.md e12 (DCSD
+    paper).
+
+        d_k   = sign(q_k - q_{k-1})   (q = ``extras[probe]`` [N, K], the probed probability of
+                the correct answer after step k; q_{-1} = ``q_init``)
+        mag_k = |sum_{t in k} (lp_T - lp_S)| / mean_k |...|   (mean 1 over the trajectory's
+                steps; 0 when every step's gap sums to 0)
+        w_t   = n_k softmax_{t in k}(|g_t| / temperature)     (mean 1 within the step)
+        A'_t  = A_t + lam d_{k(t)} mag_{k(t)} w_t
+
+    The direction never depends on the teacher; an unchanged probe gives no credit; lam = 0
+    gives A bit for bit. Sign-changing by design (an add-on, not P9).
+    """
+    _check_nonneg("lam", lam)
+    check_positive("temperature", temperature)
+    b = segments.local_view(batch, axis_name)
+    g = _gap(b, teacher, student, "dcsd")
+    q = _turn_field(b, probe, "dcsd", "probed success probability per turn [N, K]")
+    valid = segments.valid_turns(b)
+    prev = jnp.concatenate([jnp.full_like(q[:, :1], q_init), q[:, :-1]], axis=1)
+    d = jnp.where(valid, jnp.sign(q - prev), 0.0)
+    mag = jnp.abs(segments.token_to_turn(g, b, "sum"))
+    total = jnp.sum(mag, axis=1, keepdims=True)
+    count = jnp.sum(valid, axis=1, keepdims=True).astype(jnp.float32)
+    mag = jnp.where(valid & (total > 0), mag * count / jnp.where(total > 0, total, 1.0), 0.0)
+    a = jnp.abs(g) / temperature
+    soft = jnp.where(b.action_mask, jnp.exp(a - _turn_max(a, b)), 0.0)
+    w = token_weights(soft, b, level="turn", per="token")
+    credit = segments.turn_to_token(d * mag, b) * w
+    if lam == 0:
+        return _set_token(adv, _base_token(adv, b), b)
+    return _set_token(adv, _base_token(adv, b) + lam * credit, b)
+
+
+# ----------------------------------------------------------------------------- e13 VERPO
+
+
+def verpo(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+          student: str = "old_logprobs", eta: float = 0.1, lam: float = 1.0,
+          axis_name=None) -> Advantages:
+    """VERPO: accepted, cost-shrunk evidence corrections. [X] formula of METHODS.md e13 (VERPO
+    paper).
+
+        c_t = lp(y_t | x, evidence) - lp(y_t | x)     (``teacher`` - ``student``)
+        accept_t = c_t A_t > 0,  s_t = |c_t| / (1 + lam c_t^2)
+        A'_t = A_t + eta sign(A_t) s_t 1[accept_t]
+
+    Only magnitudes grow, in A's direction (P9); eta = 0 gives A bit for bit. The Fisher
+    evidence contrast projection needs hidden states: pass an already corrected c as the
+    teacher field.
+    """
+    _check_nonneg("eta", eta)
+    _check_nonneg("lam", lam)
+    b = segments.local_view(batch, axis_name)
+    c = _gap(b, teacher, student, "verpo")
+    a = _base_token(adv, b)
+    accept = (c * a > 0) & b.action_mask
+    s = jnp.abs(c) / (1.0 + lam * c * c)
+    return _set_token(adv, jnp.where(accept, a + eta * jnp.sign(a) * s, a), b)
+
+
+# ----------------------------------------------------------------------------- e19 TACO
+
+
+def taco(adv: Advantages, batch: TrajectoryBatch, *, logprobs: str = "old_logprobs",
+         entropy: str = "entropy", alpha: float = 0.01, lam: float = 0.9,
+         axis_name=None) -> Advantages:
+    """TACO: tail-aware credit calibration. Pinned: xiuyilou/TACO
+    ``verl/trainer/ppo/core_algos.py::compute_taco_token_advantages`` (defaults of
+    ``actor.yaml``: alpha = 0.01, lambda = 0.9).
+
+        risk_t = -log pi(y_t) - H_t + log alpha
+        w_t = 1 - lam (1 - exp(-risk_t)) if risk_t > 0 else 1      (w in (1 - lam, 1])
+        A'_t = w_t A_t where A_t > 0; A_t unchanged (bit for bit) where A_t <= 0
+
+    ``logprobs`` / ``entropy`` name the sampled-token log-prob and the policy entropy at the
+    token ([R, T]; the repository uses the current forward pass, detached). A dampening, not a
+    re-allocation: no mass conservation. lam = 0 gives A bit for bit.
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
+    check_unit("lam", lam)
+    b = segments.local_view(batch, axis_name)
+    lp = _token_field(b, logprobs, "taco", "log-probs of the sampled tokens [R, T]")
+    h = _token_field(b, entropy, "taco", "policy entropy at each token [R, T]")
+    risk = -lp - h + jnp.log(jnp.float32(alpha))
+    w = jnp.where(risk > 0, 1.0 + lam * jnp.expm1(-jnp.where(risk > 0, risk, 0.0)), 1.0)
+    a = _base_token(adv, b)
+    return _set_token(adv, jnp.where(a > 0, w * a, a), b)
+
+
+# ----------------------------------------------------------------------------- e20 EAPO
+
+
+def eapo(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy", a: float = 1.0,
+         shuffle: bool = False, seed: int = 0, axis_name=None) -> Advantages:
+    """EAPO: entropic advantage re-allocation. [X] formula of METHODS.md e20 (EAPO paper).
+
+        h~_t = (H_t - min H) / (max H - min H)   (per response; 0 when H is constant)
+        w_t  = 1 + a h~_t        where A_t > 0   (surprising successes reinforced more)
+             = 1 + a (1 - h~_t)  elsewhere       (confident failures penalised more)
+        w <- mean 1 per response;  A'_t = A_t w_t
+
+    P8 (per response), P9, P10 (a = 0 gives A bit for bit).
+    """
+    _check_nonneg("a", a)
+    b = segments.local_view(batch, axis_name)
+    h = _token_field(b, entropy, "eapo", "policy entropy at each token [R, T]")
+    valid = _token_valid(b)
+    seg = _token_traj(b)
+    n = b.num_traj
+    hmin = jax.ops.segment_min(jnp.where(valid, h, jnp.inf).reshape(-1), seg.reshape(-1), n)[seg]
+    hmax = jax.ops.segment_max(jnp.where(valid, h, -jnp.inf).reshape(-1), seg.reshape(-1), n)[seg]
+    span = hmax - hmin
+    hn = jnp.where(valid & (span > 0), (h - hmin) / jnp.where(span > 0, span, 1.0), 0.0)
+    raw = jnp.where(_base_token(adv, b) > 0, 1.0 + a * hn, 1.0 + a * (1.0 - hn))
+    return _reweight(adv, batch, b, jnp.where(valid, raw, 0.0), per="token", shuffle=shuffle,
+                     seed=seed, axis_name=axis_name)
+
+
+# ----------------------------------------------------------------------------- e21 FIPO
+
+
+def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprobs",
+         gamma: float = 0.99, alpha: float = 0.5, clip: float = 1.0, kl: str = "k1",
+         eps: float = 1e-8, axis_name=None) -> Advantages:
+    """FIPO: future-KL influenced token weights. [X] formula of METHODS.md e21 (FIPO paper).
+
+        kl_j = lp_theta(y_j) - lp_old(y_j)   (``current`` - ``batch.old_logprobs``; k3:
+               exp(-kl) - 1 + kl)
+        F_t  = sum_{j > t} gamma^{j - t} kl_j   over the trajectory's later action tokens
+        A'_t = A_t (1 + alpha clip(F_t / s, -clip, clip)),  s = batch std of F (+ eps)
+
+    ``current`` names the current policy's log-probs of the sampled tokens (detached); with
+    the default ``"old_logprobs"`` (the first PPO epoch) F = 0 and this is the base estimator
+    bit for bit. s is a batch-wide statistic (psum over ``axis_name``). The weight lies in
+    [1 - alpha clip, 1 + alpha clip]; alpha clip <= 1 keeps signs (P9). Not mass-conserving.
+    """
+    check_choice("kl", kl, ("k1", "k3"))
+    check_unit("gamma", gamma)
+    _check_nonneg("alpha", alpha)
+    check_positive("clip", clip)
+    check_positive("eps", eps)
+    if alpha * clip > 1.0:
+        raise ValueError(f"alpha * clip must be <= 1 (weights >= 0), got {alpha} * {clip}")
+    b = segments.local_view(batch, axis_name)
+    valid = _token_valid(b)
+    r = _token_field(b, current, "fipo", "current-policy log-probs [R, T]") - lax.stop_gradient(
+        jnp.where(valid, b.old_logprobs, 0.0))
+    x = r if kl == "k1" else jnp.expm1(-r) + r
+    _, nxt = segments.trajectory_reverse_scan(jnp.where(valid, x, 0.0), gamma, b)
+    f = jnp.where(valid, gamma * nxt, 0.0)
+    _, var = segments.masked_mean_var(f, valid, axis_name)
+    ratio = jnp.clip(f / (segments.safe_sqrt(var) + eps), -clip, clip)
+    return _set_token(adv, _base_token(adv, b) * (1.0 + alpha * ratio), b)
+
+
+# ----------------------------------------------------------------------------- e22b CRAFT CTI
+
+
+def craft_cti(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+              student: str = "old_logprobs", temperature: float = 1.0, lam: float = 0.1,
+              anchor: str = "state", scale: str = "sign", axis_name=None) -> Advantages:
+    """CRAFT pillar 1 (counterfactual token importance) as an allocation add-on. [X] formula of
+    METHODS.md e22b / f8 (CRAFT paper; the SNIS bootstrap after gitrxh/ADRS-arxiv
+    ``cce_utils.py``).
+
+        delta_m = sum_{t in step of m} (lp_T - lp_S)            (per turn of member m)
+        w_m     = exp(delta_m / temperature)                     (SNIS over the anchor group S)
+        CTI(S)  = sum_m w_m A_m / sum_m w_m - mean_m A_m
+        c_t     = CTI(S(k(t))) sign(g_t)   (``scale="relative"``: CTI g_t / max_{t' in k}|g|)
+        A'_t    = A_t + lam c_t
+
+    Anchor groups S: ``"state"`` = turns of one task group with equal ``state_keys`` (GiGPO
+    anchors; at the first step usually the whole prompt group), ``"step"`` = turns of one task
+    group with equal turn index. Sign-changing by design (not P9). Equal delta in a group gives
+    CTI = 0 exactly (A bit for bit); SNIS is invariant to a constant added to a group's delta.
+    """
+    check_positive("temperature", temperature)
+    _check_nonneg("lam", lam)
+    check_choice("anchor", anchor, ("state", "step"))
+    check_choice("scale", scale, ("sign", "relative"))
+    b = segments.local_view(batch, axis_name)
+    g = _gap(b, teacher, student, "craft_cti")
+    n, k = b.num_traj, b.num_turns
+    valid = segments.valid_turns(b)
+    key = b.state_keys if anchor == "state" else jnp.broadcast_to(jnp.arange(k)[None, :], (n, k))
+    ids = segments.turn_key_ids(b, key).reshape(-1)
+    ok = valid.reshape(-1)
+    x = (segments.token_to_turn(g, b, "sum") / temperature).reshape(-1)
+    a = _base_turn(adv, b).reshape(-1)
+
+    def seg_sum(v):
+        return jax.ops.segment_sum(jnp.where(ok, v, 0.0), ids, n * k)
+
+    top = jax.ops.segment_max(jnp.where(ok, x, -jnp.inf), ids, n * k)
+    safe = jnp.clip(ids, 0, n * k - 1)
+    w = jnp.where(ok, jnp.exp(x - top[safe]), 0.0)
+    sw, cnt = seg_sum(w), seg_sum(jnp.ones_like(w))
+    cti = seg_sum(w * a) / jnp.where(sw > 0, sw, 1.0) - seg_sum(a) / jnp.maximum(cnt, 1.0)
+    cti = jnp.where(ok, cti[safe], 0.0).reshape(n, k)
+    if scale == "sign":
+        unit = jnp.sign(g)
+    else:
+        gmax = _turn_max(jnp.abs(g), b)
+        unit = jnp.where(gmax > 0, g / jnp.where(gmax > 0, gmax, 1.0), 0.0)
+    if lam == 0:
+        return _set_token(adv, _base_token(adv, b), b)
+    return _set_token(adv, _base_token(adv, b) + lam * segments.turn_to_token(cti, b) * unit, b)
+
+
+# ----------------------------------------------------------------------------- e11 ADRS (shaping)
+
+
+def _masked_std(x, mask, axis_name, ddof):
+    """(std of x over ``mask`` across ``axis_name``, total count)."""
+    _, var = segments.masked_mean_var(x, mask, axis_name, ddof)
+    count = segments.psum(jnp.sum(mask.astype(jnp.float32)), axis_name)
+    return segments.safe_sqrt(var), count
+
+
+def _tva(alpha, reward, ids, valid, num):
+    """Teacher value advantage per segment: E_alpha[R] - E_{1-alpha}[R] (0 below 2 members)."""
+    def seg_sum(v):
+        return jax.ops.segment_sum(jnp.where(valid, v, 0.0), ids, num)
+
+    out = (seg_sum(alpha * reward) / (seg_sum(alpha) + 1e-8)
+           - seg_sum((1.0 - alpha) * reward) / (seg_sum(1.0 - alpha) + 1e-8))
+    out = jnp.where(seg_sum(jnp.ones_like(alpha)) >= 2, out, 0.0)
+    return jnp.where(valid, out[jnp.clip(ids, 0, num - 1)], 0.0)
+
+
+def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str = "step",
+         eta: float = 0.1, temperature: float = 1.0, tau: float = 2.0, baseline: str = "step",
+         normalize: str = "global", gate_norm: bool = False, gamma: float = 1.0,
+         ref: str = "ref_logprobs", target: str = "token", update_outcome: bool = True,
+         gate_field: str | None = None, axis_name=None) -> TrajectoryBatch:
+    """ADRS: self-distilled token reward shaping with a teacher-value-advantage gate. Pinned:
+    gitrxh/ADRS-arxiv ``verl/trainer/ppo/adrs_utils.py`` (``compute_adrs_reward``).
+
+    A *shaping*: the token reward r_t += eta g_t u_t is added before the advantage
+    computation, as in the repository (``token_level_rewards += modulated_reward``).
+
+        u_t = lp_T,t - mean_{t' in step(t)} lp_T   (``baseline="global"``: the batch mean),
+              divided by the batch std of u (unbiased, + 1e-8; ``normalize="per_seq"``: the
+              per-trajectory population std + 1e-8; ``"none"``)
+        gate g (``tva``):
+          "step" (L3): alpha_s = sigmoid((mean_{t in s} lp_T - batch mean lp_T) / T) per turn;
+                 TVA = sum alpha R / sum alpha - sum (1-alpha) R / sum (1-alpha) over the
+                 GiGPO anchor group of the turn (task group + equal ``state_keys``; < 2 turns:
+                 0); R = the turn's discounted return-to-go of ``turn_rewards`` (``gamma``)
+          "completion" (L2): the same per task group with the trajectory mean lp_T and the
+                 trajectory's total reward (turn rewards + ``extras['token_rewards']``)
+          "pas" (L1): sigmoid(tau (lp_T - lp_ref) / std) per token (std over the batch)
+          "none": no gate, r_t += eta u_t (the gate reported is 0.5)
+        g = sigmoid(tau TVA'), TVA' = TVA or, with ``gate_norm``, TVA / std(TVA) when the std
+        exceeds 1e-8 (sign kept).
+
+    Output: ``target="token"`` adds r to ``extras['token_rewards']`` (read by token-reward
+    estimators: reinforce_pp, gae, ...); ``target="turn"`` adds its per-turn sums to
+    ``turn_rewards`` (gigpo, turn_gae, ...). ``update_outcome`` adds the per-trajectory sum of r
+    to ``outcome`` (what verl's GRPO sums; outcome readers such as grpo). ``gate_field`` also
+    stores g [R, T] in that extra (e.g. to gate a distillation loss). Batch-wide means and stds
+    are psummed over ``axis_name``. eta = 0 leaves every field bit for bit.
+    """
+    check_choice("tva", tva, ("step", "completion", "pas", "none"))
+    check_choice("baseline", baseline, ("step", "global"))
+    check_choice("normalize", normalize, ("global", "per_seq", "none"))
+    check_choice("target", target, ("token", "turn"))
+    _check_nonneg("eta", eta)
+    check_positive("temperature", temperature)
+    check_unit("gamma", gamma)
+    b = segments.local_view(batch, axis_name)
+    valid = _token_valid(b)
+    lp = _token_field(b, teacher, "adrs", "teacher log-probs [R, T]")
+    n, k = b.num_traj, b.num_turns
+    vf = valid.astype(jnp.float32)
+    seg = _token_traj(b)
+
+    # raw teacher reward u
+    if baseline == "step":
+        cnt = segments.token_to_turn(vf, b)
+        mean = segments.token_to_turn(lp, b) / jnp.maximum(cnt, 1.0)
+        base = segments.turn_to_token(mean, b)
+    else:
+        tot = segments.psum(jnp.sum(lp), axis_name)
+        cnt = segments.psum(jnp.sum(vf), axis_name)
+        base = tot / jnp.maximum(cnt, 1.0)
+    u = jnp.where(valid, lp - base, 0.0)
+    if normalize == "global":
+        std, cnt = _masked_std(u, valid, axis_name, ddof=1)
+        u = u / jnp.where(cnt > 1, std + 1e-8, 1.0)
+    elif normalize == "per_seq":
+        c = jax.ops.segment_sum(jnp.sum(vf, axis=1), b.row_traj, n)
+        m = jax.ops.segment_sum(jnp.sum(u, axis=1), b.row_traj, n) / jnp.maximum(c, 1.0)
+        dev = jnp.where(valid, u - m[seg], 0.0)
+        var = jax.ops.segment_sum(jnp.sum(dev * dev, axis=1), b.row_traj, n) / jnp.maximum(c, 1.0)
+        u = jnp.where(valid, u / (segments.safe_sqrt(var) + 1e-8)[seg], 0.0)
+
+    def gate_from(tva_vals, where):
+        if gate_norm:
+            std, _ = _masked_std(tva_vals, where, axis_name, ddof=1)
+            tva_vals = jnp.where(std > 1e-8, tva_vals / (std + 1e-8), tva_vals)
+        return jax.nn.sigmoid(tau * tva_vals)
+
+    if tva == "none":
+        gate = jnp.where(valid, 0.5, 0.0)
+        shaped = eta * u
+    else:
+        if tva == "pas":
+            d = jnp.where(valid, lp - _token_field(b, ref, "adrs", "reference log-probs [R, T]"),
+                          0.0)
+            std, cnt = _masked_std(d, valid, axis_name, ddof=1)
+            gate = jax.nn.sigmoid(tau * d / jnp.where(cnt > 1, std + 1e-8, 1.0))
+        elif tva == "completion":
+            ok = b.traj_mask
+            c = jax.ops.segment_sum(jnp.sum(vf, axis=1), b.row_traj, n)
+            comp = jax.ops.segment_sum(jnp.sum(lp, axis=1), b.row_traj, n) / (c + 1e-8)
+            rew = jax.ops.segment_sum(jnp.sum(jnp.where(valid, segments.token_rewards(b), 0.0),
+                                              axis=1), b.row_traj, n)
+            gm = (segments.psum(jnp.sum(jnp.where(ok, comp, 0.0)), axis_name)
+                  / jnp.maximum(segments.psum(jnp.sum(ok.astype(jnp.float32)), axis_name), 1.0))
+            al = jax.nn.sigmoid((comp - gm) / (temperature + 1e-8))
+            t = _tva(al, rew, jnp.where(ok, b.group_ids, n), ok, n)
+            gate = segments.traj_to_token(gate_from(t, ok), b)
+        else:
+            vt = segments.valid_turns(b)
+            cnt_t = segments.token_to_turn(vf, b)
+            step_mean = segments.token_to_turn(lp, b) / (cnt_t + 1e-8)
+            gm = (segments.psum(jnp.sum(lp), axis_name)
+                  / (segments.psum(jnp.sum(vf), axis_name) + 1e-8))
+            al = jax.nn.sigmoid((step_mean - gm) / (temperature + 1e-8))
+            rtg = segments.reverse_scan(jnp.where(vt, b.turn_rewards, 0.0), gamma, axis=1,
+                                        where=vt)
+            ids = segments.turn_key_ids(b, b.state_keys)
+            t = _tva(al.reshape(-1), rtg.reshape(-1), ids.reshape(-1), vt.reshape(-1), n * k)
+            gate = segments.turn_to_token(gate_from(t.reshape(n, k), vt), b)
+        gate = jnp.where(valid, gate, 0.0)
+        shaped = eta * gate * u
+    shaped = jnp.where(valid, shaped, 0.0)
+    if eta == 0:
+        shaped = jnp.zeros_like(shaped)
+    extras = dict(batch.extras)
+    out = {}
+    if target == "token":
+        extras["token_rewards"] = (jnp.where(b.action_mask, b.extras["token_rewards"], 0.0)
+                                   + shaped if "token_rewards" in b.extras else shaped)
+    else:
+        out["turn_rewards"] = b.turn_rewards + segments.token_to_turn(shaped, b)
+    if update_outcome:
+        out["outcome"] = b.outcome + jax.ops.segment_sum(jnp.sum(shaped, axis=1), b.row_traj, n)
+    if gate_field is not None:
+        extras[gate_field] = gate
+    return batch.replace(extras=extras, **out)
+
+
+# ----------------------------------------------------------------------------- a9 R3L (estimator)
+
+
+def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", tau: float = 1.0,
+        r_max: float | None = 1.0, step_norm: bool = False, score: str = "outcome",
+        axis_name=None) -> Advantages:
+    """R3L positive amplification. Pinned: shiweijiezero/R3L
+    ``trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py``
+    (``StepWiseOPMDReweightAdvAdvantageFn``).
+
+    An *estimator* (it replaces the trajectory score, reading ``score`` [N], default the
+    outcome, and the task groups):
+
+        b_g = mean_g R   (``baseline="logavgexp"``: tau (logsumexp_g(R / tau) - log n_g));
+              a singleton group has b = 0 (as the repository)
+        s_i = R_i - b_g;  s_i = 1 if R_i >= r_max;  else alpha s_i if s_i >= 0;  else s_i
+        A_i = s_i on every action token (``step_norm``: divided by the number of turns)
+
+    ``r_max=None`` disables the success cap. P9 holds; P1 fails by design: positive mass is
+    amplified by alpha (sum_{A>0} A / sum_{A<0} |A| grows by alpha when no R_i reaches r_max).
+    The reflect-then-retry pivot mask of the paper is a loss mask of the rollout, not here.
+    """
+    from jaxrl_agent.estimators.outcome import traj_advantages
+
+    check_choice("baseline", baseline, ("mean", "logavgexp"))
+    _check_nonneg("alpha", alpha)
+    check_positive("tau", tau)
+    b = segments.local_view(batch, axis_name)
+    r = jnp.asarray(_field(b, score, "r3l", "trajectory score [N]"), jnp.float32)
+    if r.shape != (b.num_traj,):
+        raise ValueError(f"r3l: '{score}' must be per trajectory [N] = ({b.num_traj},), got "
+                         f"{r.shape}")
+    r = lax.stop_gradient(jnp.where(b.traj_mask, r, 0.0))
+    ok = b.traj_mask
+    n = b.num_traj
+    mean, _, count = segments.group_stats(r, b.group_ids, ok)
+    gid = jnp.where(ok, b.group_ids, n)
+    safe = jnp.clip(gid, 0, n - 1)
+    if baseline == "mean":
+        base = mean
+    else:
+        x = r / tau
+        top = jax.ops.segment_max(jnp.where(ok, x, -jnp.inf), gid, n)[safe]
+        lse = top + jnp.log(jax.ops.segment_sum(jnp.where(ok, jnp.exp(x - top), 0.0), gid, n)[safe])
+        base = tau * (lse - jnp.log(jnp.maximum(count, 1.0)))
+    s = r - jnp.where(count > 1, base, 0.0)
+    s = jnp.where(s >= 0, alpha * s, s)
+    if r_max is not None:
+        s = jnp.where(r >= r_max, 1.0, s)
+    if step_norm:
+        s = s / jnp.maximum(jnp.sum(b.turn_mask, axis=1), 1).astype(jnp.float32)
+    return traj_advantages(jnp.where(ok, s, 0.0), b)
+
+
 # Registered by jaxrl_agent.estimators (kind: name -> function).
-TRANSFORMS = {"reallocate": reallocate, "shuffled_control": shuffled_control}
+TRANSFORMS = {
+    "reallocate": reallocate, "shuffled_control": shuffled_control,
+    "trial": trial, "stepopsd": stepopsd, "cort": cort, "rvco": rvco, "agentopsd": agentopsd,
+    "pbsd": pbsd, "dcsd": dcsd, "verpo": verpo, "taco": taco, "eapo": eapo, "fipo": fipo,
+    "craft_cti": craft_cti,
+}
+SHAPINGS = {"adrs": adrs}
+ESTIMATORS = {"r3l": r3l}

@@ -18,6 +18,8 @@ from jaxrl_agent.losses.policy import (advantage_array, cispo, clipped_surrogate
                                        truncated_is_weights)
 from jaxrl_agent.losses.value import sarsa, value
 from jaxrl_agent.losses.objective import sapo_terms, weighted_total
+from jaxrl_agent.losses import distill
+from jaxrl_agent.losses.distill import LOSSES as _DISTILL_LOSSES
 
 _REGISTRY = {
     "ppo": ppo,
@@ -33,6 +35,8 @@ _REGISTRY = {
     "k1_st": k1_st,
     "k3_st": k3_st,
     "entropy": entropy,
+    # family (f): distillation and auxiliary losses (teacher log-probs from the batch extras)
+    **_DISTILL_LOSSES,
 }
 
 
@@ -50,6 +54,7 @@ def get(name: str):
 
 
 __all__ = [
+    "distill",
     "AGG_MODES", "add_pairs", "advantage_array", "aggregate", "check_mode", "cispo",
     "clipped_surrogate", "entropy", "entropy_from_logits", "get", "gspo", "gspo_log_ratio",
     "k1", "k1_st", "k2", "k3", "k3_st", "kl_k1", "kl_k1_st", "kl_k2", "kl_k3", "kl_k3_st",

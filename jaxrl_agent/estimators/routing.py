@@ -1,0 +1,752 @@
+"""Family (e), label-, citation- and graph-driven credit routing (METHODS.md e3-e23).
+
+Each rule reads per-turn (or per-token) labels that a host-side parser, verifier or judge
+produced (citations, influence edges, segment roles, environment relevance, proof atoms,
+memory selections, skill-name masks, reference-graph verdicts, divergence steps, agent ids,
+counterfactual and coalition values) and routes a base advantage with them. The labels are
+consumed as arrays; nothing here calls a judge.
+
+Kinds:
+
+* re-allocation transforms ``f(adv, batch, *, ..., axis_name=None) -> Advantages``:
+  A'_t = A_t w'_t with raw weights w >= 0 normalised by ``allocation.token_weights`` to
+  token-weighted mean 1 per trajectory (P8 for a trajectory-constant base, P9), constant
+  weights giving the base bit for bit (P10). ``shuffle=True`` permutes the raw weights
+  within each trajectory first (``allocation.shuffle_weights``, the matched-concentration
+  control): ``stamp``, ``iapo``, ``self_credit``, ``serl``, ``vict``, ``echo``, ``proas``.
+* masking / additive transforms: ``triage`` (A_i + c_role), ``skillgate`` (two disjoint
+  token channels), ``neos`` and ``ggpo`` (sign-consistent masks).
+* estimators (multi-agent, they replace the base): ``ccpo``, ``sharp``.
+* plain functions: ``triage_constants`` (the projection form of TRIAGE),
+  ``shapley_values`` (exact Shapley values from coalition values), ``grse_credit``.
+
+"A_i", where a rule needs the trajectory's advantage (its sign, mostly), is the token mean
+of ``adv.token`` over the trajectory's action tokens (exactly the base value's sign for a
+trajectory-level base such as GRPO); weights then multiply the base per token, so a
+turn-level base keeps its shape inside each weight. Success/failure of a rollout means
+A_i > 0 / A_i < 0. Every label is wrapped in ``stop_gradient`` (P15).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_agent import segments
+from jaxrl_agent.batch import Advantages, TrajectoryBatch
+from jaxrl_agent.estimators._checks import check_choice, check_unit, require
+from jaxrl_agent.estimators.allocation import (apply_token_weights, shuffle_weights,
+                                               token_weights)
+
+ROLES = ("progress", "exploration", "infrastructure", "regression")  # TRIAGE label 0..3
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _static(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_nonneg(name, value):
+    if _static(value) and not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_range(name, value, lo, hi):
+    if _static(value) and not lo <= value <= hi:
+        raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value}")
+
+
+def _check_eps(value):
+    if _static(value) and not value > 0:
+        raise ValueError(f"eps must be > 0, got {value}")
+
+
+def _turn_signal(b: TrajectoryBatch, name, who, what, token_ok=False):
+    """extras[name] as float32 [N, K] (or [R, T] with ``token_ok``), 0 outside the masks,
+    gradient stopped."""
+    x = require(b, name, who, what)
+    shapes = [b.turn_mask.shape] + ([b.tokens.shape] if token_ok else [])
+    if tuple(x.shape) not in shapes:
+        want = " or ".join(str(tuple(s)) for s in shapes)
+        raise ValueError(f"{who}: extras['{name}'] must have shape {want} ({what}), got "
+                         f"{tuple(x.shape)}")
+    x = jax.lax.stop_gradient(jnp.asarray(x, jnp.float32))
+    mask = segments.valid_turns(b) if x.shape == b.turn_mask.shape else b.action_mask
+    return jnp.where(mask, x, 0.0)
+
+
+def _traj_signal(batch, axis_name, name, who, what, vector=False):
+    """extras[name] as float32 [N] (or [N, D] with ``vector``), 0 on padding trajectories.
+    Read from the localized batch, not ``zero_padding``'s output: an [N, D] vector with
+    D = K would be masked there as if it were per turn."""
+    b = segments.localize(batch, axis_name)
+    x = require(b, name, who, what)
+    n = b.num_traj
+    ok = (x.ndim == 2 and x.shape[0] == n) if vector else tuple(x.shape) == (n,)
+    if not ok:
+        want = f"[N, D] with N = {n}" if vector else f"[N] = ({n},)"
+        raise ValueError(f"{who}: extras['{name}'] must have shape {want} ({what}), got "
+                         f"{tuple(x.shape)}")
+    x = jax.lax.stop_gradient(jnp.asarray(x, jnp.float32))
+    m = b.traj_mask.reshape((n,) + (1,) * (x.ndim - 1))
+    return jnp.where(m, x, 0.0)
+
+
+def trajectory_advantage(adv: Advantages, b: TrajectoryBatch):
+    """A_i [N]: the token mean of ``adv.token`` over each trajectory's action tokens (0 for
+    a trajectory without any). ``b`` must be block-local."""
+    tok = jnp.where(b.action_mask, adv.token, 0.0)
+    s = jax.ops.segment_sum(tok.sum(axis=1), b.row_traj, b.num_traj)
+    cnt = segments.traj_token_counts(b)
+    return jnp.where(b.traj_mask & (cnt > 0), s / jnp.maximum(cnt, 1.0), 0.0)
+
+
+def _last_turn(b: TrajectoryBatch):
+    """[N, K] bool: k is the trajectory's last valid turn."""
+    valid = segments.valid_turns(b)
+    k = jnp.arange(b.num_turns)[None, :]
+    last = jnp.max(jnp.where(valid, k, -1), axis=1, keepdims=True)
+    return valid & (k == last)
+
+
+def _maybe_shuffle(raw, batch, shuffle, seed, axis_name):
+    return shuffle_weights(raw, batch, level="trajectory", seed=seed,
+                           axis_name=axis_name) if shuffle else raw
+
+
+def _route(adv, raw, b, batch, shuffle, seed, axis_name):
+    """A'_t = A_t w'_t, w' = raw weights (optionally shuffled) at token mean 1 per
+    trajectory."""
+    raw = _maybe_shuffle(raw, batch, shuffle, seed, axis_name)
+    return apply_token_weights(adv, token_weights(raw, b, level="trajectory"), b)
+
+
+def _scale(adv, w, b):
+    """A'_t = A_t w_t without renormalisation (w per turn [N, K] or per token [R, T])."""
+    if w.shape == b.turn_mask.shape:
+        w = segments.turn_to_token(w, b)
+    return apply_token_weights(adv, w, b)
+
+
+def _with_token(adv, tok, b):
+    tok = jnp.where(b.action_mask, tok, 0.0).astype(jnp.float32)
+    turn = jnp.where(segments.valid_turns(b), segments.token_to_turn(tok, b, "mean"), 0.0)
+    return adv.replace(token=tok, turn=turn)
+
+
+# ----------------------------------------------------------------------------- e3 STAMP
+
+
+def stamp(adv: Advantages, batch: TrajectoryBatch, *, citations: str = "supported_citations",
+          alpha: float = 1.0, shuffle: bool = False, seed: int = 0,
+          axis_name=None) -> Advantages:
+    """STAMP provenance-based step credit (METHODS e3) [X]: STAMP, sign-preserving
+    modulation by supported citations.
+
+    c_k = ``extras[citations]`` [N, K]: the number of supported cited documents whose first
+    exposure was step k (the verifier and the first-exposure attribution run on the host;
+    negative counts are read as 0).
+
+        c~_k = c_k / max(1, sum_k c_k),   m_k = 1 + alpha c~_k,
+        A'_t = A_t m'_k(t),  m' = m at token-weighted mean 1 per trajectory.
+
+    The trajectory mean is kept (P8), so the ranking of trajectory means within a group is
+    that of A_i; m > 0 (P9); no supported citation (or alpha = 0) gives the base exactly
+    (P10).
+    """
+    _check_nonneg("alpha", alpha)
+    b = segments.local_view(batch, axis_name)
+    c = jnp.maximum(_turn_signal(b, citations, "stamp", "supported citations first exposed at "
+                                 "each turn, [N, K]"), 0.0)
+    m = 1.0 + alpha * c / jnp.maximum(1.0, c.sum(axis=1, keepdims=True))
+    return _route(adv, m, b, batch, shuffle, seed, axis_name)
+
+
+# ----------------------------------------------------------------------------- e5 IAPO
+
+
+def influence_degrees(edges, b: TrajectoryBatch, *, num_types: int = 2, dedup: bool = True):
+    """Out- and in-degrees of every turn per edge type from an edge list.
+
+    ``edges`` [N, E, 3] int (src_turn, dst_turn, type); an edge counts when both ends are
+    valid turns of its trajectory and 0 <= type < ``num_types`` (rows of -1 and other types
+    are ignored). With ``dedup`` an edge repeated in one trajectory (same src, dst and type)
+    counts once; without, every copy counts.
+
+    Returns:
+      (outdeg, indeg): float32 [num_types, N, K].
+    """
+    edges = jnp.asarray(edges)
+    n, k = b.num_traj, b.num_turns
+    src, dst, typ = edges[..., 0], edges[..., 1], edges[..., 2]
+    valid = segments.valid_turns(b)
+    rows = jnp.arange(n)[:, None]
+    inside = (src >= 0) & (src < k) & (dst >= 0) & (dst < k) & (typ >= 0) & (typ < num_types)
+    ok = inside & valid[rows, jnp.clip(src, 0, k - 1)] & valid[rows, jnp.clip(dst, 0, k - 1)]
+    if dedup:
+        e = edges.shape[1]
+        same = ((src[:, :, None] == src[:, None, :]) & (dst[:, :, None] == dst[:, None, :])
+                & (typ[:, :, None] == typ[:, None, :]))
+        earlier = jnp.tril(jnp.ones((e, e), bool), -1)  # [e, e']: e' < e
+        ok = ok & ~jnp.any(same & ok[:, None, :] & earlier[None], axis=2)
+    seg_t = jnp.clip(typ, 0, num_types - 1) * (n * k) + rows * k
+    none = num_types * n * k
+    one = ok.astype(jnp.float32).reshape(-1)
+    out = jax.ops.segment_sum(one, jnp.where(ok, seg_t + src, none).reshape(-1), none)
+    inn = jax.ops.segment_sum(one, jnp.where(ok, seg_t + dst, none).reshape(-1), none)
+    return out.reshape(num_types, n, k), inn.reshape(num_types, n, k)
+
+
+def iapo(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges", alpha: float = 1.0,
+         beta: float = 1.0, dedup: bool = True, shuffle: bool = False, seed: int = 0,
+         axis_name=None) -> Advantages:
+    """IAPO, Influence-Aware Policy Optimization (METHODS e5) [X]: routing over a typed
+    influence graph of the trajectory's actions.
+
+    ``extras[edges]`` [N, E, 3] = (src_turn, dst_turn, type) from a parser or judge, type 0 =
+    support-use (dst correctly used information src produced), 1 = failed-use (dst misused
+    it or acted on missing information); other types and -1 rows are ignored.
+
+        A_i > 0:  u_k = 1 + alpha outdeg_support(k) + beta [k is the final action]
+        A_i < 0:  u_k = 1 + alpha outdeg_failed(k) + beta indeg_failed(k)
+        A'_t = A_t u'_k(t),  u' = u at token-weighted mean 1 per trajectory.
+
+    Duplicate edges: with ``dedup=True`` (default) a repeated (src, dst, type) counts once,
+    so the weights are invariant to duplicated edges; ``dedup=False`` counts multiplicity
+    (a judge that repeats an edge means it more). P8, P9; a failed trajectory without edges,
+    and a successful one without edges when beta = 0, gets the base exactly (P10).
+    """
+    _check_nonneg("alpha", alpha)
+    _check_nonneg("beta", beta)
+    b = segments.local_view(batch, axis_name)
+    e = require(b, edges, "iapo", "influence edges [N, E, 3] (src_turn, dst_turn, type)")
+    if e.ndim != 3 or e.shape[0] != b.num_traj or e.shape[2] != 3:
+        raise ValueError(f"iapo: extras['{edges}'] must have shape [N, E, 3] with N = "
+                         f"{b.num_traj}, got {tuple(e.shape)}")
+    out, inn = influence_degrees(jax.lax.stop_gradient(e), b, dedup=dedup)
+    a_i = trajectory_advantage(adv, b)[:, None]
+    final = _last_turn(b).astype(jnp.float32)
+    u_succ = 1.0 + alpha * out[0] + beta * final
+    u_fail = 1.0 + alpha * out[1] + beta * inn[1]
+    u = jnp.where(a_i > 0, u_succ, jnp.where(a_i < 0, u_fail, 1.0))
+    return _route(adv, u, b, batch, shuffle, seed, axis_name)
+
+
+# ----------------------------------------------------------------------------- e7 Self-Credit
+
+
+def citation_rates(cite, success, failure, b: TrajectoryBatch):
+    """Per cited turn, the rates at which the successful / failed rollouts of its group cite
+    the same action key (``b.action_keys``, matched exactly inside the group):
+
+        s_a = #successful rollouts citing a / max(1, #successful in the group)
+        f_a = #failed rollouts citing a / max(1, #failed in the group)
+
+    A rollout citing a in several turns counts once. Args: ``cite`` [N, K] bool,
+    ``success``/``failure`` [N] bool. Returns (s, f) [N, K], 0 on uncited turns.
+    """
+    n, k = b.num_traj, b.num_turns
+    nk = n * k
+    cite = cite & segments.valid_turns(b)
+    ids = segments.turn_key_ids(b, b.action_keys, valid=cite)
+    # one representative turn per (rollout, key): no earlier cited turn of the rollout has it
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [k, k']: k' < k
+    seen = jnp.any((ids[:, :, None] == ids[:, None, :]) & cite[:, None, :] & earlier, axis=2)
+    first = cite & ~seen
+
+    def rate(flag):
+        hits = jax.ops.segment_sum((first & flag[:, None]).astype(jnp.float32).reshape(-1),
+                                   ids.reshape(-1), nk)
+        total = jax.ops.segment_sum((flag & b.traj_mask).astype(jnp.float32), b.group_ids, n)
+        r = hits[jnp.clip(ids, 0, nk - 1)] / jnp.maximum(1.0, total[b.group_ids])[:, None]
+        return jnp.where(cite, r, 0.0)
+
+    return rate(success), rate(failure)
+
+
+def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
+                alpha: float = 1.0, alpha_fail: float = 0.5, w_min: float = 0.1,
+                variant: str = "reweight", shuffle: bool = False, seed: int = 0,
+                axis_name=None) -> Advantages:
+    """Self-Credit, self-generated citations with intra-group rescaling (METHODS e7) [X].
+
+    ``extras[cite]`` [N, K] (> 0.5: the policy's summary cites turn k); cited turns are
+    matched across the rollouts of a group by ``action_keys`` (e.g. the canonical search
+    query), giving s_a, f_a (``citation_rates``). Success means A_i > 0, failure A_i < 0.
+
+        successful rollout, cited turn:  w = 1 + alpha (s_a - f_a)_+
+        failed rollout, cited turn:      w = max(w_min, 1 - alpha_fail s_a)
+        uncited turns (and A_i = 0):     w = 1
+        A'_t = A_t w_k(t)        (variant "reweight", the default: cited turns change)
+        A'_t = A_t w'_k(t)       (variant "conserve": w' at token mean 1 per trajectory)
+
+    P9 (w >= w_min > 0 or w_min = 0); no citation gives the base exactly (P10). Symmetry: a
+    key cited at equal rates by both sides (s_a = f_a) keeps w = 1 in successful rollouts.
+    """
+    _check_nonneg("alpha", alpha)
+    _check_nonneg("alpha_fail", alpha_fail)
+    check_unit("w_min", w_min)
+    check_choice("variant", variant, ("reweight", "conserve"))
+    b = segments.local_view(batch, axis_name)
+    c = _turn_signal(b, cite, "self_credit", "1 where the summary cites turn k, [N, K]") > 0.5
+    a_i = trajectory_advantage(adv, b)
+    succ, fail = a_i > 0, a_i < 0
+    s, f = citation_rates(c, succ, fail, b)
+    w_s = 1.0 + alpha * jnp.maximum(s - f, 0.0)
+    w_f = jnp.maximum(w_min, 1.0 - alpha_fail * s)
+    w = jnp.where(c & succ[:, None], w_s, jnp.where(c & fail[:, None], w_f, 1.0))
+    w = jnp.where(segments.valid_turns(b), w, 0.0)
+    if variant == "conserve":
+        return _route(adv, w, b, batch, shuffle, seed, axis_name)
+    return _scale(adv, _maybe_shuffle(w, batch, shuffle, seed, axis_name), b)
+
+
+# ----------------------------------------------------------------------------- e8 TRIAGE
+
+
+def _roles(b, role, who):
+    r = _turn_signal(b, role, who, "segment role 0=progress 1=exploration 2=infrastructure "
+                     "3=regression, [N, K]")
+    ri = jnp.round(r).astype(jnp.int32)
+    known = segments.valid_turns(b) & (r == ri) & (ri >= 0) & (ri < len(ROLES))
+    return jnp.clip(ri, 0, len(ROLES) - 1), known
+
+
+def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound: float = 0.5,
+           c_progress: float = 1.0, c_exploration: float = 0.5,
+           c_infrastructure: float = 0.0, c_regression: float = -1.0,
+           sign_consistent: bool = False, axis_name=None) -> Advantages:
+    """TRIAGE role-typed credit (METHODS e8) [X]: bounded segment rewards from role labels.
+
+    ``extras[role]`` [N, K] in {0: decisive progress P, 1: useful exploration E, 2:
+    no-progress infrastructure I, 3: regression R} (a structured judge's labels; any other
+    value counts as unlabelled, c = 0).
+
+        A'_t = A_t + bound * c_role(k(t)),   c = (c_progress, c_exploration,
+                                                  c_infrastructure, c_regression)
+
+    defaults c = (+1, +1/2, 0, -1) (the paper's (+b, +b/2, 0, -b)), each in [-1, 1], so
+    |A' - A| <= bound (P17). ``sign_consistent=True`` keeps the verifier's direction: A' is
+    clipped to [0, inf) when A_i > 0 and to (-inf, 0] when A_i < 0 (and set to 0 when
+    A_i = 0), so no step of a successful trajectory turns negative nor of a failed one
+    positive (P9). All-infrastructure labels give the base exactly (P10). The data-driven
+    constants are ``triage_constants``.
+    """
+    _check_nonneg("bound", bound)
+    for name, v in (("c_progress", c_progress), ("c_exploration", c_exploration),
+                    ("c_infrastructure", c_infrastructure), ("c_regression", c_regression)):
+        _check_range(name, v, -1.0, 1.0)
+    b = segments.local_view(batch, axis_name)
+    r, known = _roles(b, role, "triage")
+    consts = jnp.asarray([c_progress, c_exploration, c_infrastructure, c_regression],
+                         jnp.float32)
+    bonus = jnp.where(known, bound * consts[r], 0.0)
+    tok = adv.token + segments.turn_to_token(bonus, b)
+    if sign_consistent:
+        a_i = segments.traj_to_token(trajectory_advantage(adv, b), b)
+        tok = jnp.where(a_i > 0, jnp.maximum(tok, 0.0), jnp.where(a_i < 0,
+                                                                  jnp.minimum(tok, 0.0), 0.0))
+    return _with_token(adv, tok, b)
+
+
+def triage_constants(target, base, batch: TrajectoryBatch, *, role: str = "role",
+                     axis_name=None):
+    """TRIAGE's data-driven constants (METHODS e8, the projection form) [X].
+
+        c_rho = mean over valid turns with role rho of (A*_k - A_k)
+
+    with ``target`` A* [N, K] a better per-segment estimate (e.g. a GiGPO step advantage)
+    and ``base`` [N, K] the base per-turn advantage (A_i for a trajectory-level base). This
+    is the least-squares minimiser of sum_k (A*_k - A_k - c_role(k))^2 (the conditional
+    mean of the residual given the role); a role with no segment gets 0. Each segment
+    counts once (not by tokens). Batch-wide: sums are ``psum``-ed over ``axis_name``.
+
+    Returns:
+      [4] float32, the constants in ``ROLES`` order, in advantage units (pass
+      c / bound to ``triage`` as the c_* hyper-parameters).
+    """
+    b = segments.local_view(batch, axis_name)
+    r, known = _roles(b, role, "triage_constants")
+    resid = jax.lax.stop_gradient(jnp.asarray(target, jnp.float32) - jnp.asarray(base,
+                                                                               jnp.float32))
+    onehot = (r[..., None] == jnp.arange(len(ROLES))) & known[..., None]
+    num = segments.psum(jnp.sum(jnp.where(onehot, resid[..., None], 0.0), axis=(0, 1)),
+                        axis_name)
+    cnt = segments.psum(jnp.sum(onehot.astype(jnp.float32), axis=(0, 1)), axis_name)
+    return jnp.where(cnt > 0, num / jnp.maximum(cnt, 1.0), 0.0)
+
+
+# ----------------------------------------------------------------------------- e14, e15, e16
+
+
+def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance",
+         alpha: float = 1.0, shuffle: bool = False, seed: int = 0,
+         axis_name=None) -> Advantages:
+    """SERL selective environment-reweighted learning (METHODS e14) [S]: the task reward sets
+    the direction, environment feedback the placement.
+
+    ``extras[relevance]`` [N, K] or [R, T] >= 0 (e.g. an error right after the action, or
+    the divergence from a reference trajectory):
+
+        w = max(0, 1 + alpha relevance),  A'_t = A_t w'_t,  w' at token mean 1 per trajectory.
+
+    P8, P9; constant relevance or alpha = 0 gives the base exactly (P10).
+    """
+    _check_nonneg("alpha", alpha)
+    b = segments.local_view(batch, axis_name)
+    rel = _turn_signal(b, relevance, "serl", "environment relevance per turn [N, K] or per "
+                       "token [R, T]", token_ok=True)
+    return _route(adv, jnp.maximum(0.0, 1.0 + alpha * rel), b, batch, shuffle, seed,
+                  axis_name)
+
+
+def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
+         complete: str | None = "trace_complete", alpha: float = 1.0, shuffle: bool = False,
+         seed: int = 0, axis_name=None) -> Advantages:
+    """VICT, Verifier-Instrumented Credit Tracing (METHODS e15) [X].
+
+    ``extras[atoms]`` [N, K]: the number of verifier atoms traced to turn k along
+    dependency-valid proof edges (the tracing runs on the host); ``extras[complete]`` [N]:
+    1 when the trace is complete and unambiguous, 0 to abstain (``complete=None``: every
+    trace counts as complete).
+
+        complete:  w_k = 1 + alpha #atoms_k,  A'_t = A_t w'_k(t)  (w' at token mean 1)
+        abstain:   A' = A (uniform credit, the base bit for bit)
+
+    P8, P9, P10 (abstain, no atoms or alpha = 0 give the base exactly).
+    """
+    _check_nonneg("alpha", alpha)
+    b = segments.local_view(batch, axis_name)
+    n_atoms = jnp.maximum(_turn_signal(b, atoms, "vict", "verifier atoms traced to each turn, "
+                                       "[N, K]"), 0.0)
+    if complete is None:
+        ok = jnp.ones((b.num_traj,), bool)
+    else:
+        ok = _traj_signal(batch, axis_name, complete, "vict",
+                          "1 = complete trace, 0 = abstain, per trajectory") > 0.5
+    w = jnp.where(ok[:, None], 1.0 + alpha * n_atoms, 1.0)
+    return _route(adv, w, b, batch, shuffle, seed, axis_name)
+
+
+def echo(adv: Advantages, batch: TrajectoryBatch, *, selected: str = "selected",
+         eta: float = 1.0, renormalize: bool = False, shuffle: bool = False, seed: int = 0,
+         axis_name=None) -> Advantages:
+    """ECHO source-indexed credit routing (METHODS e16) [X].
+
+    ``extras[selected]`` [N, K] (> 0.5: turn k is a memory source selected into the rebuilt
+    context, or a selection action, of a successful answer).
+
+        A_i > 0:  w_k = 1 + eta [k selected];  A_i <= 0: w_k = 1
+        A'_t = A_t w_k(t)   (``renormalize=True``: w at token mean 1 per trajectory)
+
+    P9; failed trajectories are unchanged bit for bit.
+    """
+    _check_nonneg("eta", eta)
+    b = segments.local_view(batch, axis_name)
+    sel = _turn_signal(b, selected, "echo", "1 where turn k is a selected source, [N, K]") > 0.5
+    pos = trajectory_advantage(adv, b)[:, None] > 0
+    w = jnp.where(segments.valid_turns(b), jnp.where(pos & sel, 1.0 + eta, 1.0), 0.0)
+    if renormalize:
+        return _route(adv, w, b, batch, shuffle, seed, axis_name)
+    return _scale(adv, _maybe_shuffle(w, batch, shuffle, seed, axis_name), b)
+
+
+# ----------------------------------------------------------------------------- e17 SkillGate
+
+
+def skillgate(adv: Advantages, batch: TrajectoryBatch, *, skill_mask: str = "skill_mask",
+              read_correct: str = "read_correct", normalize: str = "group",
+              eps: float = 1e-6, axis_name=None) -> Advantages:
+    """SkillGate, two disjoint credit channels (METHODS e17) [S].
+
+    ``extras[skill_mask]`` [R, T] (true on the skill-naming tokens), ``extras[read_correct]``
+    [N] (+1 a single read of the correct skill, -1 a wrong read, 0 multiple or no reads).
+
+        A'_t = A_t [t execution token] + a_sel(i) [t skill-naming token]
+
+    the execution tokens being action tokens outside the skill mask. a_sel =
+    ``normalize="group"``: (x_i - mean_g x) / (std_g x + eps) over the group (unbiased std;
+    0 for a singleton); ``"raw"``: read_correct itself. The two token sets are disjoint: the
+    outcome never touches a skill token and a_sel never an execution token.
+    """
+    check_choice("normalize", normalize, ("group", "raw"))
+    _check_eps(eps)
+    b = segments.local_view(batch, axis_name)
+    mask = require(b, skill_mask, "skillgate", "skill-naming token mask [R, T]")
+    if tuple(mask.shape) != b.tokens.shape:
+        raise ValueError(f"skillgate: extras['{skill_mask}'] must have shape [R, T] = "
+                         f"{b.tokens.shape}, got {tuple(mask.shape)}")
+    skill = b.action_mask & (jnp.asarray(mask) > 0.5 if mask.dtype != bool else mask)
+    x = _traj_signal(batch, axis_name, read_correct, "skillgate",
+                     "+1 correct single read, -1 wrong, 0 none/multiple")
+    if normalize == "group":
+        mean, std, cnt = segments.group_stats(x, b.group_ids, b.traj_mask)
+        x = jnp.where(cnt > 1, (x - mean) / (std + eps), 0.0)
+    tok = jnp.where(skill, segments.traj_to_token(x, b), jnp.where(b.action_mask, adv.token,
+                                                                   0.0))
+    return _with_token(adv, tok, b)
+
+
+def skillgate_channels(batch: TrajectoryBatch, *, skill_mask: str = "skill_mask"):
+    """The two token channels of ``skillgate``: (execution [R, T], skill [R, T]) bool,
+    disjoint, their union the action mask."""
+    mask = require(batch, skill_mask, "skillgate", "skill-naming token mask [R, T]")
+    skill = batch.action_mask & (jnp.asarray(mask) > 0.5 if mask.dtype != bool else mask)
+    return batch.action_mask & ~skill, skill
+
+
+# ----------------------------------------------------------------------------- e18 ProAS
+
+
+def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasonable",
+          deviation: str = "deviation", alpha: float = 1.0, beta: float = 0.5,
+          shuffle: bool = False, seed: int = 0, axis_name=None) -> Advantages:
+    """ProAS progress-aware advantage shaping with an Agentic Reference Graph (METHODS e18)
+    [X]. The reference-graph verdicts are host-side labels: ``extras[reasonable]`` [N, K]
+    (> 0.5: the transition lies on a reasonable reference path) and ``extras[deviation]``
+    [N, K] >= 0 (downstream deviations caused by the action; > 0 marks a deviating action).
+
+        MUI (A_i > 0):  A'_t = A_t [reasonable_k(t)]     (unreasonable actions get 0)
+        APR (A_i < 0):  w_k = 1 + alpha dev_k (deviating), 1 - beta (reasonable, not
+                        deviating), 1 (otherwise);  A'_t = A_t w'_k(t), w' at token mean 1
+        A_i = 0: unchanged.
+
+    MUI only removes positive mass; APR keeps the trajectory's mass (P8) and signs (P9,
+    beta <= 1). ``shuffle`` permutes the APR weights.
+    """
+    _check_nonneg("alpha", alpha)
+    check_unit("beta", beta)
+    b = segments.local_view(batch, axis_name)
+    ok = _turn_signal(b, reasonable, "proas", "1 where the action is reasonable, [N, K]") > 0.5
+    dev = jnp.maximum(_turn_signal(b, deviation, "proas", "downstream deviations of each "
+                                   "action, [N, K]"), 0.0)
+    a_i = trajectory_advantage(adv, b)
+    fail = a_i < 0
+    apr = jnp.where(dev > 0, 1.0 + alpha * dev, jnp.where(ok, 1.0 - beta, 1.0))
+    apr = jnp.where(fail[:, None], apr, 1.0)
+    apr = _maybe_shuffle(apr, batch, shuffle, seed, axis_name)
+    w = token_weights(apr, b, level="trajectory")
+    mui = segments.turn_to_token(ok.astype(jnp.float32), b)
+    w = jnp.where(segments.traj_to_token(a_i, b) > 0, mui, w)
+    return apply_token_weights(adv, w, b)
+
+
+# ----------------------------------------------------------------------------- e22 Neos, GGPO
+
+
+def neos(adv: Advantages, batch: TrajectoryBatch, *, divergence: str = "divergence_step",
+         after: str = "keep", axis_name=None) -> Advantages:
+    """Neos reference-guided credit (METHODS e22) [X]. ``extras[divergence]`` [N]: the first
+    critical divergence step of a failed search from an aligned verified successful
+    trajectory of the same task (the alignment runs on the host); < 0 (or past the last
+    turn) when there is none.
+
+    For a failed trajectory (A_i < 0) with a divergence step d:
+        k < d:  A'_k = max(A_i, 0) = 0    (the shared prefix is not blamed)
+        k = d:  A'_k = A_k                (the divergence step takes the full penalty)
+        k > d:  A'_k = A_k (``after="keep"``) or 0 (``after="zero"``)
+    Successful trajectories and failed ones without a divergence are unchanged. Only zeroes
+    entries, so signs are kept (P9).
+    """
+    check_choice("after", after, ("keep", "zero"))
+    b = segments.local_view(batch, axis_name)
+    d = _traj_signal(batch, axis_name, divergence, "neos",
+                     "first divergence step per trajectory, -1 for none")
+    d = jnp.round(d).astype(jnp.int32)[:, None]
+    k = jnp.arange(b.num_turns)[None, :]
+    n_turns = segments.valid_turns(b).sum(axis=1, keepdims=True)
+    active = (trajectory_advantage(adv, b)[:, None] < 0) & (d >= 0) & (d < n_turns)
+    keep = jnp.where(k < d, 0.0, jnp.where(k == d, 1.0, 1.0 if after == "keep" else 0.0))
+    w = jnp.where(active, keep, 1.0)
+    return _scale(adv, w, b)
+
+
+def ggpo(adv: Advantages, batch: TrajectoryBatch, *, redundant: str = "redundant",
+         axis_name=None) -> Advantages:
+    """VimRAG graph-guided policy optimization's pruning rule (METHODS e22) [X].
+    ``extras[redundant]`` [N, K] or [R, T] (> 0.5: the memory-graph node of the turn or
+    token was pruned as redundant):
+
+        A'_t = min(A_t, 0) on redundant tokens, A_t elsewhere
+
+    (no positive credit for redundant steps; penalties are kept). P9.
+    """
+    b = segments.local_view(batch, axis_name)
+    red = _turn_signal(b, redundant, "ggpo", "1 on pruned redundant turns [N, K] or tokens "
+                       "[R, T]", token_ok=True) > 0.5
+    if red.shape == b.turn_mask.shape:
+        red = segments.turn_to_token(red, b)
+    return _with_token(adv, jnp.where(red, jnp.minimum(adv.token, 0.0), adv.token), b)
+
+
+# ----------------------------------------------------------------------------- e23 multi-agent
+
+
+def _agents(b, agent, num_agents, who):
+    a = _turn_signal(b, agent, who, "acting agent id per turn, [N, K]")
+    ai = jnp.round(a).astype(jnp.int32)
+    known = segments.valid_turns(b) & (ai >= 0) & (ai < num_agents)
+    return jnp.clip(ai, 0, num_agents - 1), known
+
+
+def per_agent_group_advantage(rewards, agent_ids, known, b: TrajectoryBatch, *,
+                              eps: float = 1e-6, ddof: int = 1):
+    """GRPO per (group, agent): per-turn advantages [N, K] from role rewards R [N, A].
+
+    Trajectory i enters the statistics of (g(i), a) when agent a acts in one of its valid
+    turns; Ahat_{i,a} = (R_{i,a} - mean) / (std + eps) over those (unbiased std by default;
+    0 for a singleton). Turn k gets Ahat_{i, agent(k)}; turns of unknown agents get 0.
+    """
+    n, na = rewards.shape
+    onehot = (agent_ids[..., None] == jnp.arange(na)) & known[..., None]  # [N, K, A]
+    present = jnp.any(onehot, axis=1) & b.traj_mask[:, None]
+    ids = b.group_ids[:, None] * na + jnp.arange(na)[None, :]
+    mean, std, cnt = segments.segment_stats(rewards.reshape(-1), ids.reshape(-1),
+                                            present.reshape(-1), n * na, ddof)
+    safe = jnp.clip(ids, 0, n * na - 1)
+    mean, std, cnt = mean[safe], std[safe], cnt[safe]
+    a = jnp.where(present & (cnt > 1), (rewards - mean) / (std + eps), 0.0)
+    turn = jnp.where(known, jnp.take_along_axis(a, agent_ids, axis=1), 0.0)
+    return turn
+
+
+def _agent_advantages(turn, b):
+    return Advantages(token=segments.turn_to_token(turn, b), turn=turn)
+
+
+def ccpo(batch: TrajectoryBatch, *, agent: str = "agent",
+         counterfactual: str = "counterfactual_outcome", lam: float = 1.0, eps: float = 1e-6,
+         ddof: int = 1, axis_name=None) -> Advantages:
+    """CCPO counterfactual credit for multi-agent teams (METHODS e23) [X]; an estimator.
+
+    ``extras[agent]`` [N, K]: the agent acting at turn k (0..A-1); ``extras[counterfactual]``
+    [N, A]: R(team without agent a), from re-executing the pipeline without it (or with a
+    null output) on the host; R = ``outcome``.
+
+        c_a = R - R_without_a,   R_a = R + lam c_a,
+        A_{i,k} = GRPO of R_{., agent(k)} within (group, agent)  (``per_agent_group_advantage``)
+
+    An agent whose removal leaves R unchanged gets c_a = 0 (R_a = R); lam = 0 gives GRPO of
+    R within each (group, agent).
+    """
+    _check_eps(eps)
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof}")
+    b = segments.local_view(batch, axis_name)
+    without = _traj_signal(batch, axis_name, counterfactual, "ccpo",
+                           "team outcome without agent a, [N, A]", vector=True)
+    r = jax.lax.stop_gradient(b.outcome)[:, None]
+    ra = r + lam * (r - without)
+    ag, known = _agents(b, agent, without.shape[1], "ccpo")
+    return _agent_advantages(per_agent_group_advantage(ra, ag, known, b, eps=eps, ddof=ddof), b)
+
+
+def _shapley_matrix(n: int) -> np.ndarray:
+    """W [2^n, n] with phi = v @ W: W[S, a] = w(|S| - 1) if a in S else -w(|S|), where
+    w(s) = s! (n - s - 1)! / n!."""
+    w = [math.factorial(s) * math.factorial(n - s - 1) / math.factorial(n) for s in range(n)]
+    m = np.zeros((2 ** n, n), np.float64)
+    for s in range(2 ** n):
+        size = bin(s).count("1")
+        for a in range(n):
+            m[s, a] = w[size - 1] if s >> a & 1 else -w[size]
+    return m
+
+
+def shapley_values(v):
+    """Exact Shapley values from coalition values, [..., 2^n] -> [..., n].
+
+    v[..., S] is the value of the coalition whose members are the set bits of S (bit a =
+    agent a; v[..., 0] the empty coalition).
+
+        phi_a = sum_{S subset N \\ a} |S|! (n - |S| - 1)! / n! [v(S u a) - v(S)]
+
+    Efficiency sum_a phi_a = v(N) - v(empty); symmetric agents get equal values; a null
+    player gets 0. Cost O(2^n n) (n <= 16).
+    """
+    v = jnp.asarray(v, jnp.float32)
+    d = v.shape[-1]
+    n = d.bit_length() - 1
+    if d < 2 or 2 ** n != d or n > 16:
+        raise ValueError(f"coalition values need 2^n entries (1 <= n <= 16) on the last "
+                         f"axis, got {d}")
+    w = jnp.asarray(_shapley_matrix(n), jnp.float32)
+    return jnp.einsum("...s,sa->...a", v, w, precision=jax.lax.Precision.HIGHEST)
+
+
+def sharp(batch: TrajectoryBatch, *, agent: str = "agent",
+          coalition_values: str = "coalition_values", beta: float = 1.0,
+          tool_rewards: str | None = None, delta: float = 0.0, eps: float = 1e-6,
+          ddof: int = 1, axis_name=None) -> Advantages:
+    """SHARP Shapley credit for multi-agent teams (METHODS e23) [X]; an estimator.
+
+    ``extras[agent]`` [N, K] (acting agent per turn, 0..n-1); ``extras[coalition_values]``
+    [N, 2^n] (v(S) per coalition bitmask S, from re-executions on the host);
+    ``extras[tool_rewards]`` [N, n] optional per-agent tool rewards; R_global = ``outcome``.
+
+        R_a = R_global + beta phi_a + delta r_tool,a,   phi = ``shapley_values(v)``
+        A_{i,k} = GRPO of R_{., agent(k)} within (group, agent)  (advantages per agent)
+
+    beta = delta = 0 gives GRPO of R within each (group, agent).
+    """
+    _check_eps(eps)
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof}")
+    b = segments.local_view(batch, axis_name)
+    v = _traj_signal(batch, axis_name, coalition_values, "sharp",
+                     "coalition values v(S) per bitmask S, [N, 2^n]", vector=True)
+    phi = shapley_values(v)
+    ra = jax.lax.stop_gradient(b.outcome)[:, None] + beta * phi
+    if tool_rewards is not None:
+        tool = _traj_signal(batch, axis_name, tool_rewards, "sharp",
+                            "per-agent tool rewards, [N, n]", vector=True)
+        if tool.shape != phi.shape:
+            raise ValueError(f"sharp: extras['{tool_rewards}'] must have shape {phi.shape} "
+                             f"(one entry per agent), got {tool.shape}")
+        ra = ra + delta * tool
+    ag, known = _agents(b, agent, phi.shape[1], "sharp")
+    return _agent_advantages(per_agent_group_advantage(ra, ag, known, b, eps=eps, ddof=ddof), b)
+
+
+def grse_credit(batch: TrajectoryBatch, *, active: str = "pair_active", axis_name=None):
+    """GRSE (agent, skill) pair credit (METHODS e23) [X]; a function, no weight update.
+
+    ``extras[active]`` [N, P] (> 0.5: pair p was active in the execution); over the repeated
+    executions of one question (a group):
+
+        credit_{g,p} = mean_{i in g: p active} R_i - mean_{i in g: p inactive} R_i
+
+    (0 when either side is empty). Returns [N, P], each trajectory's group credit.
+    """
+    b = segments.local_view(batch, axis_name)
+    act = _traj_signal(batch, axis_name, active, "grse_credit",
+                       "1 where the (agent, skill) pair was active, [N, P]", vector=True) > 0.5
+    n, p = act.shape
+    r = jax.lax.stop_gradient(b.outcome)[:, None]
+    ok = b.traj_mask[:, None]
+
+    def group_mean(sel):
+        ids = (b.group_ids[:, None] * p + jnp.arange(p)[None, :]).reshape(-1)
+        s = jax.ops.segment_sum(jnp.where(sel, r, 0.0).reshape(-1), ids, n * p)
+        c = jax.ops.segment_sum(sel.astype(jnp.float32).reshape(-1), ids, n * p)
+        safe = ids.reshape(n, p)
+        return s[safe] / jnp.maximum(c[safe], 1.0), c[safe]
+
+    on, c_on = group_mean(act & ok)
+    off, c_off = group_mean(~act & ok)
+    return jnp.where(ok & (c_on > 0) & (c_off > 0), on - off, 0.0)
+
+
+# Registered by jaxrl_agent.estimators (kind: name -> function).
+ESTIMATORS = {"ccpo": ccpo, "sharp": sharp}
+TRANSFORMS = {
+    "stamp": stamp, "iapo": iapo, "self_credit": self_credit, "triage": triage, "serl": serl,
+    "vict": vict, "echo": echo, "skillgate": skillgate, "proas": proas, "neos": neos,
+    "ggpo": ggpo,
+}

@@ -1,0 +1,907 @@
+"""Family (f): on-policy (self-)distillation, as advantages and as auxiliary losses.
+
+Notation (per action token t): lp_S = the student's current log-prob of the sampled token
+(``logprobs``, the only input that carries gradient), lp_old = behaviour log-probs
+(``batch.old_logprobs``), lp_T = teacher log-probs of the *same sampled tokens* under a
+privileged context (hindsight, skill, experience, feedback, answer, ...). The teacher is run
+outside this library: every function here consumes its log-probs as arrays, read from
+``batch.extras`` under a field name given as a hyper-parameter (default ``teacher_logprobs``,
+[R, T]) or passed explicitly (``teacher_logprobs=``). The special field name ``"old_logprobs"``
+means ``batch.old_logprobs``, ``"outcome"`` means ``batch.outcome``. Per-turn / per-trajectory
+signals (weights, gaps, gates) may be given as [R, T], [N, K] or [N] arrays.
+
+Every teacher, behaviour, reward and weight input is wrapped in ``jax.lax.stop_gradient``
+(P15); padding is selected away (``jnp.where``) before any arithmetic, so NaN or inf in padded
+entries changes nothing, neither the value nor the gradient (P5).
+
+Three kinds of functions (the lead registers them):
+
+* estimators ``f(batch, *, hp, axis_name=None) -> Advantages``: ``opd`` (f1), ``credit`` (f11);
+* transforms ``f(adv, batch, *, hp, axis_name=None) -> Advantages``: ``seed`` (f7, the dense
+  add-on A_t += lam (lp_T - lp_S,ctx)) and ``cny`` (f10, the same on a token mask);
+* losses ``f(logprobs, batch, *, hp, agg="token_mean", agg_constant=None, axis_name=None)
+  -> (sum, denominator)`` aggregated by ``aggregation.aggregate`` (add the pairs over
+  micro-batches and devices, divide once): ``sdl`` (f2), ``sdar`` (f3), ``edge`` (f4),
+  ``ucob`` (f5), ``icsd`` (f6), ``craft`` (f8), ``treeopsd`` (f9), ``t_reg`` (f12),
+  ``weighted_sft`` (f13: ASPO / InT / ABC-SFT).
+
+Status (METHODS.md): P = follows a public implementation (the file is named), X = our proposed
+definition of a formula the paper gives only in words (marked [X] with the paper).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_agent import segments
+from jaxrl_agent.batch import Advantages, TrajectoryBatch
+from jaxrl_agent.losses.aggregation import aggregate, check_mode
+from jaxrl_agent.losses.kl import kl_k3
+
+sg = jax.lax.stop_gradient
+LOG_CLAMP = 20.0
+SDAR_GATES = ("sigmoid", "none", "external")
+UCOB_GATES = ("sigmoid", "none")
+ICSD_TRUST = ("sdar", "sdl")
+CRAFT_LEVELS = ("group", "step")
+CRAFT_CREDIT = ("sign", "scaled")
+CREDIT_LEVELS = ("token", "sequence")
+CREDIT_VARIANTS = ("logmeanexp", "mean")
+
+
+# ----------------------------------------------------------------------------- checks
+# (local copies of estimators._checks: importing jaxrl_agent.estimators from here would be
+# circular, since the estimator registry imports this module)
+
+
+def _static_real(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_positive(name, value):
+    if _static_real(value) and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _check_nonneg(name, value):
+    if _static_real(value) and not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _check_unit(name, value):
+    if _static_real(value) and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must lie in [0, 1], got {value}")
+
+
+def _check_optional_positive(name, value):
+    if value is not None:
+        _check_positive(name, value)
+
+
+def _require(batch, field, who, what):
+    if field not in batch.extras:
+        have = sorted(batch.extras) or "none"
+        raise ValueError(f"{who} needs extras['{field}'] ({what}); the batch has extras: {have}")
+    return batch.extras[field]
+
+
+# ----------------------------------------------------------------------------- batch fields
+
+
+def _shape_error(who, name, what, shape, got):
+    return ValueError(f"{who}: {name} must have shape {what} = {shape}, got {tuple(got)}")
+
+
+def token_field(batch: TrajectoryBatch, name: str, who: str, *, override=None,
+                what: str = "log-probs of the sampled tokens"):
+    """A per-token float array [R, T], 0 outside ``action_mask``, NOT stop-gradient.
+
+    ``override`` (an array) wins over the field; ``name == "old_logprobs"`` reads
+    ``batch.old_logprobs``; otherwise ``batch.extras[name]`` (ValueError naming the field).
+    """
+    if override is not None:
+        x, label = override, f"the array given for {name!r}"
+    elif name == "old_logprobs":
+        x, label = batch.old_logprobs, "old_logprobs"
+    else:
+        x, label = _require(batch, name, who, f"[R, T] {what}"), f"extras['{name}']"
+    shape = tuple(batch.action_mask.shape)
+    if tuple(jnp.shape(x)) != shape:
+        raise _shape_error(who, label, "[R, T]", shape, jnp.shape(x))
+    return jnp.where(batch.action_mask, jnp.asarray(x, jnp.float32), 0.0)
+
+
+def spread_field(batch: TrajectoryBatch, name: str, who: str, what: str, *, override=None):
+    """A per-token view [R, T] of a signal given per token [R, T], per turn [N, K] (each token
+    of turn k gets the turn's value) or per trajectory [N]; 0 outside ``action_mask``.
+    ``name == "outcome"`` reads ``batch.outcome``. ``batch`` must be block-local."""
+    if override is not None:
+        x = override
+    elif name == "outcome":
+        x = batch.outcome
+    elif name == "old_logprobs":
+        x = batch.old_logprobs
+    else:
+        x = _require(batch, name, who, f"{what}: [R, T], [N, K] or [N]")
+    x = jnp.asarray(x)
+    shape = tuple(x.shape)
+    m = batch.action_mask
+    if shape == tuple(m.shape):
+        return jnp.where(m, x.astype(jnp.float32), 0.0)
+    if shape == tuple(batch.turn_mask.shape):
+        x = jnp.where(batch.turn_mask, x.astype(jnp.float32), 0.0)
+        return segments.turn_to_token(x, batch)
+    if shape == (batch.num_traj,):
+        x = jnp.where(batch.traj_mask, x.astype(jnp.float32), 0.0)
+        return segments.traj_to_token(x, batch)
+    raise ValueError(f"{who}: {name!r} ({what}) must have shape [R, T] = {tuple(m.shape)}, "
+                     f"[N, K] = {tuple(batch.turn_mask.shape)} or [N] = ({batch.num_traj},), "
+                     f"got {shape}")
+
+
+def token_mask(batch: TrajectoryBatch, name, who: str, what: str = "token mask"):
+    """``action_mask`` restricted by a per-token mask field (bool, or > 0.5 if float); the
+    whole ``action_mask`` when ``name`` is None."""
+    m = batch.action_mask
+    if name is None:
+        return m
+    x = jnp.asarray(_require(batch, name, who, f"[R, T] {what}"))
+    if tuple(x.shape) != tuple(m.shape):
+        raise _shape_error(who, f"extras['{name}']", "[R, T]", tuple(m.shape), x.shape)
+    on = x if x.dtype == jnp.bool_ else (jnp.where(m, x, 0.0) > 0.5)
+    return m & on
+
+
+def _turn_mean(tok, b):
+    """Token mean of a per-token array over every valid turn, [N, K]."""
+    return jnp.where(segments.valid_turns(b), segments.token_to_turn(tok, b, "mean"), 0.0)
+
+
+def _student(logprobs, batch: TrajectoryBatch, who: str):
+    """The differentiable student log-probs, 0 (with zero gradient) outside ``action_mask``."""
+    shape = tuple(batch.action_mask.shape)
+    if tuple(jnp.shape(logprobs)) != shape:
+        raise _shape_error(who, "logprobs", "[R, T]", shape, jnp.shape(logprobs))
+    return jnp.where(batch.action_mask, jnp.asarray(logprobs, jnp.float32), 0.0)
+
+
+def _advantage_tokens(b, advantages, field, who):
+    """Stop-gradient per-token advantages [R, T]: ``advantages`` (an array or anything with a
+    ``.token``) or ``extras[field]`` ([R, T], [N, K] or [N])."""
+    if advantages is not None:
+        a = getattr(advantages, "token", advantages)
+        shape = tuple(b.action_mask.shape)
+        if tuple(jnp.shape(a)) != shape:
+            raise _shape_error(who, "advantages", "[R, T]", shape, jnp.shape(a))
+        return sg(jnp.where(b.action_mask, jnp.asarray(a, jnp.float32), 0.0))
+    return sg(spread_field(b, field, who, "advantages / credit (or pass advantages=)"))
+
+
+def _clip_signal(x, clip):
+    return x if clip is None else jnp.clip(x, -clip, clip)
+
+
+def _finish(per_token, batch, agg, agg_constant, axis_name, mask=None):
+    """Aggregates over ``action_mask`` (or ``mask``) of the caller's batch (NOT the
+    local view: ``aggregate`` localises ``row_traj`` itself)."""
+    if mask is not None:
+        batch = batch.replace(action_mask=mask)
+    return aggregate(per_token, batch, agg, constant=agg_constant, axis_name=axis_name)
+
+
+# ============================================================================= f1, f7, f10
+
+
+def opd(batch: TrajectoryBatch, *, beta: float = 1.0, teacher: str = "teacher_logprobs",
+        behavior: str = "old_logprobs", mask=None, clip=None, axis_name=None) -> Advantages:
+    """On-policy distillation as an advantage (f1): A_t = beta (lp_T(y_t) - lp_old(y_t)).
+
+    The per-token negative reverse-KL sample -beta (lp_old - lp_T): no group baseline, no
+    whitening, no discount. Fed to a PG/PPO loss it is the standard on-policy estimator of
+    -grad KL(pi_theta || pi_T). Status P: NVIDIA-NeMo/labs-molt ``on_policy_distill`` (advantage
+    form; also Thinking Machines' on-policy distillation recipe).
+
+    Args:
+      teacher: extras field of lp_T [R, T] (teacher log-probs of the sampled tokens).
+      behavior: field of lp_old (default ``batch.old_logprobs``).
+      mask: optional extras field of a token mask [R, T]: A = 0 off it.
+      clip: optional bound on |lp_T - lp_old| (a sharp teacher can otherwise put a huge
+        advantage on one token).
+
+    Returns:
+      ``Advantages`` with ``token`` [R, T] and ``turn`` = the token mean per turn.
+      Teacher = behaviour gives A = 0; linear in beta (without ``clip``).
+    """
+    _check_nonneg("beta", beta)
+    _check_optional_positive("clip", clip)
+    b = segments.local_view(batch, axis_name)
+    lt = sg(token_field(b, teacher, "opd"))
+    lb = sg(token_field(b, behavior, "opd"))
+    on = token_mask(b, mask, "opd")
+    tok = jnp.where(on, beta * _clip_signal(lt - lb, clip), 0.0)
+    return Advantages(token=tok, turn=_turn_mean(tok, b))
+
+
+def _dense_addon(adv: Advantages, batch, who, lam, teacher, student, mask, clip, axis_name):
+    _check_nonneg("lam", lam)
+    _check_optional_positive("clip", clip)
+    b = segments.local_view(batch, axis_name)
+    lt = sg(token_field(b, teacher, who))
+    ls = sg(token_field(b, student, who))
+    on = token_mask(b, mask, who)
+    base = jnp.where(b.action_mask, jnp.asarray(adv.token, jnp.float32), 0.0)
+    tok = jnp.where(on, base + lam * _clip_signal(lt - ls, clip), base)
+    return adv.replace(token=tok, turn=_turn_mean(tok, b))
+
+
+def seed(adv: Advantages, batch: TrajectoryBatch, *, lam: float = 1.0,
+         teacher: str = "teacher_logprobs", student: str = "old_logprobs", mask=None, clip=None,
+         axis_name=None) -> Advantages:
+    """SEED hindsight-skill distillation as a dense advantage add-on (f7; S, Status S):
+
+        A_t = A_base,t + lam d_t,   d_t = lp(y_t | x, skill) - lp(y_t | x)
+
+    with lp(. | x, skill) = extras[``teacher``] and lp(. | x) = ``student`` (default the
+    behaviour log-probs). The skill text is produced by the policy itself outside this library;
+    this consumes the two rescorings. ``mask`` restricts the add-on to a token mask; ``clip``
+    bounds |d|. The ``turn`` output becomes the token mean per turn; value targets pass through.
+    Teacher = student context gives A = A_base exactly.
+    """
+    return _dense_addon(adv, batch, "seed", lam, teacher, student, mask, clip, axis_name)
+
+
+def cny(adv: Advantages, batch: TrajectoryBatch, *, lam: float = 1.0,
+        teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+        mask: str = "selection_mask", clip=None, axis_name=None) -> Advantages:
+    """CNY destination-conditioned OPSD for graph-walk actions (f10; Status S): ``seed``'s
+    add-on A_t += lam (lp(a | ctx + revealed) - lp(a | ctx)) on the neighbour-selection tokens
+    only (extras[``mask``] [R, T], required). ``teacher`` holds the log-probs of the chosen
+    action re-scored after the neighbour's content is revealed."""
+    if mask is None:
+        raise ValueError("cny needs mask= (the extras field of the neighbour-selection tokens)")
+    return _dense_addon(adv, batch, "cny", lam, teacher, student, mask, clip, axis_name)
+
+
+# ============================================================================= f2 SDL
+
+
+def sdl_tokens(lp, lt, lold):
+    """Per-token SDL: rho k3 with l = lp - lt, k3 = exp(min(-l, 20)) - 1 + l,
+    rho = exp(min(lp - lold, 10)) (rho keeps its gradient, as in the source)."""
+    ell = lp - lt
+    k3 = jnp.exp(jnp.minimum(-ell, LOG_CLAMP)) - 1.0 + ell
+    rho = jnp.exp(jnp.minimum(lp - lold, 10.0))
+    return rho * k3
+
+
+def sdl(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+        behavior: str = "old_logprobs", teacher_logprobs=None, agg: str = "token_mean",
+        agg_constant=None, axis_name=None):
+    """SDL: reverse-KL self-distillation with an on-policy ratio (f2).
+
+        l = lp_S - lp_T,  k3 = exp(-l) - 1 + l  (-l clamped at 20),
+        rho = exp(min(lp_S - lp_old, 10)),  loss_t = rho k3.
+
+    Status P: TU2021/UCOB ``verl/trainer/ppo/skillsd_utils.py::compute_sdl_loss`` (the trainer
+    scales it by ``sdl_coef`` = 0.1 there). lp_T and lp_old are stop-gradient; rho is not.
+    loss >= 0, and 0 with zero gradient iff lp_S = lp_T on the sampled tokens.
+    """
+    check_mode(agg)
+    b = segments.local_view(batch, axis_name)
+    lp = _student(logprobs, b, "sdl")
+    lt = sg(token_field(b, teacher, "sdl", override=teacher_logprobs))
+    lold = sg(token_field(b, behavior, "sdl"))
+    return _finish(sdl_tokens(lp, lt, lold), batch, agg, agg_constant, axis_name)
+
+
+# ============================================================================= f3 SDAR
+
+
+def _sign_field(b, gate_delta_sign, who):
+    if gate_delta_sign is None:
+        return None
+    if _static_real(gate_delta_sign):
+        return jnp.float32(gate_delta_sign)
+    if isinstance(gate_delta_sign, str):
+        return sg(spread_field(b, gate_delta_sign, who, "gate_delta_sign per sample/turn/token"))
+    raise ValueError(f"gate_delta_sign must be None, a number or an extras field name, got "
+                     f"{gate_delta_sign!r}")
+
+
+def sdar_gate(lp_sg, lt, gate_beta, sign=None):
+    """g = sigmoid(gate_beta * s * (lt - lp)) (detached), s = ``sign`` (default 1)."""
+    delta = lt - lp_sg
+    if sign is not None:
+        delta = delta * sign
+    return sg(jax.nn.sigmoid(gate_beta * delta))
+
+
+def sdar(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+         gate: str = "sigmoid", gate_beta: float = 5.0, gate_field: str = "gate",
+         gate_delta_sign=None, weight=None, teacher_logprobs=None, gate_values=None,
+         agg: str = "token_mean", agg_constant=None, axis_name=None):
+    """SDAR confidence-gated teacher distillation (f3).
+
+        g_t = sigmoid(gate_beta * s (lp_T - sg(lp_S))) (detached),  loss_t = w g_t (lp_T - lp_S)
+
+    so the gradient -w g_t pushes lp_S up where the teacher is more confident. Status P:
+    TU2021/UCOB ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss``.
+
+    Args:
+      gate: ``"sigmoid"`` (above), ``"none"`` (g = 1: plain sampled-token cross-entropy toward
+        the teacher, the source's ``gate_enable=False``), ``"external"`` (g =
+        extras[``gate_field``] per token/turn/trajectory, or the array ``gate_values``, e.g.
+        ADRS's TVA modulation; stop-gradient).
+      gate_delta_sign: None, a number, or an extras field ([N], [N, K] or [R, T]) s that
+        multiplies the gate's delta (UCOB dual-view training flips it); the optimised
+        direction is unchanged.
+      weight: optional extras field of a per-sample / per-turn / per-token weight w.
+
+    Props: g in (0, 1); |d loss_t / d lp_S| = w g_t; lp_S = lp_T gives loss 0 but gradient
+    -w g_t (the gate is 1/2 there): SDAR keeps pulling toward the teacher's sampled tokens.
+    """
+    check_mode(agg)
+    _check_choice("gate", gate, SDAR_GATES)
+    _check_positive("gate_beta", gate_beta)
+    b = segments.local_view(batch, axis_name)
+    lp = _student(logprobs, b, "sdar")
+    lt = sg(token_field(b, teacher, "sdar", override=teacher_logprobs))
+    per_token = lt - lp
+    if gate == "sigmoid":
+        per_token = sdar_gate(sg(lp), lt, gate_beta, _sign_field(b, gate_delta_sign, "sdar")) \
+            * per_token
+    elif gate == "external":
+        per_token = sg(spread_field(b, gate_field, "sdar", "external gate",
+                                    override=gate_values)) * per_token
+    if weight is not None:
+        per_token = sg(spread_field(b, weight, "sdar", "distillation weight")) * per_token
+    return _finish(per_token, batch, agg, agg_constant, axis_name)
+
+
+# ============================================================================= f4 EDGE
+
+
+def edge_admitted(batch: TrajectoryBatch, *, view: str = "view", score: str = "outcome",
+                  above_f_mean: bool = False, axis_name=None):
+    """EDGE's gate per trajectory [N] bool, and the group gain Delta_g per trajectory [N].
+
+    Delta_g = mean_{E in g} R - mean_{F in g} R (0 unless the group has both views); admitted:
+    E-trajectories (view > 0.5) of groups with Delta_g > 0, and with ``above_f_mean`` only
+    those with R_i > mean_F R. Group statistics are local (groups are whole per shard).
+    """
+    b = segments.local_view(batch, axis_name)
+    v = _require(b, view, "edge", "[N] view label per trajectory: 1 = experience-conditioned "
+                 "(E), 0 = experience-free (F)")
+    if tuple(jnp.shape(v)) != (b.num_traj,):
+        raise _shape_error("edge", f"extras['{view}']", "[N]", (b.num_traj,), jnp.shape(v))
+    r = b.outcome if score == "outcome" else _require(b, score, "edge", "[N] trajectory score")
+    if tuple(jnp.shape(r)) != (b.num_traj,):
+        raise _shape_error("edge", f"score {score!r}", "[N]", (b.num_traj,), jnp.shape(r))
+    r = sg(jnp.asarray(r, jnp.float32))
+    is_e = b.traj_mask & (jnp.asarray(v, jnp.float32) > 0.5)
+    is_f = b.traj_mask & ~is_e
+    mean_e, _, n_e = segments.group_stats(r, b.group_ids, is_e)
+    mean_f, _, n_f = segments.group_stats(r, b.group_ids, is_f)
+    both = (n_e > 0) & (n_f > 0)
+    gain = jnp.where(both, mean_e - mean_f, 0.0)
+    admit = is_e & both & (gain > 0)
+    if above_f_mean:
+        admit = admit & (r > mean_f)
+    return admit, jnp.where(b.traj_mask, gain, 0.0)
+
+
+def edge(logprobs, batch: TrajectoryBatch, *, view: str = "view", score: str = "outcome",
+         teacher: str = "old_logprobs", above_f_mean: bool = False, teacher_logprobs=None,
+         agg: str = "token_mean", agg_constant=None, axis_name=None):
+    """EDGE experience distillation for guided exploration (f4). [X] formula of METHODS.md f4
+    (EDGE paper: "experience-distillation for guided exploration"; Status S / X).
+
+    Each group mixes experience-conditioned (E, extras[``view``] = 1) and experience-free (F)
+    rollouts. Delta_g = mean_E R - mean_F R (R = ``score``, default the outcome); only when
+    Delta_g > 0 (``edge_admitted``) are the E-trajectories distilled into the base policy:
+
+        loss_t = k3(lp_S,noexp, lp_T) = exp(lp_T - lp_S) - (lp_T - lp_S) - 1   (``kl_k3``)
+
+    on the tokens the E-rollout sampled ("own empirical support"), with ``logprobs`` =
+    lp_S,noexp, the student's log-probs of the same tokens WITHOUT the experience in context,
+    and the teacher = the experience-conditioned behaviour log-probs (default
+    ``old_logprobs``). Aggregated over the admitted tokens only (mean per distilled token).
+    The RL loss is applied to all trajectories separately. The experience bank is host-side.
+
+    Props: no distillation (0, 0) when no group has Delta_g > 0; loss and gradient 0 when the
+    experience does not change the log-probs (lp_S,noexp = lp_T).
+    """
+    check_mode(agg)
+    b = segments.local_view(batch, axis_name)
+    lp = _student(logprobs, b, "edge")
+    lt = sg(token_field(b, teacher, "edge", override=teacher_logprobs))
+    admit, _ = edge_admitted(batch, view=view, score=score, above_f_mean=above_f_mean,
+                             axis_name=axis_name)
+    on = b.action_mask & admit[jnp.clip(b.row_traj, 0, b.num_traj - 1)][:, None]
+    return _finish(kl_k3(lp, lt), batch, agg, agg_constant, axis_name, mask=on)
+
+
+# ============================================================================= f5 UCOB
+
+
+def ucob(logprobs, batch: TrajectoryBatch, *, other: str = "other_logprobs",
+         gap: str = "return_gap", gate: str = "sigmoid", gate_beta: float = 5.0,
+         other_logprobs=None, agg: str = "token_mean", agg_constant=None, axis_name=None):
+    """UCOB credit-aware bidirectional self-distillation (f5). Status P-partial: the gated
+    term follows TU2021/UCOB ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss`` (target
+    view with gradient, detached reference view); the direction rule (b21) and the |gap|
+    weight are [X] (METHODS.md f5, UCOB paper).
+
+    Two views (prompt contexts) of the same task and anchor state score the same tokens:
+    lp_a = ``logprobs`` (this row's view, differentiable) and lp_b = ``other`` (the other
+    view; extras field, detached, or ``other_logprobs=`` which may carry gradient). The gap
+    d = R_b - R_a (extras[``gap``], [N] or [N, K]: return-to-go of the other view minus this
+    one, b21) picks the direction: the higher-return view is the teacher (detached), the
+    lower one the target, weighted by |d|:
+
+        hi, lo = (b, a) if d > 0 else (a, b)
+        loss_t = |d| g_t (sg(lp_hi) - lp_lo),  g_t = sigmoid(gate_beta (lp_hi - lp_lo)) (sg)
+
+    Props: antisymmetric in the gap: swapping the views and negating d gives the same loss
+    and swaps the gradients (the direction flips with sign(d)); d = 0 gives zero loss and
+    zero gradient. With d < 0 and ``other`` read from extras the token carries value but no
+    gradient (its target view is not differentiable here).
+    """
+    check_mode(agg)
+    _check_choice("gate", gate, UCOB_GATES)
+    _check_positive("gate_beta", gate_beta)
+    b = segments.local_view(batch, axis_name)
+    lp_a = _student(logprobs, b, "ucob")
+    lp_b = token_field(b, other, "ucob", override=other_logprobs)
+    if other_logprobs is None:
+        lp_b = sg(lp_b)
+    d = sg(spread_field(b, gap, "ucob", "return gap R_other - R_self"))
+    up = d > 0  # the other view is the teacher
+    hi = jnp.where(up, sg(lp_b), sg(lp_a))
+    lo = jnp.where(up, lp_a, lp_b)
+    per_token = hi - lo
+    if gate == "sigmoid":
+        per_token = sdar_gate(sg(lo), hi, gate_beta) * per_token
+    per_token = jnp.abs(d) * per_token
+    return _finish(per_token, batch, agg, agg_constant, axis_name)
+
+
+# ============================================================================= f6 ICSD
+
+
+def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
+                 advantage_field: str = "advantages", teacher: str = "teacher_logprobs",
+                 behavior: str = "old_logprobs", trust: str = "sdar", gate_beta: float = 5.0,
+                 w_min: float = 0.5, eps: float = 1e-8, normalize_mass: bool = True,
+                 teacher_logprobs=None, axis_name=None):
+    """ICSD's influence-calibrated weights w [R, T] and trust allocation c [R, T] (detached).
+
+    [X] formula of METHODS.md f6 (ICSD: "Influence Calibration for Self-Distillation"):
+      g_t = lp_T - lp_S;  g_bar_k = token mean of g over turn k (the E_pi[g] term);
+      u_t = rho_t A_t (g_t - g_bar_k(t)),  rho_t = exp(lp_S - lp_old) (1 at the first epoch);
+      w_t = clip(1 + tanh(u_t / (std_batch(u) + eps)), w_min, 2);
+      mass per turn (``normalize_mass``): w_t <- w_t sum_{k} c / sum_{k} w c,
+    with c = the SDAR gate sigmoid(gate_beta g_t) (``trust="sdar"``) or 1 (``"sdl"``).
+    std_batch is the population std over all action tokens (psum over ``axis_name``).
+
+    Props: per turn, sum c w = sum c (P8); u < 0 gives w < 1 before the mass step; A = 0
+    everywhere gives w = 1 (P10).
+    """
+    _check_choice("trust", trust, ICSD_TRUST)
+    _check_unit("w_min", w_min)
+    _check_positive("eps", eps)
+    _check_positive("gate_beta", gate_beta)
+    b = segments.local_view(batch, axis_name)
+    m = b.action_mask
+    lp = sg(_student(logprobs, b, "icsd"))
+    lt = sg(token_field(b, teacher, "icsd", override=teacher_logprobs))
+    lold = sg(token_field(b, behavior, "icsd"))
+    a = _advantage_tokens(b, advantages, advantage_field, "icsd")
+    g = lt - lp
+    g_bar = segments.turn_to_token(segments.token_to_turn(g, b, "mean"), b)
+    rho = jnp.exp(jnp.clip(lp - lold, -LOG_CLAMP, LOG_CLAMP))
+    u = jnp.where(m, rho * a * (g - g_bar), 0.0)
+    _, var = segments.masked_mean_var(u, m, axis_name)
+    std = segments.safe_sqrt(var)
+    w = jnp.clip(1.0 + jnp.tanh(u / (std + eps)), w_min, 2.0)
+    c = sdar_gate(lp, lt, gate_beta) if trust == "sdar" else jnp.ones_like(lp)
+    c = jnp.where(m, c, 0.0)
+    w = jnp.where(m, w, 0.0)
+    if normalize_mass:
+        mass_c = segments.turn_to_token(segments.token_to_turn(c, b), b)
+        mass_wc = segments.turn_to_token(segments.token_to_turn(w * c, b), b)
+        w = jnp.where(m & (mass_wc > 0), w * mass_c / jnp.where(mass_wc > 0, mass_wc, 1.0), w)
+    return sg(w), sg(c)
+
+
+def icsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
+         advantage_field: str = "advantages", teacher: str = "teacher_logprobs",
+         behavior: str = "old_logprobs", trust: str = "sdar", gate_beta: float = 5.0,
+         w_min: float = 0.5, eps: float = 1e-8, teacher_logprobs=None, agg: str = "token_mean",
+         agg_constant=None, axis_name=None):
+    """ICSD distillation loss (f6): sum_t c_t w_t l_t with (w, c) from ``icsd_weights``
+    (detached, batch-adaptive, per-turn mass of c w preserved) and l_t the SDAR term
+    lp_T - lp_S (``trust="sdar"``, c = the SDAR gate) or the SDL term rho k3 (``"sdl"``,
+    c = 1). [X] formula of METHODS.md f6 (ICSD paper). Needs the base advantages A
+    (``advantages=``: an [R, T] array or ``Advantages``; else extras[``advantage_field``]).
+    The batch std of u is psummed over ``axis_name`` (shard-invariant).
+    """
+    check_mode(agg)
+    w, c = icsd_weights(logprobs, batch, advantages=advantages, advantage_field=advantage_field,
+                        teacher=teacher, behavior=behavior, trust=trust, gate_beta=gate_beta,
+                        w_min=w_min, eps=eps, teacher_logprobs=teacher_logprobs,
+                        axis_name=axis_name)
+    b = segments.local_view(batch, axis_name)
+    lp = _student(logprobs, b, "icsd")
+    lt = sg(token_field(b, teacher, "icsd", override=teacher_logprobs))
+    if trust == "sdar":
+        per_token = lt - lp
+    else:
+        per_token = sdl_tokens(lp, lt, sg(token_field(b, behavior, "icsd")))
+    return _finish(c * w * per_token, batch, agg, agg_constant, axis_name)
+
+
+# ============================================================================= f8 CRAFT
+
+
+class CraftState(NamedTuple):
+    """CRAFT Pillar 2's controller state: EMA of gate activity and the two coefficients."""
+
+    activity: jax.Array
+    lambda_distill: jax.Array
+    lambda_kl: jax.Array
+
+
+def craft_init(lambda_distill: float = 1.0, lambda_kl: float = 1.0,
+               activity: float = 0.0) -> CraftState:
+    return CraftState(jnp.float32(activity), jnp.float32(lambda_distill),
+                      jnp.float32(lambda_kl))
+
+
+def craft_controller(state: CraftState, activity, *, beta: float = 0.9, eta: float = 0.1,
+                     target: float = 0.5, converse: bool = False) -> CraftState:
+    """CRAFT Pillar 2, the asymmetric controller, as a pure state update. [X] (CRAFT paper):
+
+        a_bar' = beta a_bar + (1 - beta) activity
+        lambda_distill' = lambda_distill exp(+s eta (a_bar' - target))
+        lambda_KL'      = lambda_KL      exp(-s eta (a_bar' - target)),  s = -1 if ``converse``
+
+    ``activity``: this step's gate activity, e.g. the share of action tokens with positive
+    CTI credit (``craft_credit(...) > 0``). At a_bar' = target the coefficients stay put.
+    """
+    _check_unit("beta", beta)
+    _check_nonneg("eta", eta)
+    s = -1.0 if converse else 1.0
+    a_bar = beta * state.activity + (1.0 - beta) * jnp.asarray(activity, jnp.float32)
+    step = s * eta * (a_bar - target)
+    return CraftState(a_bar, state.lambda_distill * jnp.exp(step),
+                      state.lambda_kl * jnp.exp(-step))
+
+
+def craft_credit(logprobs, batch: TrajectoryBatch, *, advantages=None,
+                 advantage_field: str = "advantages", teacher: str = "teacher_logprobs",
+                 level: str = "group", temperature: float = 1.0, credit: str = "sign",
+                 teacher_logprobs=None, axis_name=None):
+    """CRAFT Pillar 1, counterfactual token importance: signed credit c [R, T] (detached).
+
+    [X] formula of METHODS.md f8 (CRAFT paper; the estimator is modelled on the SNIS bootstrap
+    of gitrxh/ADRS-arxiv ``cce_utils.py``). Anchor groups S: the task group of trajectories
+    (``level="group"``) or, per step, the turns of one group with equal ``state_keys``
+    (``level="step"``). Each member m has delta_m = sum over its tokens of (lp_T - lp_S) and
+    advantage A_m (its token mean of the base advantage):
+
+        w_m = exp(delta_m / temperature)  (self-normalised, shifted by the group max)
+        CTI(S) = sum_m w_m A_m / sum_m w_m - mean_m A_m
+        c_t = CTI(S) sign(g_t)  (``credit="sign"``)  or  CTI(S) g_t / max_{t' in i}|g|
+        (``"scaled"``),  g_t = lp_T - lp_S.
+
+    CTI = 0 when all delta in S are equal and for singleton groups; the SNIS weights do not
+    change when a constant is added to every delta of a group.
+    """
+    _check_choice("level", level, CRAFT_LEVELS)
+    _check_choice("credit", credit, CRAFT_CREDIT)
+    _check_positive("temperature", temperature)
+    b = segments.local_view(batch, axis_name)
+    m = b.action_mask
+    lp = sg(_student(logprobs, b, "craft"))
+    lt = sg(token_field(b, teacher, "craft", override=teacher_logprobs))
+    a = _advantage_tokens(b, advantages, advantage_field, "craft")
+    g = jnp.where(m, lt - lp, 0.0)
+    n, k = b.num_traj, b.num_turns
+    if level == "group":
+        counts = segments.traj_token_counts(b)
+        delta = jax.ops.segment_sum(g.sum(axis=1), b.row_traj, n)
+        a_m = jax.ops.segment_sum(a.sum(axis=1), b.row_traj, n) / jnp.maximum(counts, 1.0)
+        valid = b.traj_mask & (counts > 0)
+        ids, nseg = b.group_ids, n
+    else:
+        counts = segments.turn_token_counts(b).reshape(-1)
+        delta = segments.token_to_turn(g, b).reshape(-1)
+        a_m = (segments.token_to_turn(a, b).reshape(-1) / jnp.maximum(counts, 1.0))
+        valid = segments.valid_turns(b).reshape(-1) & (counts > 0)
+        ids, nseg = segments.turn_key_ids(b, b.state_keys).reshape(-1), n * k
+    ids = jnp.where(valid, ids, nseg)
+    safe = jnp.clip(ids, 0, nseg - 1)
+    x = delta / temperature
+    top = jax.ops.segment_max(jnp.where(valid, x, -jnp.inf), ids, nseg)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.where(valid, jnp.exp(jnp.where(valid, x - top[safe], 0.0)), 0.0)
+    sw = jax.ops.segment_sum(w, ids, nseg)
+    swa = jax.ops.segment_sum(w * a_m, ids, nseg)
+    cnt = jax.ops.segment_sum(valid.astype(jnp.float32), ids, nseg)
+    sa = jax.ops.segment_sum(jnp.where(valid, a_m, 0.0), ids, nseg)
+    cti_s = swa / jnp.where(sw > 0, sw, 1.0) - sa / jnp.maximum(cnt, 1.0)
+    cti_s = jnp.where(cnt > 1, cti_s, 0.0)  # a singleton's counterfactual is itself
+    cti = jnp.where(valid, cti_s[safe], 0.0)
+    if level == "group":
+        cti_tok = segments.traj_to_token(cti, b)
+    else:
+        cti_tok = segments.turn_to_token(cti.reshape(n, k), b)
+    if credit == "sign":
+        c = cti_tok * jnp.sign(g)
+    else:
+        gmax = jax.ops.segment_max(jnp.where(m, jnp.abs(g), 0.0).max(axis=1), b.row_traj, n)
+        gmax = segments.traj_to_token(jnp.maximum(gmax, 0.0), b)
+        c = cti_tok * g / jnp.where(gmax > 0, gmax, 1.0)
+    return sg(jnp.where(m, c, 0.0))
+
+
+def forward_kl_sampled(lp, lt):
+    """Sampled-token estimator of the forward KL(pi_T || pi_S) on tokens drawn from pi_S:
+    r log r - (r - 1), r = exp(d), d = clip(lt - lp, -20, 20), value capped at 10 (as
+    ``kl_k3``). The teacher-weighted r log r of METHODS.md f8 plus the zero-mean control
+    variate -(r - 1) (E_{pi_S}[r - 1] = 0): >= 0, and value and gradient are 0 at lp = lt."""
+    d = jnp.clip(lt - lp, -LOG_CLAMP, LOG_CLAMP)
+    r = jnp.exp(d)
+    return jnp.minimum(r * d - (r - 1.0), 10.0)
+
+
+def craft(logprobs, batch: TrajectoryBatch, *, advantages=None,
+          advantage_field: str = "advantages", teacher: str = "teacher_logprobs",
+          cti: bool = True, controller: bool = False, polarize: bool = True,
+          level: str = "group", temperature: float = 1.0, credit: str = "sign",
+          controller_state: CraftState | None = None, teacher_logprobs=None,
+          agg: str = "token_mean", agg_constant=None, axis_name=None):
+    """CRAFT counterfactual, sign-aware self-distillation (f8). [X] formula of METHODS.md f8
+    (CRAFT paper; Status S / X).
+
+    Baseline (every pillar off): plain reverse-KL self-distillation ``kl_k3(lp_S, lp_T)`` per
+    token, the same numbers as ``losses.k3(logprobs, batch, ref_logprobs=lp_T)``.
+
+    * Pillar 1 (``cti``): per-token signed credit c_t = ``craft_credit`` (CTI(S) sign(g_t));
+      the token's loss is weighted by |c_t|. Off: weight 1 and c_t = sign(g_t).
+    * Pillar 2 (``controller``): the loss is scaled by ``controller_state.lambda_distill``
+      (``craft_controller`` updates the state outside the loss, from the gate activity).
+    * Pillar 3 (``polarize``): tokens with c_t > 0 get the mode-seeking reverse KL
+      (``kl_k3``), tokens with c_t < 0 the mode-covering forward KL (``forward_kl_sampled``).
+      Off: reverse KL everywhere.
+
+    The switches are Python-static flags: a pillar switched off removes its operations from
+    the program, so with all three off loss and gradient are bit-identical to the baseline.
+    Teacher = student gives zero loss and zero gradient.
+    """
+    check_mode(agg)
+    if controller and controller_state is None:
+        raise ValueError("craft(controller=True) needs controller_state= (a CraftState from "
+                         "craft_init / craft_controller)")
+    b = segments.local_view(batch, axis_name)
+    lp = _student(logprobs, b, "craft")
+    lt = sg(token_field(b, teacher, "craft", override=teacher_logprobs))
+    per_token = kl_k3(lp, lt)
+    if cti or polarize:
+        if cti:
+            c = craft_credit(logprobs, batch, advantages=advantages,
+                             advantage_field=advantage_field, teacher=teacher, level=level,
+                             temperature=temperature, credit=credit,
+                             teacher_logprobs=teacher_logprobs, axis_name=axis_name)
+        else:
+            c = jnp.sign(sg(lt - lp))
+        if polarize:
+            per_token = jnp.where(c < 0, forward_kl_sampled(lp, lt), per_token)
+        if cti:
+            per_token = jnp.abs(c) * per_token
+    if controller:
+        per_token = sg(jnp.asarray(controller_state.lambda_distill, jnp.float32)) * per_token
+    return _finish(per_token, batch, agg, agg_constant, axis_name)
+
+
+# ============================================================================= f9 TreeOPSD
+
+
+def treeopsd_target(credit, *, beta: float = 1.0, delta: float = 1.0):
+    """TreeOPSD's bounded target log-ratio l* = clip(c / beta, -delta, delta)."""
+    return jnp.clip(jnp.asarray(credit, jnp.float32) / beta, -delta, delta)
+
+
+def treeopsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
+             credit: str = "tree_credit", behavior: str = "old_logprobs", beta: float = 1.0,
+             delta: float = 1.0, agg: str = "token_mean", agg_constant=None, axis_name=None):
+    """TreeOPSD tree-aware posterior self-distillation (f9). [X] formula of METHODS.md f9
+    (TreeOPSD paper; Status S / X).
+
+    Turn credit c_k = V(child) - V(node) from tree Monte-Carlo backups (b8; pass the tree
+    estimator's ``advantages=`` or give extras[``credit``] as [N, K] / [N] / [R, T]); the
+    teacher pi*(y) ∝ pi_b(y) exp(l*) with the bounded target l* = clip(c / beta, -delta,
+    delta) relative to the frozen behaviour policy pi_b (``behavior``):
+
+        loss_t = (lp_S - lp_b - l*_{k(t)})^2 / 2.
+
+    At pi_theta = pi_b the gradient is -l* d lp, the PG direction with advantage l*; it
+    vanishes once the ratio reaches the target (no overshoot across mini-batches).
+    """
+    check_mode(agg)
+    _check_positive("beta", beta)
+    _check_positive("delta", delta)
+    b = segments.local_view(batch, axis_name)
+    lp = _student(logprobs, b, "treeopsd")
+    lb = sg(token_field(b, behavior, "treeopsd"))
+    target = sg(treeopsd_target(_advantage_tokens(b, advantages, credit, "treeopsd"),
+                                beta=beta, delta=delta))
+    return _finish(0.5 * jnp.square(lp - lb - target), batch, agg, agg_constant, axis_name)
+
+
+# ============================================================================= f11 CREDIT
+
+
+def _logmeanexp(x, axis):
+    top = jnp.max(x, axis=axis, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    return jnp.squeeze(top, axis) + jnp.log(jnp.mean(jnp.exp(x - top), axis=axis))
+
+
+def contrastive_rewards(teacher_lp, negatives, batch: TrajectoryBatch, *, level: str = "token",
+                        variant: str = "logmeanexp"):
+    """CREDIT's contrastive reward [R, T] (``level="token"``) or per trajectory [N]
+    (``"sequence"``). [X] formula of METHODS.md f11 (CREDIT paper).
+
+    token:    r_t = lp_T(y_t | x_i) - log mean_{j in {i} + negatives} exp(lp_T(y_t | x_j))
+    sequence: r_i = S_i - log mean_j exp(S_ij),  S = sum over the trajectory's action tokens
+    ``variant="mean"``: subtract the plain mean of the negatives' log-probs instead (the
+    cheaper baseline; no bound). ``negatives`` [R, T, M]: the teacher's log-probs of the same
+    tokens under M other in-batch inputs (an extra teacher pass, done outside).
+
+    Props (logmeanexp): r <= log(M + 1) (InfoNCE bound; per token, and per trajectory for the
+    sequence level); identical inputs (negatives = teacher) give exactly 0.
+    ``batch`` must be block-local; inputs are treated as detached.
+    """
+    m = batch.action_mask
+    lt = sg(jnp.where(m, jnp.asarray(teacher_lp, jnp.float32), 0.0))
+    neg = sg(jnp.where(m[..., None], jnp.asarray(negatives, jnp.float32), 0.0))
+    if level == "sequence":
+        n = batch.num_traj
+        s_self = jax.ops.segment_sum(lt.sum(axis=1), batch.row_traj, n)
+        s_neg = jax.ops.segment_sum(neg.sum(axis=1), batch.row_traj, n)  # [N, M]
+        if variant == "mean":
+            r = s_self - jnp.mean(s_neg, axis=1)
+        else:
+            r = s_self - _logmeanexp(jnp.concatenate([s_self[:, None], s_neg], axis=1), 1)
+        return jnp.where(batch.traj_mask, r, 0.0)
+    if variant == "mean":
+        r = lt - jnp.mean(neg, axis=-1)
+    else:
+        r = lt - _logmeanexp(jnp.concatenate([lt[..., None], neg], axis=-1), -1)
+    return jnp.where(m, r, 0.0)
+
+
+def credit(batch: TrajectoryBatch, *, beta: float = 1.0, teacher: str = "teacher_logprobs",
+           negatives: str = "negative_logprobs", level: str = "token",
+           variant: str = "logmeanexp", axis_name=None) -> Advantages:
+    """CREDIT contrastive reward from distillation as an advantage (f11). [X] formula of
+    METHODS.md f11 (CREDIT paper; Status S / X): A_t = beta r_t with r from
+    ``contrastive_rewards`` (token level), or A_t = beta r_i on every token of trajectory i
+    (sequence level: the trajectory's pointwise mutual information with an InfoNCE batch
+    baseline). Reads extras[``teacher``] [R, T] (the feedback-conditioned teacher) and
+    extras[``negatives``] [R, T, M] (the teacher on the same tokens under M other inputs).
+    """
+    _check_nonneg("beta", beta)
+    _check_choice("level", level, CREDIT_LEVELS)
+    _check_choice("variant", variant, CREDIT_VARIANTS)
+    b = segments.localize(batch, axis_name)
+    lt = token_field(b, teacher, "credit")
+    neg = jnp.asarray(_require(batch, negatives, "credit",
+                               "[R, T, M] teacher log-probs of the tokens under M other inputs"))
+    r_, t_ = b.action_mask.shape
+    if neg.ndim != 3 or tuple(neg.shape[:2]) != (r_, t_) or neg.shape[2] < 1:
+        raise ValueError(f"credit: extras['{negatives}'] must have shape [R, T, M] = "
+                         f"({r_}, {t_}, M >= 1), got {tuple(neg.shape)}")
+    # zero_padding masks [N, K]-shaped extras by turn_mask, which could misread [R, T, M]
+    # when R = N and T = K: the negatives are masked here from the raw extras instead.
+    b = segments.zero_padding(b)
+    r = contrastive_rewards(lt, neg, b, level=level, variant=variant)
+    tok = beta * (segments.traj_to_token(r, b) if level == "sequence" else r)
+    tok = jnp.where(b.action_mask, tok, 0.0)
+    return Advantages(token=tok, turn=_turn_mean(tok, b))
+
+
+# ============================================================================= f12 T-REG
+
+
+def t_reg_weights(batch: TrajectoryBatch, r, s, temperature):
+    """w_t = n_i softmax_{t in i}(s_i r_t / temperature) over trajectory i's action tokens
+    (token mean 1 per trajectory). ``batch`` block-local; r [R, T], s per token [R, T]."""
+    m = batch.action_mask
+    n = batch.num_traj
+    x = jnp.where(m, s * r / temperature, -jnp.inf)
+    top = jax.ops.segment_max(x.max(axis=1), batch.row_traj, n)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.where(m, jnp.exp(jnp.where(m, x - top[batch.row_traj][:, None], 0.0)), 0.0)
+    z = jax.ops.segment_sum(e.sum(axis=1), batch.row_traj, n)
+    cnt = segments.traj_token_counts(batch)
+    scale = cnt / jnp.where(z > 0, z, 1.0)
+    return jnp.where(m, e * scale[batch.row_traj][:, None], 0.0)
+
+
+def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
+          bad: str = "contrast_logprobs", reference="ref_logprobs", sign: str = "outcome",
+          temperature: float = 1.0, agg: str = "token_mean", agg_constant=None,
+          axis_name=None):
+    """T-REG token-level reward regulariser (f12). [X] formula (METHODS.md f12 gives it in
+    words; Zhou et al. 2025, "T-REG: Preference Optimization with Token-Level Reward
+    Regularization", arXiv 2412.02685):
+
+        r_t = lp(y_t | x, good instruction) - lp(y_t | x, bad instruction)   (self-generated)
+        w_t = n_i softmax_{t in i}(s_i r_t / temperature)                     (mean 1 per i)
+        loss_t = -s_i w_t (lp_S - lp_ref)
+
+    s_i = sign of extras[``sign``] (default the outcome: +1 chosen / -1 rejected, 0 = no
+    regularisation). The implicit DPO token reward lp_S - lp_ref is pushed up on the chosen
+    response's tokens, and down on the rejected one's, in proportion to the self-generated
+    token rewards, so the sequence-level reward is distributed consistently with them.
+    ``reference=None``: lp_ref = 0 (the gradient is the same). Uniform r gives w = 1.
+    """
+    check_mode(agg)
+    _check_positive("temperature", temperature)
+    b = segments.local_view(batch, axis_name)
+    lp = _student(logprobs, b, "t_reg")
+    r = sg(token_field(b, good, "t_reg") - token_field(b, bad, "t_reg"))
+    ref = 0.0 if reference is None else sg(token_field(b, reference, "t_reg"))
+    s = jnp.sign(sg(spread_field(b, sign, "t_reg", "preference sign")))
+    w = sg(t_reg_weights(b, r, s, temperature))
+    return _finish(-s * w * (lp - ref), batch, agg, agg_constant, axis_name)
+
+
+# ============================================================================= f13 weighted SFT
+
+
+def weighted_sft(logprobs, batch: TrajectoryBatch, *, weights=None, mask=None,
+                 agg: str = "token_mean", agg_constant=None, axis_name=None):
+    """Weighted SFT on the sampled tokens (f13: ASPO / InT / ABC-SFT; Status S):
+
+        loss_t = -w_t lp_S(y_t)   over the tokens of ``mask`` (default all action tokens)
+
+    * InT (intervention training): ``mask`` = extras field of the intervention tokens
+      (optionally the prefix too); aggregated over the masked tokens only.
+    * ABC-SFT: ``weights`` = extras field of the clue-anchored step score s_k per turn [N, K]
+      (or per trajectory [N] / per token [R, T]); stop-gradient.
+    * ASPO's feedback self-distillation is the f3 loss: use ``sdar`` with the annotated
+      teacher's log-probs.
+    """
+    check_mode(agg)
+    b = segments.local_view(batch, axis_name)
+    lp = _student(logprobs, b, "weighted_sft")
+    on = token_mask(b, mask, "weighted_sft", "SFT token mask")
+    per_token = -lp
+    if weights is not None:
+        per_token = sg(spread_field(b, weights, "weighted_sft", "SFT weight")) * per_token
+    return _finish(per_token, batch, agg, agg_constant, axis_name, mask=on)
+
+
+# ----------------------------------------------------------------------------- registries
+
+# Registered by jaxrl_agent.estimators (kind: name -> function).
+ESTIMATORS = {"opd": opd, "credit": credit}
+TRANSFORMS = {"seed": seed, "cny": cny}
+# Merged into jaxrl_agent.losses' registry.
+LOSSES = {
+    "sdl": sdl, "sdar": sdar, "edge": edge, "ucob": ucob, "icsd": icsd, "craft": craft,
+    "treeopsd": treeopsd, "t_reg": t_reg, "weighted_sft": weighted_sft,
+}
