@@ -128,6 +128,10 @@ def cmd_credit(args) -> int:
 
     params = _parse_sets(args.set)
     staged = list(args.shaping or []) + list(args.then or [])
+    twice = sorted({n for n in staged if staged.count(n) > 1})
+    if twice:
+        raise CliError(f"stage(s) {twice} given twice: --set STAGE.key cannot tell the copies "
+                       f"apart; compose them in Python (estimators.Pipeline) instead")
     stage_params = {name: {} for name in staged}
     for key in [k for k in params if "." in k]:
         stage, hp = key.split(".", 1)

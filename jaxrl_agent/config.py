@@ -449,10 +449,13 @@ def _check_stages(cfg: "RunConfig") -> None:
     pipe = estimators.Pipeline(("grpo", ()), stages(est, "shaping"), stages(est, "then"))
     try:
         jax.eval_shape(pipe, batch)
-    except ValueError as e:
-        raise ConfigError(f"estimator stages {list(pipe.names)}: {e}. The training loop "
-                          f"supplies no such input; use these stages with `jaxrl-agent credit` "
-                          f"on records that carry it") from None
+    except (ValueError, TypeError) as e:
+        msg = str(e).splitlines()[0]
+        if "needs extras" in msg:
+            raise ConfigError(f"estimator stages {list(pipe.names)}: {msg}. The training loop "
+                              f"supplies no such input; use these stages with `jaxrl-agent "
+                              f"credit` on records that carry it") from None
+        raise ConfigError(f"estimator stages {list(pipe.names)}: {msg}") from None
 
 
 def validate(cfg: RunConfig) -> RunConfig:

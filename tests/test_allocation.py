@@ -783,3 +783,20 @@ def test_shard_invariance(layout):
     assert np.any(want["adrs_l2"]["turn_rewards"] != np.asarray(batch.turn_rewards))
     # the whole program also matches the references on this batch
     compare_all(recs, layout, batch, index, want)
+
+
+def test_damped_belief_without_evidence_revises_nothing():
+    """AgentOPSD with damping rho < 1 and a prior p0 != 0.5: no evidence (teacher = student)
+    must leave the base untouched, in both modes (the belief decays toward the prior)."""
+    from tests.signals import signal_records
+    recs = signal_records(seed=4)
+    for r in recs:
+        for t in r["turns"]:
+            t["token_extras"]["teacher_logprobs"] = list(t["logprobs"])
+    batch, _ = pack_records(recs)
+    base = E.compute("grpo", batch)
+    for p0 in (0.8, None):
+        for mode in ("reweight", "additive"):
+            out = E.compute("grpo", batch, then=[("agentopsd", {"p0": p0, "rho": 0.5,
+                                                                 "mode": mode})])
+            np.testing.assert_array_equal(np.asarray(out.token), np.asarray(base.token))

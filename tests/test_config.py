@@ -210,7 +210,7 @@ def test_empty_sections_and_files(tmp_path):
 
 
 @pytest.mark.parametrize("override, match", [
-    ("estimator.name=nope", r"unknown estimator 'nope' \(known: bipace, dr_grpo"),
+    ("estimator.name=nope", r"unknown estimator 'nope' \(known: bipace, ccpo"),
     ("estimator.params.gamma=0.9", r"unknown key 'estimator.params.gamma' for estimator 'grpo'; "
                                    r"valid keys: eps, ddof, singleton"),
     ("loss.policy=ppo2", r"unknown policy loss 'ppo2'; known: ppo, gspo"),

@@ -32,3 +32,9 @@ def require(batch, field, who, what):
         have = sorted(batch.extras) or "none"
         raise ValueError(f"{who} needs extras['{field}'] ({what}); the batch has extras: {have}")
     return batch.extras[field]
+
+
+def check_nonneg(name, value):
+    """A scale whose sign would invert the method must be >= 0."""
+    if _is_static(value) and not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")

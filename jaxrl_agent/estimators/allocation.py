@@ -22,7 +22,8 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.estimators._checks import (check_choice, check_nonneg, check_positive, check_unit,
+                                            require)
 
 LEVELS = ("trajectory", "turn", "group")
 
@@ -273,9 +274,12 @@ def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weigh
     b = segments.local_view(batch, axis_name)
     raw = lax.stop_gradient(require(b, weights, "reallocate", "non-negative weights [N, K] or "
                                                               "[R, T]"))
+    level_of = b.extra_level(weights, raw.shape)  # declared by pack_records where shapes clash
+    per = level_of if level_of in ("turn", "token") else None
     if shuffle:
-        raw = shuffle_weights(raw, batch, level=level, seed=seed, axis_name=axis_name)
-    w = token_weights(raw, b, level=level, floor=floor, clip_min=clip_min, clip_max=clip_max)
+        raw = shuffle_weights(raw, batch, level=level, seed=seed, axis_name=axis_name, per=per)
+    w = token_weights(raw, b, level=level, floor=floor, clip_min=clip_min, clip_max=clip_max,
+                      per=per)
     return apply_token_weights(adv, w, b)
 
 
@@ -577,7 +581,8 @@ def rvco(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
 
 
 def belief_revisions(e, valid, l0, rho: float = 1.0):
-    """Recursive log-odds belief over turns: l_k = rho l_{k-1} + e_k from l_0, and the
+    """Recursive log-odds belief over turns: l_k = l_0 + rho (l_{k-1} - l_0) + e_k (damping
+    pulls the belief back toward the prior, so no evidence means no revision), and the
     revisions Delta_k = sigmoid(l_k) - sigmoid(l_{k-1}) (0 on missing turns).
 
     Args:
@@ -587,7 +592,7 @@ def belief_revisions(e, valid, l0, rho: float = 1.0):
     """
     def step(prev, xs):
         e_k, v_k = xs
-        cur = jnp.where(v_k, rho * prev + e_k, prev)
+        cur = jnp.where(v_k, l0 + rho * (prev - l0) + e_k, prev)
         return cur, (cur, jnp.where(v_k, jax.nn.sigmoid(cur) - jax.nn.sigmoid(prev), 0.0))
 
     _, (l, delta) = lax.scan(step, l0.astype(jnp.float32), (e.T, valid.T))
@@ -603,14 +608,17 @@ def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
     formula of METHODS.md e9 (AgentOPSD paper).
 
         e_k = sum_{t in k} (lp_T - lp_S)             (turn log-likelihood ratio)
-        l_0 = logit(p0),  l_k = rho l_{k-1} + e_k,  Delta_k = sigmoid(l_k) - sigmoid(l_{k-1})
+        l_0 = logit(p0),  l_k = l_0 + rho (l_{k-1} - l_0) + e_k,
+        Delta_k = sigmoid(l_k) - sigmoid(l_{k-1})
         reweight: w_k = clip(1 + alpha sign(A_k) Delta_k / (std_k Delta + eps), w_min, w_max),
                   renormalised to token mass 1 per trajectory (inside the bounds); A' = A w
         additive: A'_k = A_k + alpha Delta_k
 
     ``p0=None`` takes the group success rate, mean_g clip(outcome, 0, 1), clipped to
-    [1e-3, 1 - 1e-3]. Sum_k Delta_k telescopes (P11); e = 0 (teacher = student) gives A
-    bit for bit (P10); P8/P9 in ``reweight`` mode.
+    [1e-3, 1 - 1e-3]. The damping ``rho`` < 1 decays the belief toward the prior, not toward
+    0 (our reading of METHODS.md's "l_k = rho l_{k-1} + e_k", which would revise the belief
+    with no evidence when p0 != 0.5). Sum_k Delta_k telescopes (P11); e = 0 (teacher =
+    student) gives A bit for bit (P10); P8/P9 in ``reweight`` mode.
     """
     check_choice("mode", mode, ("reweight", "additive"))
     if p0 is not None and not 0.0 < p0 < 1.0:
@@ -843,7 +851,9 @@ def craft_cti(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
 
     Anchor groups S: ``"state"`` = turns of one task group with equal ``state_keys`` (GiGPO
     anchors; at the first step usually the whole prompt group), ``"step"`` = turns of one task
-    group with equal turn index. Sign-changing by design (not P9). Equal delta in a group gives
+    group with equal turn index (note: ``distill.craft_credit(level="step")`` means the
+    ``"state"`` anchor here, and its ``credit="relative"`` divides by the trajectory's max
+    |g| where ``scale="relative"`` here divides by the turn's). Sign-changing by design (not P9). Equal delta in a group gives
     CTI = 0 exactly (A bit for bit); SNIS is invariant to a constant added to a group's delta.
     """
     check_positive("temperature", temperature)
@@ -933,6 +943,7 @@ def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str 
     stores g [R, T] in that extra (e.g. to gate a distillation loss). Batch-wide means and stds
     are psummed over ``axis_name``. eta = 0 leaves every field bit for bit.
     """
+    check_positive("tau", tau)
     check_choice("tva", tva, ("step", "completion", "pas", "none"))
     check_choice("baseline", baseline, ("step", "global"))
     check_choice("normalize", normalize, ("global", "per_seq", "none"))
@@ -1042,7 +1053,8 @@ def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", t
         s_i = R_i - b_g;  s_i = 1 if R_i >= r_max;  else alpha s_i if s_i >= 0;  else s_i
         A_i = s_i on every action token (``step_norm``: divided by the number of turns)
 
-    ``r_max=None`` disables the success cap. P9 holds; P1 fails by design: positive mass is
+    ``r_max=None`` disables the success cap. ``r_max`` must be the largest possible reward
+    (an R_i >= r_max below its group mean would be set to +1). P9 holds; P1 fails by design: positive mass is
     amplified by alpha (sum_{A>0} A / sum_{A<0} |A| grows by alpha when no R_i reaches r_max).
     The reflect-then-retry pivot mask of the paper is a loss mask of the rollout, not here.
     """

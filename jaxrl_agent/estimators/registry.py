@@ -173,7 +173,9 @@ def compute(name: str, batch: TrajectoryBatch, *, state=None, validate: bool = T
         if pipe.stateful:
             if state is None:
                 raise ValueError(f"estimator {name!r} is stateful: pass state=")
-            return jax.jit(pipe)(batch, state=state)
+            if spec(name).check_state is not None:
+                spec(name).check_state(batch, state)
+            return _jitted_pipeline(pipe)(batch, state=state)
         if state is not None:
             raise ValueError(f"estimator {name!r} takes no state")
         return _jitted_pipeline(pipe)(batch)

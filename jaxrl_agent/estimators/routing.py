@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_unit, require
+from jaxrl_agent.estimators._checks import check_choice, check_nonneg, check_unit, require
 from jaxrl_agent.estimators.allocation import (apply_token_weights, shuffle_weights,
                                                token_weights)
 
@@ -635,6 +635,7 @@ def ccpo(batch: TrajectoryBatch, *, agent: str = "agent",
     An agent whose removal leaves R unchanged gets c_a = 0 (R_a = R); lam = 0 gives GRPO of
     R within each (group, agent).
     """
+    check_nonneg("lam", lam)
     _check_eps(eps)
     if ddof not in (0, 1):
         raise ValueError(f"ddof must be 0 or 1, got {ddof}")
@@ -695,6 +696,8 @@ def sharp(batch: TrajectoryBatch, *, agent: str = "agent",
 
     beta = delta = 0 gives GRPO of R within each (group, agent).
     """
+    check_nonneg("beta", beta)
+    check_nonneg("delta", delta)
     _check_eps(eps)
     if ddof not in (0, 1):
         raise ValueError(f"ddof must be 0 or 1, got {ddof}")

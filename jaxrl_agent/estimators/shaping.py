@@ -42,7 +42,8 @@ from jax import lax
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.estimators import allocation
-from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.estimators._checks import (check_choice, check_nonneg, check_positive, check_unit,
+                                            require)
 
 NORMS = ("cohort", "group", "state", "batch", "none")
 F32 = jnp.float32
@@ -370,6 +371,7 @@ def trace(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potentia
     adds the turn reward-to-go of z(r), sum_{j >= k} z(r)_j, instead. No critic, no labels;
     a redundant tool call (unchanged evidence) gives r = 0. Compose with ``grpo``.
     """
+    check_nonneg("beta", beta)
     _check_norm(normalize)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
@@ -401,11 +403,13 @@ def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: 
     Rewards: the info gain IG_k = Phi_{k+1} - Phi_k of every intermediate turn
     k < K_i - 1 (Phi = a step reward model's success probability, ``extras[potential]``
     [N, K]; ``potential=None`` reads IG from ``turn_rewards`` instead) and the outcome F1 =
-    ``outcome`` on the last turn, times ``f1_weight`` / ``ig_weight`` (curriculum weights).
+    ``outcome`` on the last turn; the curriculum weights ``f1_weight`` / ``ig_weight`` scale
+    the two normalised parts.
     Normalisation within the task group: ``norm="separate"`` z-scores F1 over the group's
     trajectories and IG pooled over all the group's intermediate turns; ``"joint"`` pools
     both. mean, population std sqrt(E[(x - mean)^2] + 1e-8), a pool of one entry gets std 1;
-    x~ = (x - mean) / (std + eps) (``scale_std=False``: x - mean).
+    x~ = (x - mean) / (std + eps) (``scale_std=False``: x - mean; ``eps`` is ours, on top of
+    the source's 1e-8 inside the sqrt).
     Backward accumulation over the intermediate turns: A_turn_k = IG~_k + gamma A_turn_{k+1};
     A[i, k] = A_turn_k + F1~_i for intermediate turns and F1~_i for the last turn.
     Deviation, stated: the code finds turns as non-zero reward positions (an IG of exactly 0
@@ -424,8 +428,7 @@ def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: 
     else:
         phi = turn_field(b, potential, "pica", "success-probability potential Phi, [N, K]")
         ig = jnp.where(inter, segments.next_turn(phi) - phi, 0.0)
-    ig = ig_weight * ig
-    f1 = f1_weight * _sg(jnp.where(b.traj_mask, b.outcome.astype(F32), 0.0))
+    f1 = _sg(jnp.where(b.traj_mask, b.outcome.astype(F32), 0.0))
     g = jnp.clip(b.group_ids, 0, n - 1)
     g_turn = jnp.broadcast_to(g[:, None], (n, k)).reshape(-1)
     if norm == "separate":
@@ -441,8 +444,9 @@ def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: 
         d = x - mean
         return d / (std + eps) if scale_std else d
 
-    f1n = jnp.where(b.traj_mask, z(f1, m_f[g], s_f[g]), 0.0)
-    ign = jnp.where(inter, z(ig, m_i[g][:, None], s_i[g][:, None]), 0.0)
+    # curriculum weights on the normalised parts (before it, the z-score would cancel them)
+    f1n = jnp.where(b.traj_mask, f1_weight * z(f1, m_f[g], s_f[g]), 0.0)
+    ign = jnp.where(inter, ig_weight * z(ig, m_i[g][:, None], s_i[g][:, None]), 0.0)
     acc = segments.reverse_scan(ign, gamma, axis=1, where=inter)
     a = jnp.where(inter, acc, 0.0) + f1n[:, None]
     return _turn_advantages(a, b)
@@ -474,6 +478,7 @@ def spae(adv: Advantages, batch: TrajectoryBatch, *, potential: str | None = "st
     gains amplified, drops penalised, post-saturation checking damped. alpha = 0 and
     c_sat = 1 give the base exactly (P10).
     """
+    check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
     if potential is None:
@@ -500,7 +505,8 @@ def efca_weights(batch: TrajectoryBatch, *, feedback: str = "feedback", fb_coef:
     """EFCA's per-turn return weights [N, K] (d5) [X].
 
     h_k = 1[(state_key_k, action_key_k) occurred at one of the last ``window`` turns
-    k - window .. k - 1] + 1[state_key_{k+1} == state_key_k] (no state change; 0 on the last
+    k - window .. k - 1, i.e. W turns; METHODS.md's open window (k-W, k) is one shorter]
+    + 1[state_key_{k+1} == state_key_k] (no state change; 0 on the last
     turn); w_k = clip(1 + fb_coef fb_k - loop_coef h_k, w_min, w_max) with fb =
     ``extras[feedback]`` in {-1, 0, 1} (parsed environment feedback). 0 off valid turns.
     """
@@ -690,6 +696,7 @@ def a2tgpo_clip_range(batch: TrajectoryBatch, *, potential: str = "potential",
     action tokens (0 elsewhere): informative turns get a wider trust region. Monotone in
     IG~ and bounded. Pass it as ``ppo(..., clip_low=c, clip_high=c)``.
     """
+    check_nonneg("kappa", kappa)
     if not 0 <= eps_min <= eps_max:
         raise ValueError(f"need 0 <= eps_min <= eps_max, got eps_min={eps_min}, "
                          f"eps_max={eps_max}")
@@ -1026,6 +1033,7 @@ def capo(adv: Advantages, batch: TrajectoryBatch, *, verdict: str = "step_verdic
     steps flagged correct in failed responses, R_i < ``fail_below``, with
     ``reward_correct``). ``extras[verdict]`` [N, K]: the majority vote of N generated step
     critiques, -1 wrong, +1 correct, 0 no verdict. kappa = 0 gives the base."""
+    check_nonneg("kappa", kappa)
     b = segments.local_view(batch, axis_name)
     v = turn_field(b, verdict, "capo", "majority-vote step verdict in {-1, 0, 1}, [N, K]")
     d = -(v < 0).astype(F32)

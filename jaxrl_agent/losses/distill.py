@@ -596,7 +596,8 @@ def craft_credit(logprobs, batch: TrajectoryBatch, *, advantages=None,
     [X] formula of METHODS.md f8 (CRAFT paper; the estimator is modelled on the SNIS bootstrap
     of gitrxh/ADRS-arxiv ``cce_utils.py``). Anchor groups S: the task group of trajectories
     (``level="group"``) or, per step, the turns of one group with equal ``state_keys``
-    (``level="step"``). Each member m has delta_m = sum over its tokens of (lp_T - lp_S) and
+    (``level="step"``; ``allocation.craft_cti`` calls this anchor ``"state"``). Each member m
+    has delta_m = sum over its tokens of (lp_T - lp_S) and
     advantage A_m (its token mean of the base advantage):
 
         w_m = exp(delta_m / temperature)  (self-normalised, shifted by the group max)
@@ -853,7 +854,8 @@ def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
         loss_t = -s_i w_t (lp_S - lp_ref)
 
     s_i = sign of extras[``sign``] (default the outcome: +1 chosen / -1 rejected, 0 = no
-    regularisation). The implicit DPO token reward lp_S - lp_ref is pushed up on the chosen
+    regularisation; 0/1 outcomes therefore regularise only the chosen responses: give a
+    +-1 field for both sides). The implicit DPO token reward lp_S - lp_ref is pushed up on the chosen
     response's tokens, and down on the rejected one's, in proportion to the self-generated
     token rewards, so the sequence-level reward is distributed consistently with them.
     ``reference=None``: lp_ref = 0 (the gradient is the same). Uniform r gives w = 1.

@@ -341,7 +341,7 @@ def belief(e, l0, rho):
     """(beliefs l_1..l_K, revisions Delta_1..Delta_K)."""
     ls, ds, prev = [], [], l0
     for x in e:
-        cur = rho * prev + x
+        cur = l0 + rho * (prev - l0) + x
         ls.append(cur)
         ds.append(_sigmoid(cur) - _sigmoid(prev))
         prev = cur

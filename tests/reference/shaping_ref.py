@@ -253,16 +253,16 @@ def reward_to_go(records, *, score="outcome", baseline="cohort", scale_std=False
 def pica(records, *, potential="potential", gamma=1.0, norm="separate", scale_std=True,
          f1_weight=1.0, ig_weight=1.0, eps=1e-6):
     trajs = parse_steps(records)
-    f1 = [f1_weight * tr.outcome for tr in trajs]
+    f1 = [tr.outcome for tr in trajs]
     ig = []
     for rec in records:
         k = len(rec["turns"])
         if potential is None:
             src = _rewards(rec)
-            ig.append([ig_weight * src[j] for j in range(k - 1)])
+            ig.append([src[j] for j in range(k - 1)])
         else:
             phi = _te(rec, potential)
-            ig.append([ig_weight * (phi[j + 1] - phi[j]) for j in range(k - 1)])
+            ig.append([phi[j + 1] - phi[j] for j in range(k - 1)])
 
     def stats(xs):
         if not xs:
@@ -287,8 +287,8 @@ def pica(records, *, potential="potential", gamma=1.0, norm="separate", scale_st
             sf, si = stats(pools_f[tr.group]), stats(pools_i[tr.group])
         else:
             sf = si = stats(pools_f[tr.group] + pools_i[tr.group])
-        fz = z(f1[i], sf)
-        igz = [z(x, si) for x in ig[i]]
+        fz = f1_weight * z(f1[i], sf)
+        igz = [ig_weight * z(x, si) for x in ig[i]]
         acc, adv = 0.0, []
         for x in reversed(igz):
             acc = x + gamma * acc
