@@ -31,6 +31,35 @@ LEVELS = ("trajectory", "turn", "group")
 # ----------------------------------------------------------------------------- the normaliser
 
 
+class _Segments:
+    """Segment reductions over entries with ``ok``. Flat mode: ``seg`` [M] per entry. Row
+    mode (``x`` [R, T], ``seg`` [R]): every entry of a row is in the row's segment, so a
+    reduction is a dense row reduction followed by a segment op over R rows (the scatter
+    over R T entries that dominates the flat mode is avoided)."""
+
+    def __init__(self, seg, ok, num_segments, rows: bool):
+        self.ok, self.n, self.rows = ok, num_segments, rows
+        row_ok = ok.any(axis=1) if rows else ok
+        self.seg = jnp.where(row_ok, seg, num_segments)
+        self.safe = jnp.clip(self.seg, 0, num_segments - 1)
+
+    def sum(self, x):
+        x = jnp.where(self.ok, x, 0.0)
+        return jax.ops.segment_sum(x.sum(axis=1) if self.rows else x, self.seg, self.n)
+
+    def max(self, x):
+        x = jnp.where(self.ok, x, -jnp.inf)
+        return jax.ops.segment_max(x.max(axis=1) if self.rows else x, self.seg, self.n)
+
+    def min(self, x):
+        x = jnp.where(self.ok, x, jnp.inf)
+        return jax.ops.segment_min(x.min(axis=1) if self.rows else x, self.seg, self.n)
+
+    def gather(self, v):
+        """A per-segment value [S] at every entry."""
+        return v[self.safe][:, None] if self.rows else v[self.safe]
+
+
 def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: float = 0.0,
                       clip_min=None, clip_max=None, max_iters: int = 64):
     """Rescales non-negative raw weights to measure-weighted mean 1 in every segment.
@@ -50,10 +79,11 @@ def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: 
     as close to mean 1 as allowed. Segments inside the bounds are left as they are.
 
     Args:
-      w: [M] raw weights (negative values are treated as 0).
-      seg: [M] int segment ids in [0, num_segments); others are dropped.
-      valid: [M] bool, entries that count.
-      measure: [M] non-negative mass per entry (e.g. token counts of turns), default 1.
+      w: [M] raw weights (negative values are treated as 0), or [R, T] with ``seg`` [R]
+        (every entry of a row in the row's segment: a faster, scatter-free path).
+      seg: [M] (or [R]) int segment ids in [0, num_segments); others are dropped.
+      valid: bool like ``w``, entries that count.
+      measure: like ``w``, non-negative mass per entry (e.g. token counts of turns), default 1.
 
     Returns:
       [M] float32 weights; 0 where not ``valid``.
@@ -63,30 +93,24 @@ def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: 
     mu = (ok.astype(jnp.float32) if measure is None
           else jnp.where(ok, measure, 0.0).astype(jnp.float32))
     ok = ok & (mu > 0)
-    seg = jnp.where(ok, seg, num_segments)
-    safe = jnp.clip(seg, 0, num_segments - 1)
+    segs = _Segments(seg, ok, num_segments, rows=jnp.ndim(w) == 2)
     w = jnp.where(ok, jnp.maximum(jnp.asarray(w, jnp.float32), 0.0), 0.0)
 
-    def seg_sum(x):
-        return jax.ops.segment_sum(jnp.where(ok, x, 0.0), seg, num_segments)
-
-    total = seg_sum(mu)
-    mass = seg_sum(mu * w)
+    total = segs.sum(mu)
+    mass = segs.sum(mu * w)
     # equal weights give exactly 1 (a division would round): P10 holds bit for bit
-    top = jax.ops.segment_max(jnp.where(ok, w, -jnp.inf), seg, num_segments)
-    bottom = jax.ops.segment_min(jnp.where(ok, w, jnp.inf), seg, num_segments)
-    uniform = ((mass <= 0.0) | (top == bottom))[safe]
-    w_hat = w * (total / jnp.where(mass > 0, mass, 1.0))[safe]
+    uniform = segs.gather((mass <= 0.0) | (segs.max(w) == segs.min(w)))
+    w_hat = w * segs.gather(total / jnp.where(mass > 0, mass, 1.0))
     out = floor + (1.0 - floor) * w_hat if floor else w_hat
     out = jnp.where(uniform, 1.0, out)  # exactly 1, whatever the floor
     if clip_min is not None or clip_max is not None:
         lo = -jnp.inf if clip_min is None else jnp.float32(clip_min)
         hi = jnp.inf if clip_max is None else jnp.float32(clip_max)
-        out = _project_mean_one(out, seg, ok, mu, total, lo, hi, num_segments, max_iters)
+        out = _project_mean_one(out, segs, mu, total, lo, hi, max_iters)
     return jnp.where(ok, out, 0.0)
 
 
-def _project_mean_one(w, seg, ok, mu, total, lo, hi, num_segments, max_iters):
+def _project_mean_one(w, segs, mu, total, lo, hi, max_iters):
     """Mean-1 weights inside [lo, hi] of the form clip(c_s w, lo, hi) per segment s.
 
     F_s(c) = sum_s mu clip(c w, lo, hi) is non-decreasing in c, so c_s is found by bisection
@@ -94,34 +118,30 @@ def _project_mean_one(w, seg, ok, mu, total, lo, hi, num_segments, max_iters):
     bounds are rescaled analytically so the mass is exact. Zero weights cannot be scaled: if
     the mass is still short (every positive entry at ``hi``), they share the rest evenly.
     Segments already inside the bounds are returned unchanged (bit for bit)."""
-    safe = jnp.clip(seg, 0, num_segments - 1)
-
-    def seg_sum(x):
-        return jax.ops.segment_sum(jnp.where(ok, x, 0.0), seg, num_segments)
-
+    ok, seg_sum, at = segs.ok, segs.sum, segs.gather
     outside = seg_sum(((w < lo) | (w > hi)).astype(jnp.float32)) > 0
 
     def body(_, ab):
         a, b = ab
         mid = 0.5 * (a + b)
-        low = seg_sum(mu * jnp.clip(jnp.exp(mid)[safe] * w, lo, hi)) < total
+        low = seg_sum(mu * jnp.clip(at(jnp.exp(mid)) * w, lo, hi)) < total
         return jnp.where(low, mid, a), jnp.where(low, b, mid)
 
     # built from the inputs: varies over a mesh axis like them (shard_map's type check)
-    zero = jnp.zeros((num_segments,), jnp.float32) + jnp.sum(jnp.where(ok, 0.0, 0.0))
+    zero = jnp.zeros((segs.n,), jnp.float32) + jnp.sum(jnp.where(ok, 0.0, 0.0))
     a, b = lax.fori_loop(0, max_iters, body, (zero - 60.0, zero + 60.0))
-    x = jnp.exp(0.5 * (a + b))[safe] * w
+    x = at(jnp.exp(0.5 * (a + b))) * w
     free = (x > lo) & (x < hi)
     fixed = seg_sum(jnp.where(free, 0.0, mu * jnp.clip(x, lo, hi)))
     free_w = seg_sum(jnp.where(free, mu * w, 0.0))
     scale = jnp.where(free_w > 0, (total - fixed) / jnp.where(free_w > 0, free_w, 1.0), 0.0)
-    y = jnp.clip(jnp.where(free, w * scale[safe], x), lo, hi)
+    y = jnp.clip(jnp.where(free, w * at(scale), x), lo, hi)
     zw = ok & (w <= 0)
     short = total - seg_sum(mu * y)
     zmu = seg_sum(jnp.where(zw, mu, 0.0))
     share = jnp.where((short > 0) & (zmu > 0), short / jnp.where(zmu > 0, zmu, 1.0), 0.0)
-    y = jnp.where(zw, jnp.clip(y + share[safe], lo, hi), y)
-    return jnp.where(outside[safe], y, w)
+    y = jnp.where(zw, jnp.clip(y + at(share), lo, hi), y)
+    return jnp.where(at(outside), y, w)
 
 
 # ----------------------------------------------------------------------------- shuffled control
@@ -240,6 +260,9 @@ def token_weights(raw, batch: TrajectoryBatch, *, level: str = "trajectory", flo
     valid = batch.action_mask & batch.traj_mask[jnp.clip(batch.row_traj, 0, batch.num_traj - 1)][:, None]
     nseg = batch.num_traj * (batch.num_turns if level == "turn" else 1)
     seg = _token_segments(batch, level)
+    if level != "turn":  # constant along each row: row sums, then a segment op over rows
+        return normalize_weights(raw, seg[:, 0], valid, nseg, measure=measure, floor=floor,
+                                 clip_min=clip_min, clip_max=clip_max)
     w = normalize_weights(raw.reshape(-1), seg.reshape(-1), valid.reshape(-1), nseg,
                           measure=None if measure is None else measure.reshape(-1),
                           floor=floor, clip_min=clip_min, clip_max=clip_max)
