@@ -131,6 +131,8 @@ def dense_ids(*keys, valid):
     Returns:
       (ids [M] int32, num_unique scalar int32). Ids follow the sorted order of the keys.
     """
+    valid = jnp.asarray(valid)  # numpy inputs cannot be indexed by a traced order
+    keys = tuple(jnp.asarray(k) for k in keys)
     m = valid.shape[0]
     order = jnp.lexsort(tuple(reversed(keys)) + (~valid,))
     sorted_keys = [k[order] for k in keys]

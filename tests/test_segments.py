@@ -667,3 +667,13 @@ def test_psum_and_localize_are_identity_without_axis():
     assert segments.psum(x) is x and segments.psum(x, None) is x
     b = _packed(0, "per_step")
     assert segments.localize(b) is b and segments.localize(b, None) is b
+
+
+def test_turn_key_ids_under_grad_with_a_numpy_batch():
+    """Eager jax.grad over a function of a host (numpy) batch: the sort fallback's cond
+    traces with a traced order, which must not index numpy arrays."""
+    from tests.signals import signal_records
+    b, _ = pack_records(signal_records())
+    ids = np.asarray(segments.turn_key_ids(b, b.state_keys))
+    g = jax.grad(lambda x: jnp.sum(x * segments.turn_key_ids(b, b.state_keys)))(1.0)
+    assert float(g) == float(ids.sum())
