@@ -12,3 +12,18 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", deadline=None, max_examples=10)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop JAX's compiled programs after every test module: the suite compiles thousands of
+    shapes and settings, and keeping them all alive grows the process by gigabytes (a full
+    run segfaulted inside an XLA compile late in the suite)."""
+    yield
+    import jax
+    jax.clear_caches()
+    gc.collect()
