@@ -422,6 +422,17 @@ def main(argv=None) -> int:
             raise
         print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # an optional extra that is not installed: say which
+        if "jaxrl-agent[" not in str(e):
+            raise
+        print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        from jaxrl_agent.sampling.vllm import WeightSyncError
+        if not isinstance(e, WeightSyncError):
+            raise
+        print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0

@@ -19,6 +19,8 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
                 eval_tasks, layout
     checkpoint: dir, every, keep
     metrics:    dir, tensorboard, plots
+    sampler:    name (jax | vllm), dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
+                enforce_eager, transfer, probe_every, probe_tol   (``sampler: vllm`` = name only)
     mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
 
 API:
@@ -78,8 +80,8 @@ class ModelSection:
     hidden_size: int = 64
     intermediate_size: int = 256
     num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 4
+    num_heads: int = 2         # head_dim 32: vLLM's CPU attention needs head_dim >= 32
+    num_kv_heads: int = 2
     max_position_embeddings: int = 512
     dtype: str = "float32"
     value_head: bool = False
@@ -175,6 +177,23 @@ class MetricsSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SamplerSection:
+    """Which sampler generates the rollouts. ``name: jax`` is the JAX KV-cache sampler; ``name:
+    vllm`` runs vLLM's engine in the trainer's process, synced in memory after every update
+    (``sampling.vllm.VllmSampler``; needs the ``[vllm]`` extra). ``sampler: vllm`` in YAML is
+    short for ``sampler: {name: vllm}``. The other keys only apply to vLLM."""
+    name: str = "jax"
+    dtype: str | None = None           # engine dtype; null = model.dtype
+    kv_cache_mb: int = 256             # KV-cache memory (0 = gpu_memory_utilization decides)
+    gpu_memory_utilization: float = 0.3
+    max_num_seqs: int = 256
+    enforce_eager: bool = True         # no torch.compile / CUDA graphs: fast start
+    transfer: str = "auto"             # auto | host | dlpack (device buffers, GPU)
+    probe_every: int = 1               # parity probe after every n-th weight sync (0 = never)
+    probe_tol: float | None = None     # null = by dtype (1e-3 float32, 0.25 bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshSection:
     data: int = -1
     fsdp: int = 1
@@ -193,12 +212,15 @@ class RunConfig:
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
+    sampler: SamplerSection = dataclasses.field(default_factory=SamplerSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
 
 
 DECAYS = ("cosine", "constant")
 LAYOUTS = ("concatenated", "per_step")
 ON_INVALID = ("penalise", "fail")
+SAMPLERS = ("jax", "vllm")
+TRANSFERS = ("auto", "host", "dlpack")
 HISTORY_MODES = ("full", "last")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "soft_gate", "reinforce")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k1_st", "k3_st")
@@ -276,6 +298,8 @@ def _unknown(key: str, valid, hint: str = "") -> ConfigError:
 def _build(cls, data, prefix: str):
     if data is None:
         data = {}
+    if cls is SamplerSection and isinstance(data, str):
+        data = {"name": data}              # `sampler: vllm`
     if not isinstance(data, dict):
         raise ConfigError(f"key '{prefix}' must be a mapping, got {data!r} ({type(data).__name__})")
     fields = _fields(cls)
@@ -342,6 +366,8 @@ def apply_overrides(d: dict | None, overrides) -> dict:
             nxt = node.get(p)
             if nxt is None:
                 nxt = node[p] = {}
+            elif i == 0 and p == "sampler" and isinstance(nxt, str):
+                nxt = node[p] = {"name": nxt}      # `sampler: vllm` + `sampler.key=v`
             elif not isinstance(nxt, dict):
                 raise ConfigError(f"override {text!r}: '{'.'.join(parts[:i + 1])}' is not a mapping")
             node = nxt
@@ -563,6 +589,19 @@ def validate(cfg: RunConfig) -> RunConfig:
                           f"trajectories per step (rollout.tasks_per_step * rollout.group_size "
                           f"= {n_traj})")
 
+    s = cfg.sampler
+    _choice(s.name, SAMPLERS, "sampler.name")
+    if s.dtype is not None:
+        _choice(s.dtype, DTYPES, "sampler.dtype")
+    _choice(s.transfer, TRANSFERS, "sampler.transfer")
+    _positive(s, "sampler", "max_num_seqs")
+    _positive(s, "sampler", "kv_cache_mb", "probe_every", allow_zero=True)
+    if not 0 < s.gpu_memory_utilization <= 1:
+        raise ConfigError("sampler.gpu_memory_utilization must be in (0, 1]; got "
+                          f"{s.gpu_memory_utilization!r}")
+    if s.probe_tol is not None:
+        _positive(s, "sampler", "probe_tol")
+
     _positive(cfg.checkpoint, "checkpoint", "every", "keep", allow_zero=True)
     if not cfg.checkpoint.dir:
         raise ConfigError("checkpoint.dir must be a non-empty path")
@@ -626,6 +665,7 @@ def describe(cfg: RunConfig) -> str:
         f"{r.max_new_tokens} new tokens/turn, T={r.temperature:g}",
         f"  estimator {est}",
         f"  loss      {lo.policy} ({lo.agg}){kl}{ent}",
+        f"  sampler   {cfg.sampler.name}",
         f"  optimizer adamw lr {o.lr:g} ({o.decay}, warmup {o.warmup_steps}), clip {o.grad_clip:g}",
         f"  mesh      data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}",
     ])
@@ -634,6 +674,6 @@ def describe(cfg: RunConfig) -> str:
 __all__ = [
     "CheckpointSection", "ConfigError", "EnvSection", "EstimatorSection", "LossSection",
     "MeshSection", "MetricsSection", "ModelSection", "OptimizerSection", "RolloutSection",
-    "RunConfig", "TrainerSection", "apply_overrides", "check_mesh", "check_paths", "describe",
+    "RunConfig", "SamplerSection", "TrainerSection", "apply_overrides", "check_mesh", "check_paths", "describe",
     "dump_yaml", "from_dict", "load", "parse_override", "read_yaml", "to_dict", "validate",
 ]

@@ -230,7 +230,7 @@ def test_empty_sections_and_files(tmp_path):
     ("rollout.max_new_tokens=600", r"max_new_tokens \(600\) must be < rollout.max_context_tokens"),
     ("rollout.on_invalid=ignore", r"rollout.on_invalid must be one of penalise, fail"),
     ("model.dtype=float16", r"model.dtype must be one of float32, bfloat16"),
-    ("model.num_kv_heads=3", r"num_heads \(4\) must be a multiple of model.num_kv_heads \(3\)"),
+    ("model.num_kv_heads=3", r"num_heads \(2\) must be a multiple of model.num_kv_heads \(3\)"),
     ("model.vocab_size=100", r"model.vocab_size must be >= 260"),
     ("model.value_stop_gradient=true", r"needs model.value_head"),
     ("optimizer.lr=0", r"optimizer.lr must be > 0"),
@@ -244,8 +244,15 @@ def test_empty_sections_and_files(tmp_path):
     ("checkpoint.keep=-1", r"checkpoint.keep must be >= 0"),
     ("mesh.fsdp=0", r"mesh.fsdp must be >= 1 or -1"),
     ("mesh.tensor=-1", r"at most one mesh axis may be -1"),
-    ("mesh.tensor=3", r"mesh.tensor \(3\) must divide model.num_kv_heads \(4\)"),
+    ("mesh.tensor=3", r"mesh.tensor \(3\) must divide model.num_kv_heads \(2\)"),
     ("name=''", r"name must be a non-empty string"),
+    ("sampler.name=sglang", r"sampler.name must be one of jax, vllm"),
+    ("sampler.dtype=float64", r"sampler.dtype must be one of"),
+    ("sampler.transfer=nccl", r"sampler.transfer must be one of auto, host, dlpack"),
+    ("sampler.max_num_seqs=0", r"sampler.max_num_seqs must be > 0"),
+    ("sampler.probe_every=-1", r"sampler.probe_every must be >= 0"),
+    ("sampler.probe_tol=0", r"sampler.probe_tol must be > 0"),
+    ("sampler.gpu_memory_utilization=1.5", r"sampler.gpu_memory_utilization must be in"),
 ])
 def test_semantic_errors(override, match):
     cfg = C.load(None, [override], validate=False)
@@ -301,3 +308,15 @@ def test_describe_mentions_the_essentials():
     s = C.describe(C.load(CONFIGS / "gridworld_grpo.yaml"))
     assert "gridworld_grpo" in s and "grpo" in s and "ppo" in s and "4 tasks x 8 = 32" in s
     assert "tiny built-in" in C.describe(C.RunConfig())
+
+
+def test_sampler_shorthand():
+    """``sampler: vllm`` (YAML or --set) is ``sampler: {name: vllm}``; the rest keep defaults."""
+    cfg = C.load(None, ["sampler=vllm"])
+    assert cfg.sampler == C.SamplerSection(name="vllm")
+    assert C.from_dict({"sampler": "vllm"}).sampler.name == "vllm"
+    assert C.load(None, ["sampler.name=vllm", "sampler.probe_every=0"]).sampler.probe_every == 0
+    assert C.load(None, ["sampler=vllm", "sampler.kv_cache_mb=64"]).sampler == C.SamplerSection(
+        name="vllm", kv_cache_mb=64)
+    with pytest.raises(C.ConfigError, match="sampler"):
+        C.from_dict({"sampler": 3})

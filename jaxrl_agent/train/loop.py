@@ -46,7 +46,7 @@ from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, make_optimizer,
                                     make_train_step)
 
-__all__ = ["Trainer", "StaleBatchError", "refuse_stale", "step_seed", "build_model"]
+__all__ = ["Trainer", "build_sampler", "StaleBatchError", "refuse_stale", "step_seed", "build_model"]
 
 
 class RunLockedError(ValueError):
@@ -140,6 +140,30 @@ class Summary:
     plots: list
 
 
+def build_sampler(cfg: config_lib.RunConfig, model, *, batch_buckets=(8, 32, 128)):
+    """The run's sampler (``cfg.sampler``): the JAX KV-cache sampler, or vLLM's engine in this
+    process (``sampling.vllm.VllmSampler``), both starting from ``model``'s weights."""
+    s, r, seed = cfg.sampler, cfg.rollout, cfg.trainer.seed
+    if s.name == "jax":
+        return JaxSampler(model, max_len=r.max_context_tokens, batch_buckets=batch_buckets,
+                          seed=seed)
+    from jaxrl_agent.sampling.vllm import VllmSampler
+    try:
+        return _vllm_sampler(VllmSampler, cfg, model)
+    except ValueError as e:   # e.g. a head size vLLM's CPU kernels lack: a config problem
+        raise config_lib.ConfigError(f"sampler: vllm: {e}") from None
+
+
+def _vllm_sampler(VllmSampler, cfg, model):
+    s, r, seed = cfg.sampler, cfg.rollout, cfg.trainer.seed
+    return VllmSampler(model, max_len=r.max_context_tokens, dtype=s.dtype,
+                       max_num_seqs=s.max_num_seqs,
+                       kv_cache_bytes=s.kv_cache_mb * 2 ** 20 if s.kv_cache_mb else None,
+                       gpu_memory_utilization=s.gpu_memory_utilization,
+                       enforce_eager=s.enforce_eager, seed=seed, transfer=s.transfer,
+                       probe_every=s.probe_every, probe_tol=s.probe_tol)
+
+
 class Trainer:
     """Builds everything a run needs from a ``RunConfig`` and runs it (``run()``)."""
 
@@ -167,9 +191,8 @@ class Trainer:
         self.eval_tasks = self.env.sample_tasks(step_seed(t.seed, -1, "eval"), t.eval_tasks,
                                                 "test")
         n_train = r.tasks_per_step * r.group_size
-        self.sampler = JaxSampler(
-            self.model, max_len=r.max_context_tokens,
-            batch_buckets=sorted({bucket(n_train, 8), bucket(t.eval_tasks, 8)}), seed=t.seed)
+        self.sampler = build_sampler(
+            cfg, self.model, batch_buckets=sorted({bucket(n_train, 8), bucket(t.eval_tasks, 8)}))
         self.optimizer = make_optimizer(
             cfg.optimizer.lr, total_steps=t.steps, warmup_steps=cfg.optimizer.warmup_steps,
             decay=cfg.optimizer.decay, weight_decay=cfg.optimizer.weight_decay,
@@ -378,6 +401,8 @@ class Trainer:
             if self.logger is not None:
                 self.logger.close()
             self.checkpointer.close()
+            if hasattr(self.sampler, "close"):
+                self.sampler.close()
 
     def _open_logger(self, resume_from_step):
         self.logger = MetricsLogger(self.cfg.metrics.dir, total_steps=self.cfg.trainer.steps,
@@ -416,6 +441,7 @@ class Trainer:
         m = jax.device_get(out["metrics"])
         t2 = time.perf_counter()
         self._sync(state)
+        t3 = time.perf_counter()
         if m["update_skipped"]:
             self._print(f"step {s + 1}: non-finite loss or gradient, update skipped "
                         f"({int(state.skipped)} so far)")
@@ -425,10 +451,13 @@ class Trainer:
             "train/turns": stats["turns"] / n, "train/invalid": stats["invalid_actions"] / n,
             "train/env_errors": stats["env_errors"], "train/stale_refused": refused,
             "train/tokens_per_s": stats["tokens_generated"] / max(t2 - t0, 1e-9),
-            "time/rollout_s": t1 - t0, "time/train_s": t2 - t1,
+            "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
             **{f"train/{k}": float(v) for k, v in m.items()},
             "train/skipped_total": int(state.skipped),
         }
+        probe = getattr(self.sampler, "last_sync", {}).get("probe_error")
+        if probe is not None:
+            metrics["sampler/probe_error"] = probe
         return state, metrics, (records, batch, out["advantages"])
 
     # ------------------------------------------------------------------ the end
