@@ -130,11 +130,19 @@ def _pure_params(model_or_state) -> dict:
     return src
 
 
+def _seed63(seed: int) -> int:
+    """A request's 64-bit seed hashed to the 63 bits vLLM takes (a modulo would make ``s`` and
+    ``s + 2**63`` the same stream)."""
+    ss = np.random.SeedSequence([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, 0x5EED])
+    return int(ss.generate_state(1, np.uint64)[0]) >> 1
+
+
 def _derived_seed(root: int, call_id: int, index: int) -> int:
-    """A 63-bit seed per request of a call (vLLM's per-request generators take int seeds)."""
-    ss = np.random.SeedSequence([root % 2 ** 32, call_id % 2 ** 32, index % 2 ** 32, 0x71])
-    return int(ss.generate_state(2, np.uint32).astype(np.uint64) @ np.array(
-        [1 << 31, 1], np.uint64)) % (2 ** 63)
+    """A 63-bit seed per request of a call without its own seed: a hash of (sampler seed, call
+    counter, request index), so repeated calls differ and runs are reproducible."""
+    ss = np.random.SeedSequence([root & 0xFFFFFFFF, (root >> 32) & 0xFFFFFFFF,
+                                 call_id & 0xFFFFFFFF, index & 0xFFFFFFFF, 0x71])
+    return int(ss.generate_state(1, np.uint64)[0]) >> 1
 
 
 class VllmSampler:
@@ -254,6 +262,7 @@ class VllmSampler:
             raise
         self.startup_seconds = time.time() - t0
         self._version = 0
+        self._broken: str | None = None
         self.sync_weights(model, policy_version)
 
     # ------------------------------------------------------------------------- weights
@@ -293,7 +302,10 @@ class VllmSampler:
         names = list(tensors)
         if self.transfer == "dlpack":
             for k in names:
-                yield k, torch.utils.dlpack.from_dlpack(tensors[k])
+                x = tensors[k]
+                if len(x.devices()) > 1:    # replicated over a mesh: one device's copy
+                    x = x.addressable_shards[0].data
+                yield k, torch.utils.dlpack.from_dlpack(x)
             return
         i = 0
         while i < len(names):
@@ -316,7 +328,8 @@ class VllmSampler:
 
     def push_tensors(self, tensors: Mapping[str, Any]) -> None:
         """Loads HF-named tensors (jax arrays) into the running engine in place and resets its
-        prefix cache. No version change, no probe: ``sync_weights`` is the checked path."""
+        prefix cache. No version change, no probe: ``sync_weights`` is the checked path (this
+        is the raw step, for tests and tools)."""
         self._worker().model_runner.reload_weights(
             weights_iterator=self._torch_tensors(dict(tensors)), is_checkpoint_format=True)
         self.llm.reset_prefix_cache()
@@ -344,9 +357,10 @@ class VllmSampler:
             tensors = self._export(pure)
             jax.block_until_ready(tensors)
             t1 = time.perf_counter()
+            # Until this sync is through (and probed), the engine holds weights of no version.
+            self._broken = f"the sync of policy version {version} did not complete"
             self.push_tensors(tensors)
             t2 = time.perf_counter()
-            self._version = int(version)
             self._syncs += 1
             if probe is None:
                 probe = self.probe_every > 0 and (self._syncs - 1) % self.probe_every == 0
@@ -355,12 +369,17 @@ class VllmSampler:
                                   probe=time.perf_counter() - t2 if probe else 0.0,
                                   bytes=int(sum(x.nbytes for x in tensors.values())),
                                   probe_error=err)
-        if err is not None and err > self.probe_tol:
-            raise WeightSyncError(
-                f"after syncing policy version {version}, vLLM's log-probs of the probe "
-                f"sequence differ from the trainer's by up to {err:.3g} (tolerance "
-                f"{self.probe_tol:g}, dtype {self.dtype}): the engine is not running the "
-                "trainer's weights. Training stops here rather than learn from wrong log-probs")
+            if err is not None and err > self.probe_tol:
+                self._broken = (f"the sync of policy version {version} failed its probe "
+                                f"(error {err:.3g})")
+                raise WeightSyncError(
+                    f"after syncing policy version {version}, vLLM's log-probs of the probe "
+                    f"sequence differ from the trainer's by up to {err:.3g} (tolerance "
+                    f"{self.probe_tol:g}, dtype {self.dtype}): the engine is not running the "
+                    "trainer's weights. Training stops here rather than learn from wrong "
+                    "log-probs")
+            self._version = int(version)
+            self._broken = None
 
     def engine_logprobs(self, ids: Sequence[int]) -> np.ndarray:
         """vLLM's teacher-forced ``log p(ids[t] | ids[:t])`` for ``t >= 1`` (``[len - 1]``)."""
@@ -397,11 +416,14 @@ class VllmSampler:
         arrays, plist = validate_requests(prompts, params, vocab_size=self.config.vocab_size,
                                           max_len=self.max_len)
         with self._lock:
+            if self._broken is not None:
+                raise WeightSyncError(f"generate refused: {self._broken}; the engine's weights "
+                                      "belong to no policy version until sync_weights succeeds")
             call_id = self._calls
             self._calls += 1
             version = self._version
             vparams = [self._vllm_params(
-                p, int(p.seed) % 2 ** 63 if p.seed is not None
+                p, _seed63(p.seed) if p.seed is not None
                 else _derived_seed(self._seed, call_id, i)) for i, p in enumerate(plist)]
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=a.tolist()) for a in arrays],
                                      vparams, use_tqdm=False)
