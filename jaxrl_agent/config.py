@@ -4,7 +4,7 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
 
     name: str
     model:      hf_path (None = tiny built-in model), vocab_size, hidden_size, intermediate_size,
-                num_layers, num_heads, num_kv_heads, max_position_embeddings, dtype,
+                num_layers, num_heads, num_kv_heads, head_dim, max_position_embeddings, dtype,
                 value_head, value_stop_gradient
     env:        name, kwargs {}
     rollout:    tasks_per_step, group_size, max_turns, max_new_tokens, max_context_tokens,
@@ -80,8 +80,9 @@ class ModelSection:
     hidden_size: int = 64
     intermediate_size: int = 256
     num_layers: int = 2
-    num_heads: int = 2         # head_dim 32: vLLM's CPU attention needs head_dim >= 32
-    num_kv_heads: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int | None = 32  # None = hidden_size // num_heads; vLLM's CPU attention needs >= 32
     max_position_embeddings: int = 512
     dtype: str = "float32"
     value_head: bool = False
@@ -506,6 +507,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         if m.vocab_size < 260:
             raise ConfigError(f"model.vocab_size must be >= 260 for the built-in byte codec; "
                               f"got {m.vocab_size}")
+    if m.head_dim is not None:
+        _positive(m, "model", "head_dim")
+        if m.head_dim % 2:
+            raise ConfigError(f"model.head_dim must be even (RoPE rotates pairs); got {m.head_dim}")
     if m.value_stop_gradient and not m.value_head:
         raise ConfigError("model.value_stop_gradient needs model.value_head: true")
 

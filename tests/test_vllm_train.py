@@ -37,7 +37,7 @@ def test_default_config_trains_with_vllm_and_a_bad_sync_stops_it(tmp_path, monke
     from jaxrl_agent.sampling.vllm import VllmSampler, WeightSyncError
 
     cfg = _cfg(tmp_path, "trainer.steps=3")
-    assert cfg.model.hidden_size // cfg.model.num_heads == 32   # the default dims
+    assert cfg.model.head_dim == 32 and cfg.model.num_heads == 4   # the default dims
     trainer = loop.Trainer(cfg, progress=False)
     assert isinstance(trainer.sampler, VllmSampler)
     versions = []
@@ -53,9 +53,9 @@ def test_default_config_trains_with_vllm_and_a_bad_sync_stops_it(tmp_path, monke
     real_probe = VllmSampler.probe
     calls = []
 
-    def probe(self, params):
+    def probe(self, params):      # runs before the new version is stamped
         calls.append(self.policy_version)
-        return 1.0 if self.policy_version == 2 else real_probe(self, params)
+        return 1.0 if len(calls) == 4 else real_probe(self, params)
 
     monkeypatch.setattr(VllmSampler, "generate", spy)
     monkeypatch.setattr(VllmSampler, "probe", probe)
@@ -66,7 +66,8 @@ def test_default_config_trains_with_vllm_and_a_bad_sync_stops_it(tmp_path, monke
     assert [r["step"] for r in train_rows] == [1]
     assert all(r["sampler/probe_error"] < 1e-3 for r in train_rows)
     assert all(r["time/sync_s"] > 0 for r in train_rows)
-    assert calls == [0, 0, 1, 2]
+    assert calls == [0, 0, 0, 1]          # the versions held while syncing 0, 0, 1 and 2
+    assert trainer.sampler.policy_version == 1      # the failed sync stamped nothing
     assert set(versions) == {0, 1}          # rollouts of step 1 at version 0, step 2 at 1
     assert latest_step(cfg.checkpoint.dir) == 1
 
@@ -94,8 +95,8 @@ def test_head_dim_vllm_cannot_run_is_a_config_error(tmp_path, capsys):
     import torch
     if torch.cuda.is_available():
         pytest.skip("the head-size restriction is vLLM's CPU attention")
-    argv = ["train", "--quiet", "--set=sampler=vllm", "--set=model.num_heads=4",
-            "--set=model.num_kv_heads=4", f"--set=checkpoint.dir={tmp_path}/ckpt",
+    argv = ["train", "--quiet", "--set=sampler=vllm", "--set=model.head_dim=null",
+            f"--set=checkpoint.dir={tmp_path}/ckpt",
             f"--set=metrics.dir={tmp_path}/m", f"--set=model.builtin_dir={tmp_path}/base"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

@@ -230,7 +230,11 @@ class VllmSampler:
         self._abstract = nnx.to_pure_dict(abstract)
         self._export = jax.jit(hf_tensors_fn(cfg, jnp.dtype(self.dtype)))
 
+        engine_dtype = jnp.dtype(self.dtype)
+
         def reference_logprobs(pure, ids):
+            # the weights exactly as the engine holds them (rounded to its dtype)
+            pure = jax.tree.map(lambda x: x.astype(engine_dtype).astype(x.dtype), pure)
             state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)
             nnx.replace_by_pure_dict(state, pure)
             m = nnx.merge(graphdef, state, rest)
@@ -393,8 +397,7 @@ class VllmSampler:
 
     def probe(self, params) -> float:
         """Max |vLLM - trainer| teacher-forced log-prob over the probe sequence."""
-        pure = params if isinstance(params, Mapping) else self._check_params(
-            _pure_params(params))
+        pure = self._check_params(_pure_params(params))
         ref = np.asarray(self._reference_logprobs(pure, jnp.asarray(self.probe_ids, jnp.int32)),
                          np.float64)[1:]
         got = self.engine_logprobs(self.probe_ids)

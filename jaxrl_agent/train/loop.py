@@ -105,7 +105,7 @@ def build_model(cfg: config_lib.RunConfig, seed: int):
     codec = ByteCodec()
     mc = ModelConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
                      intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                      max_position_embeddings=m.max_position_embeddings, dtype=m.dtype,
                      family="qwen3", qk_norm=True, value_head=m.value_head,
                      value_stop_gradient=m.value_stop_gradient,
@@ -116,7 +116,7 @@ def build_model(cfg: config_lib.RunConfig, seed: int):
         model, loaded = load_hf(str(folder), dtype=m.dtype, seed=seed, value_head=m.value_head,
                                 value_stop_gradient=m.value_stop_gradient)
         same = {k: getattr(loaded, k) for k in ("vocab_size", "hidden_size", "num_layers",
-                                                 "num_heads", "num_kv_heads")}
+                                                 "num_heads", "num_kv_heads", "head_dim")}
         want = {k: getattr(mc, k) for k in same}
         if same != want:
             raise config_lib.ConfigError(
