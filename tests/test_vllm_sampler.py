@@ -296,6 +296,19 @@ def test_probe_catches_a_corrupted_sync(restored, model, other_model, monkeypatc
     assert engine.probe(model) <= 1e-4
 
 
+def test_readback_catches_a_load_that_did_not_happen(restored, other_model, monkeypatch):
+    """A sync whose load silently does nothing, with a probe tolerance so loose the log-prob
+    probe cannot tell: the read-back of the tensors vLLM keeps unpacked (norms, embedding)
+    still sees the old weights and raises."""
+    engine = restored
+    monkeypatch.setattr(engine, "push_tensors", lambda tensors: None)
+    monkeypatch.setattr(engine, "probe_tol", 1e9)
+    with pytest.raises(WeightSyncError, match="version 12.*not the tensor that was sent"):
+        engine.sync_weights(other_model, 12)
+    assert engine.policy_version == BASE_VERSION
+    monkeypatch.undo()
+
+
 def test_version_stamps_and_staleness_guard(restored, other_model):
     engine = restored
     prompts = prompts_of([5, 5, 5, 5], seed=3)

@@ -396,8 +396,33 @@ class VllmSampler:
                     f"{self.probe_tol:g}, dtype {self.dtype}): the engine is not running the "
                     "trainer's weights. Training stops here rather than learn from wrong "
                     "log-probs")
+            stale = self.readback_mismatch(tensors) if probe else None
+            if stale is not None:
+                self._broken = f"the sync of policy version {version} left {stale} stale"
+                raise WeightSyncError(
+                    f"after syncing policy version {version}, the engine's {stale} is not the "
+                    "tensor that was sent (the load did not take effect)")
             self._version = int(version)
             self._broken = None
+
+    def readback_mismatch(self, tensors: Mapping[str, Any]) -> str | None:
+        """Reads back the engine tensors vLLM keeps as loaded (norm weights, biases, the first
+        rows of the embedding and LM head; its CPU backend repacks the linear weights) and
+        returns the name of the first one that differs from ``tensors``, else None. It catches
+        a load that did not happen even when one update moves the log-probs less than
+        ``probe_tol``."""
+        import torch
+        engine = dict(self._worker().model_runner.model.named_parameters())
+        for name, sent in tensors.items():
+            p = engine.get(name)
+            if p is None or p.numel() == 0:
+                continue
+            rows = min(64, sent.shape[0])
+            got = p.detach()[:rows].to(torch.float32).cpu().numpy()
+            want = np.asarray(jax.device_get(sent[:rows]), np.float32)
+            if got.shape != want.shape or not np.array_equal(got, want):
+                return name
+        return None
 
     def engine_logprobs(self, ids: Sequence[int]) -> np.ndarray:
         """vLLM's teacher-forced ``log p(ids[t] | ids[:t])`` for ``t >= 1`` (``[len - 1]``)."""
