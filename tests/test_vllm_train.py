@@ -28,7 +28,7 @@ SMALL = ["sampler=vllm", "sampler.kv_cache_mb=64", "rollout.tasks_per_step=2",
 def _cfg(d, *extra):
     return config_lib.load(None, SMALL + [
         f"checkpoint.dir={d}/ckpt", f"metrics.dir={d}/metrics", f"model.builtin_dir={d}/base",
-        f"checkpoint.export_dir={d}/final", f"checkpoint.warmup_dir=null", *extra])
+        f"checkpoint.export_dir={d}/final", "checkpoint.warmup_dir=null", *extra])
 
 
 @needs_vllm

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 FinishReason = Literal["stop", "length"]
 
@@ -102,6 +104,45 @@ class Sampler(Protocol):
     def sync_weights(self, model_or_state: Any, version: int) -> None:
         """Replaces the sampler's weights by the trainer's and records their policy version."""
         ...
+
+
+def synced_params(model_or_state: Any, like: Mapping, *filters) -> dict:
+    """The weights a ``sync_weights`` call was given, checked against the sampler's own.
+
+    Args:
+      model_or_state: a ``Transformer`` (its ``nnx.state(model, *filters)``), an ``nnx.State``
+        or a nested pure dict of arrays.
+      like: the sampler's parameters as a nested pure dict (arrays or ``ShapeDtypeStruct``s).
+
+    Returns:
+      ``{path: array}`` for every leaf path of ``like``, cast to its dtype; entries of
+      ``model_or_state`` that ``like`` lacks (a trainer's value head) are ignored.
+
+    Raises:
+      ValueError: the input type, a missing parameter or a shape mismatch, naming the path.
+    """
+    src = model_or_state
+    if isinstance(src, nnx.Module):
+        src = nnx.state(src, *filters)
+    if isinstance(src, nnx.State):
+        src = nnx.to_pure_dict(src)
+    if not isinstance(src, Mapping):
+        raise ValueError("sync_weights takes a Transformer, an nnx.State or a pure dict of "
+                         f"arrays, got {type(model_or_state).__name__}")
+    flat = nnx.traversals.flatten_mapping(src)
+    out = {}
+    for path, want in nnx.traversals.flatten_mapping(like).items():
+        name = ".".join(str(p) for p in path)
+        if path not in flat:
+            raise ValueError(f"sync_weights: parameter {name} is missing")
+        x = flat[path]
+        if isinstance(x, nnx.Variable):
+            x = x[...]
+        if tuple(np.shape(x)) != tuple(want.shape):
+            raise ValueError(f"sync_weights: parameter {name} has shape {tuple(np.shape(x))}, "
+                             f"the sampler's model has {tuple(want.shape)}")
+        out[path] = jnp.asarray(x, dtype=want.dtype)
+    return out
 
 
 def _is_int(x) -> bool:

