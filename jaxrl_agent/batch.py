@@ -436,7 +436,7 @@ def _parse_pad_to(pad_to):
     return dict(pad_to)
 
 
-def _assign_shards(group_sizes: list, num_shards: int) -> list:
+def assign_shards(group_sizes: list, num_shards: int) -> list:
     """Whole groups to shards, greedily to the least-loaded shard, in first-seen order."""
     load = [0] * num_shards
     shard_of = []
@@ -502,7 +502,7 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
         group_order.setdefault(tr.group, []).append(i)
         task_index.setdefault(tr.task, len(task_index))
     groups = list(group_order.values())
-    shard_of = _assign_shards([len(g) for g in groups], num_shards)
+    shard_of = assign_shards([len(g) for g in groups], num_shards)
     per_shard = [[] for _ in range(num_shards)]
     for g, s in zip(groups, shard_of):
         per_shard[s].extend(g)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -300,6 +301,12 @@ def cmd_train(args) -> int:
     if args.print_config:
         print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
         return 0
+    from jaxrl_agent.sharding import multihost
+
+    try:  # before anything touches a device: a multi-process job is assembled at backend start
+        multihost.initialize(**dataclasses.asdict(cfg.distributed))
+    except ValueError as e:
+        raise CliError(str(e)) from None
     trainer = Trainer(cfg, resume=args.resume, progress=not args.quiet)
     import signal
 

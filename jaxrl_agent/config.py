@@ -22,6 +22,9 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     sampler:    name (jax | vllm), dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
                 enforce_eager, transfer, probe_every, probe_tol   (``sampler: vllm`` = name only)
     mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
+                rules {}                     (logical axis -> mesh axis overrides of
+                                              sharding.DEFAULT_RULES)
+    distributed: coordinator_address, num_processes, process_id, auto   (multi-host start)
 
 API:
 
@@ -159,6 +162,7 @@ class TrainerSection:
     eval_temperature: float = 1.0
     layout: str = "per_step"
     task_capacity: int = 65536
+    remat: bool = False                # recompute each decoder layer in the backward pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,9 +201,24 @@ class SamplerSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
+    """``data x fsdp x tensor`` devices (``sharding.make_mesh``). The batch is split over data
+    and fsdp; ``rules`` override ``sharding.DEFAULT_RULES`` (logical parameter axis -> mesh
+    axis, a list of them, or null = replicated)."""
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    rules: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    """Multi-process start (``sharding.multihost.initialize``) before any device is touched.
+    Nothing set (and no ``JAXRL_COORDINATOR`` etc. in the environment) = one process.
+    ``auto: true`` lets JAX detect the cluster (TPU pod slices, SLURM, Open MPI)."""
+    coordinator_address: str | None = None   # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +235,7 @@ class RunConfig:
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)
     sampler: SamplerSection = dataclasses.field(default_factory=SamplerSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
 
 
 DECAYS = ("cosine", "constant")
@@ -628,6 +648,24 @@ def validate(cfg: RunConfig) -> RunConfig:
     if m.hf_path is None and axes["tensor"] > 0 and (m.num_kv_heads % axes["tensor"]):
         raise ConfigError(f"mesh.tensor ({axes['tensor']}) must divide model.num_kv_heads "
                           f"({m.num_kv_heads})")
+    from jaxrl_agent.sharding.rules import check_rules
+    try:
+        check_rules(cfg.mesh.rules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    d = cfg.distributed
+    if d.auto and d.coordinator_address:
+        raise ConfigError("distributed: set either auto: true or coordinator_address, not both")
+    if d.coordinator_address is not None:
+        if d.num_processes is None or d.process_id is None:
+            raise ConfigError("distributed.coordinator_address needs distributed.num_processes "
+                              "and distributed.process_id")
+    if d.num_processes is not None and d.num_processes < 1:
+        raise ConfigError(f"distributed.num_processes must be >= 1; got {d.num_processes}")
+    if d.process_id is not None and not (
+            0 <= d.process_id < (d.num_processes or d.process_id + 1)):
+        raise ConfigError(f"distributed.process_id must be in [0, num_processes); got "
+                          f"{d.process_id}")
     return cfg
 
 
@@ -683,7 +721,7 @@ def describe(cfg: RunConfig) -> str:
 
 __all__ = [
     "CheckpointSection", "ConfigError", "EnvSection", "EstimatorSection", "LossSection",
-    "MeshSection", "MetricsSection", "ModelSection", "OptimizerSection", "RolloutSection",
+    "DistributedSection", "MeshSection", "MetricsSection", "ModelSection", "OptimizerSection", "RolloutSection",
     "RunConfig", "SamplerSection", "TrainerSection", "apply_overrides", "check_mesh", "check_paths", "describe",
     "dump_yaml", "from_dict", "load", "parse_override", "read_yaml", "to_dict", "validate",
 ]

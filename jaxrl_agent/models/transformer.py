@@ -215,9 +215,11 @@ class Linear(nnx.Module):
     """``y = x @ kernel (+ bias)``; ``kernel`` is [in, out] (the transpose of HF's weight)."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
-                 rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+                 rngs: nnx.Rngs, axes: tuple = (None, None)):
+        self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), dtype),
+                                logical_axes=tuple(axes))
+        self.bias = (nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes[1],))
+                     if use_bias else None)
 
     def __call__(self, x):
         kernel = self.kernel[...]
@@ -231,8 +233,8 @@ class RMSNorm(nnx.Module):
     """``weight * (x / sqrt(mean(x^2) + eps))``, statistics in float32, result cast back to the
     input dtype before the scale (as HF does)."""
 
-    def __init__(self, dim: int, *, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(self, dim: int, *, eps: float, dtype, axis: str = "norm"):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype), logical_axes=(axis,))
         self.eps = eps
 
     def __call__(self, x):
@@ -243,7 +245,8 @@ class RMSNorm(nnx.Module):
 
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(_normal(rngs, (vocab, dim), dtype))
+        self.embedding = nnx.Param(_normal(rngs, (vocab, dim), dtype),
+                                   logical_axes=("vocab", "embed"))
 
     def __call__(self, tokens):
         # mode="clip": an out-of-range id never produces NaN (the default "fill" would).
@@ -254,9 +257,9 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         dt, b = param_dtype(config), config.mlp_bias
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(d, f, use_bias=b, dtype=dt, rngs=rngs)
-        self.up_proj = Linear(d, f, use_bias=b, dtype=dt, rngs=rngs)
-        self.down_proj = Linear(f, d, use_bias=b, dtype=dt, rngs=rngs)
+        self.gate_proj = Linear(d, f, use_bias=b, dtype=dt, rngs=rngs, axes=("embed", "mlp"))
+        self.up_proj = Linear(d, f, use_bias=b, dtype=dt, rngs=rngs, axes=("embed", "mlp"))
+        self.down_proj = Linear(f, d, use_bias=b, dtype=dt, rngs=rngs, axes=("mlp", "embed"))
 
     def __call__(self, x):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -288,15 +291,16 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_heads,
                                                            config.num_kv_heads, hd)
         self.q_proj = Linear(d, config.num_heads * hd, use_bias=config.qkv_bias, dtype=dt,
-                             rngs=rngs)
+                             rngs=rngs, axes=("embed", "heads"))
         self.k_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.qkv_bias, dtype=dt,
-                             rngs=rngs)
+                             rngs=rngs, axes=("embed", "kv_heads"))
         self.v_proj = Linear(d, config.num_kv_heads * hd, use_bias=config.qkv_bias, dtype=dt,
-                             rngs=rngs)
-        self.o_proj = Linear(config.num_heads * hd, d, use_bias=config.o_bias, dtype=dt, rngs=rngs)
+                             rngs=rngs, axes=("embed", "kv_heads"))
+        self.o_proj = Linear(config.num_heads * hd, d, use_bias=config.o_bias, dtype=dt, rngs=rngs,
+                             axes=("heads", "embed"))
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dt)
-            self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dt)
+            self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dt, axis="head_dim")
+            self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dt, axis="head_dim")
         else:
             self.q_norm = self.k_norm = None
 
@@ -369,9 +373,9 @@ class Transformer(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dt)
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dt,
-                               rngs=rngs))
+                               rngs=rngs, axes=("embed", "vocab")))
         self.value_head = (Linear(config.hidden_size, 1, use_bias=True, dtype=jnp.float32,
-                                  rngs=rngs) if config.value_head else None)
+                                  rngs=rngs, axes=("embed", None)) if config.value_head else None)
 
     # -- pieces the sampler may call directly
 
@@ -402,7 +406,8 @@ class Transformer(nnx.Module):
         return self.value_head(h)[..., 0]
 
     def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
-                 *, compute_logits: bool = True) -> ModelOutput:
+                 *, compute_logits: bool = True, remat: bool = False,
+                 activation_sharding=None) -> ModelOutput:
         """Runs the model.
 
         Args:
@@ -427,6 +432,12 @@ class Transformer(nnx.Module):
             query attends to nothing. One sequence per row (no packing) in cache mode.
           compute_logits: False skips the LM head (``logits`` is None); use
             ``logits_from_hidden`` on the positions you need.
+          remat: recompute each decoder layer in the backward pass instead of storing its
+            activations (training memory; ignored with a cache).
+          activation_sharding: a ``Sharding`` the residual stream ``[B, L, D]`` is constrained
+            to before every layer (the trainer passes batch rows over the mesh's data axes,
+            replicated over ``tensor``: the Megatron layout), so XLA never picks a layout that
+            needs a full rematerialisation to switch. Ignored with a cache.
 
         Returns:
           ``ModelOutput(logits [B,L,V] f32, hidden [B,L,D], values [B,L] f32 or None,
@@ -467,9 +478,16 @@ class Transformer(nnx.Module):
 
         h = self.embed_tokens(tokens)
         new_layers = []
+        remat = remat and cache is None
+        pin = activation_sharding if cache is None else None
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.layers[i]
-            h, new_kv = layer(h, positions, rope, mask, kv, slots)
+            if pin is not None:
+                h = jax.lax.with_sharding_constraint(h, pin)
+            if remat:  # keep only the layer inputs; recompute the rest in the backward pass
+                h, new_kv = nnx.remat(lambda lyr, x: lyr(x, positions, rope, mask))(layer, h)
+            else:
+                h, new_kv = layer(h, positions, rope, mask, kv, slots)
             new_layers.append(new_kv)
         hidden = self.norm(h)
 

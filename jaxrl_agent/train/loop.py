@@ -6,13 +6,21 @@ an uninterrupted one exactly)::
     tasks    = env.sample_tasks(rng(seed, s), tasks_per_step, "train")
     records  = collect_groups(env, tasks, sampler @ policy version s, ...)   # G per task
     records  = refuse_stale(records, version=s, max_lag)                    # whole groups
-    batch    = pack_records(records, layout, num_shards = data * micro_batches)
+    batch    = pack_records(records, layout, num_shards = data * fsdp * micro_batches)
     state    = train_step(state, batch)                                     # version s + 1
     sampler.sync_weights(state.params, version=s + 1)
     log, evaluate (greedy, held-out "test" tasks), checkpoint
 
 Before step 0 of a fresh run: the optional supervised warm-up on solver demonstrations, then a
 held-out evaluation (step 0 of the learning curve).
+
+Sharding: one ``(data, fsdp, tensor)`` mesh (``sharding.make_mesh``); the train state is laid
+out by the partition rules (``mesh.rules``), the batch over ``data x fsdp``. With several
+processes (``distributed:``), every process collects its share of the step's tasks (and eval
+tasks) with its own sampler, the records are exchanged (``multihost.allgather_objects``: a few
+MB of token ids), every process packs the same global batch and puts only its own shards on its
+devices. Checkpoints are written by all processes together (orbax); metrics, plots, the
+run-directory lock and exports belong to process 0.
 """
 
 from __future__ import annotations
@@ -31,11 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_agent import config as config_lib
 from jaxrl_agent import envs, estimators, segments
-from jaxrl_agent.batch import bucket, pack_records
+from jaxrl_agent import sharding
+from jaxrl_agent.sharding import multihost
+from jaxrl_agent.batch import assign_shards, bucket, pack_records
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig, collect_groups
@@ -178,7 +187,7 @@ class Trainer:
         self.progress = progress
         t = cfg.trainer
         self.mesh = self._make_mesh()
-        self.data_shards = self.mesh.shape["data"]
+        self.data_shards = sharding.batch_shards(self.mesh)
         self.model, self.codec, self.model_from = build_model(cfg, t.seed)
         self.env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
         r = cfg.rollout
@@ -207,8 +216,12 @@ class Trainer:
             policy_loss=cfg.loss.policy, policy_params=tuple(sorted(cfg.loss.params.items())),
             agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
             entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
-            micro_batches=t.micro_batches, data_shards=self.data_shards)
-        self.train_step = make_train_step(self.model, self.optimizer, self.step_cfg)
+            micro_batches=t.micro_batches, data_shards=self.data_shards, remat=t.remat)
+        self.rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
+        self.state_shardings = sharding.train_state_shardings(
+            jax.eval_shape(self._init_state), self.optimizer, self.mesh, self.rules)
+        self.train_step = make_train_step(self.model, self.optimizer, self.step_cfg,
+                                          mesh=self.mesh, state_shardings=self.state_shardings)
         self.task_index: dict = {}
         self.checkpointer = Checkpointer(cfg.checkpoint.dir, every=cfg.checkpoint.every,
                                          keep=max(cfg.checkpoint.keep, 1))
@@ -224,46 +237,61 @@ class Trainer:
     # ------------------------------------------------------------------ setup helpers
 
     def _make_mesh(self):
-        devices = jax.devices()
-        m = self.cfg.mesh
-        fixed = m.data * m.fsdp * m.tensor
-        if -1 not in (m.data, m.fsdp, m.tensor) and fixed < len(devices):
-            devices = devices[:fixed]  # an explicit smaller mesh uses the first devices
-        data, fsdp, tensor = config_lib.check_mesh(self.cfg, len(devices))
-        if fsdp != 1 or tensor != 1:
-            raise config_lib.ConfigError(
-                f"mesh.fsdp={fsdp}, mesh.tensor={tensor}: only data parallelism is implemented "
-                "so far (FSDP/tensor partition rules come with the sharding work); set them to 1")
-        # Auto axes: XLA (GSPMD) places the collectives; params replicated, batch rows sharded.
-        return jax.sharding.Mesh(np.asarray(devices[:data]), ("data",))
+        try:
+            return sharding.make_mesh(self.cfg.mesh)
+        except ValueError as e:
+            raise config_lib.ConfigError(str(e)) from None
 
     def _print(self, text: str):
-        if self.progress:
+        if self.progress and multihost.is_main_process():
             if getattr(self, "logger", None) is not None:
                 self.logger.event(text)
             else:
                 print(text, file=self.out, flush=True)
 
-    def _fresh_state(self) -> TrainState:
+    def _init_state(self) -> TrainState:
         est_state = ()
         if self.spec.stateful:
             est_state = self.spec.init_state(self.cfg.trainer.task_capacity)
-        state = init_state(self.model, self.optimizer, seed=self.cfg.trainer.seed,
-                           est_state=est_state, with_reference=self.cfg.loss.kl_coef > 0)
-        return self._place(state)
+        return init_state(self.model, self.optimizer, seed=self.cfg.trainer.seed,
+                          est_state=est_state, with_reference=self.cfg.loss.kl_coef > 0)
 
-    def _place(self, tree):
-        repl = NamedSharding(self.mesh, P())
-        return jax.device_put(tree, repl)
+    def _fresh_state(self) -> TrainState:
+        """A new train state laid out by the partition rules (also the restore target: orbax
+        reads each process's slices straight into this layout)."""
+        return multihost.global_tree(jax.device_get(self._init_state()), self.state_shardings)
 
     def _shard_batch(self, batch):
-        rows = NamedSharding(self.mesh, P("data"))
-        return jax.device_put(batch, rows)
+        return multihost.global_tree(batch, sharding.batch_sharding(self.mesh))
+
+    def layout_summary(self) -> str:
+        """One line on the mesh and how much of the train state each device holds."""
+        m = self.mesh.shape
+        state = jax.eval_shape(self._init_state)
+        total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+        local = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                    for x, s in zip(jax.tree.leaves(state.params),
+                                    jax.tree.leaves(self.state_shardings.params)))
+        return (f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} on "
+                f"{self.mesh.size} x {jax.devices()[0].platform} ({jax.process_count()} "
+                f"process{'es' if jax.process_count() > 1 else ''}); parameters "
+                f"{local / 2**20:.1f} of {total / 2**20:.1f} MiB per device"
+                + (", remat" if self.cfg.trainer.remat else ""))
 
     # ------------------------------------------------------------------ rollouts & eval
 
     def _collect(self, tasks, cfg: RolloutConfig, seed: int):
-        return collect_groups(self.env, tasks, self.sampler, self.codec, cfg, seed=seed)
+        """Rollouts of ``tasks``: each process runs its share with its own sampler; every
+        process gets all records (process order) and the merged statistics."""
+        if jax.process_count() == 1:
+            return collect_groups(self.env, tasks, self.sampler, self.codec, cfg, seed=seed)
+        p = jax.process_index()
+        mine = multihost.process_share(list(tasks))
+        local = (collect_groups(self.env, mine, self.sampler, self.codec, cfg,
+                                seed=seed + 1_000_003 * p) if mine else ([], None))
+        parts = multihost.allgather_objects(local)
+        records = [r for recs, _ in parts for r in recs]
+        return records, _merge_stats([st for _, st in parts if st is not None])
 
     def evaluate(self, step: int) -> dict:
         """Greedy rollouts on the held-out tasks: ``{"eval/success", "eval/reward", ...}``."""
@@ -274,7 +302,10 @@ class Trainer:
                 "eval/invalid": stats["invalid_actions"] / max(stats["trajectories"], 1)}
 
     def _sync(self, state: TrainState):
-        self.sampler.sync_weights(state.params, int(state.step))
+        params = state.params
+        if not all(x.is_fully_replicated for x in jax.tree.leaves(params)):
+            params = multihost.host_gather(params)  # FSDP/TP shards -> whole arrays per host
+        self.sampler.sync_weights(params, int(state.step))
 
     # ------------------------------------------------------------------ warm-up
 
@@ -297,7 +328,7 @@ class Trainer:
         losses = sft_lib.run_sft(self.model, records, steps=t.warmup_sft_steps,
                                  batch_size=t.sft_batch_size, lr=t.sft_lr, layout=t.layout,
                                  seed=step_seed(t.seed, -3, "sft"), on_step=on_step)
-        if self.cfg.checkpoint.warmup_dir:
+        if self.cfg.checkpoint.warmup_dir and multihost.is_main_process():
             from jaxrl_agent.models.hf import save_hf
             save_hf(self.model, None, self.cfg.checkpoint.warmup_dir)
             self._print(f"  warmed-up model saved to {self.cfg.checkpoint.warmup_dir} (HF format)")
@@ -314,7 +345,13 @@ class Trainer:
         shards = self.data_shards * t.micro_batches
         pad_to = None
         if t.layout == "per_step":  # fixed shapes: one compile for the whole run
-            n_traj = shards * math.ceil(bucket(len(records), 8) / shards)
+            # whole groups per shard: with fewer groups than shards some blocks stay empty
+            sizes: dict = {}
+            for r in records:
+                sizes[r["group"]] = sizes.get(r["group"], 0) + 1
+            load = max(np.bincount(assign_shards(list(sizes.values()), shards),
+                                   weights=list(sizes.values())))
+            n_traj = shards * max(math.ceil(bucket(len(records), 8) / shards), int(load))
             k = self.cfg.rollout.max_turns
             longest = max(len(u["observation"]) + len(u["action"])
                           for r in records for u in r["turns"])
@@ -328,19 +365,19 @@ class Trainer:
         return batch
 
     def run(self) -> Summary:
-        lock = _lock_run_dir(self.cfg.checkpoint.dir)
+        lock = _lock_run_dir(self.cfg.checkpoint.dir) if multihost.is_main_process() else None
         try:
             return self._run()
         finally:
-            lock.close()  # releases the lock
+            if lock is not None:
+                lock.close()  # releases the lock
             self.close()
 
     def _run(self) -> Summary:
         cfg, t = self.cfg, self.cfg.trainer
         wall0 = time.time()
         self._print(config_lib.describe(cfg))
-        self._print(f"model: {self.model_from}; devices: {jax.device_count()} x "
-                    f"{jax.devices()[0].platform} (data-parallel {self.data_shards})")
+        self._print(f"model: {self.model_from}; {self.layout_summary()}")
         start, eval_before, eval_after_sft = 0, None, None
         latest = self.checkpointer.latest_step() if self.resume else None
         if self.resume and latest is None:
@@ -412,6 +449,9 @@ class Trainer:
             self.checkpointer.close()
 
     def _open_logger(self, resume_from_step):
+        if not multihost.is_main_process():
+            self.logger = _NullLogger()
+            return
         self.logger = MetricsLogger(self.cfg.metrics.dir, total_steps=self.cfg.trainer.steps,
                                     tensorboard=self.cfg.metrics.tensorboard,
                                     progress=self.progress, stream=self.out,
@@ -472,22 +512,28 @@ class Trainer:
     def _finish(self, state, wall0, eval_before, eval_after_sft, last_eval) -> Summary:
         cfg = self.cfg
         plots = []
-        if cfg.metrics.plots:
+        # Collectives first, on every process; the files below belong to process 0.
+        last_out = getattr(self, "_last_out", None)
+        if last_out is not None and cfg.metrics.plots:
+            last_out = (last_out[0], *multihost.host_gather(last_out[1:]))
+        params = multihost.host_gather(state.params) if cfg.checkpoint.export_dir else None
+        main = multihost.is_main_process()
+        if cfg.metrics.plots and main:
             from jaxrl_agent.train import plots as plots_lib
             rows = read_metrics(self.logger.path)
             d = pathlib.Path(cfg.metrics.dir)
             plots.append(plots_lib.learning_curve(rows, d / "learning_curve.png",
                                                   title=f"{cfg.name}: {cfg.estimator.name} on "
                                                         f"{cfg.env.name}"))
-            if getattr(self, "_last_out", None) is not None:
-                plots.append(plots_lib.credit_picture(credit_trajectories(*self._last_out),
+            if last_out is not None:
+                plots.append(plots_lib.credit_picture(credit_trajectories(*last_out),
                                                       d / "credit.png",
                                                       title=f"per-turn credit "
                                                             f"({cfg.estimator.name})"))
         export = None
-        if cfg.checkpoint.export_dir:
+        if cfg.checkpoint.export_dir and main:
             from jaxrl_agent.models.hf import save_hf
-            nnx.update(self.model, jax.device_get(state.params))
+            nnx.update(self.model, params)
             save_hf(self.model, None, cfg.checkpoint.export_dir)
             export = cfg.checkpoint.export_dir
         wall = time.time() - wall0
@@ -498,7 +544,7 @@ class Trainer:
                             if cfg.trainer.warmup_sft_steps and eval_after_sft is not None else "")
                          + (f", {last_eval:.2f} at the end" if last_eval is not None else ""))
         lines.append(f"  checkpoints: {os.path.abspath(cfg.checkpoint.dir)}")
-        lines.append(f"  metrics:     {os.path.abspath(self.logger.path)}"
+        lines.append(f"  metrics:     {os.path.abspath(self.logger.path or cfg.metrics.dir)}"
                      + (" (+ TensorBoard: tb/)" if cfg.metrics.tensorboard else ""))
         for p in plots:
             lines.append(f"  plot:        {os.path.abspath(p)}")
@@ -507,6 +553,33 @@ class Trainer:
         self._print("\n".join(lines))
         return Summary(int(state.step), eval_before, eval_after_sft, last_eval, wall,
                        cfg.checkpoint.dir, cfg.metrics.dir, [str(p) for p in plots])
+
+
+class _NullLogger:
+    """The metrics logger of processes other than 0 (which owns the files)."""
+
+    path = None
+
+    def log(self, step, metrics):
+        pass
+
+    def event(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def _merge_stats(parts: list) -> dict:
+    """Rollout statistics of several processes as if one collector had run them all."""
+    out = {k: sum(p[k] for p in parts) for k in parts[0]
+           if k not in ("success_rate", "mean_reward", "wall_time_s", "tokens_per_s")}
+    n = out["trajectories"]
+    out["success_rate"] = out["successes"] / n if n else 0.0
+    out["mean_reward"] = sum(p["mean_reward"] * p["trajectories"] for p in parts) / n if n else 0.0
+    out["wall_time_s"] = max(p["wall_time_s"] for p in parts)
+    out["tokens_per_s"] = out["tokens_generated"] / max(out["wall_time_s"], 1e-9)
+    return out
 
 
 def _printable(text: str) -> str:

@@ -10,10 +10,16 @@ One step, for a packed ``TrajectoryBatch``::
 
 where each term is a ``(sum, denominator)`` pair of a registry loss: the denominators are
 those of the whole batch, so the micro-batched gradient equals the one-pass gradient (for
-every aggregation mode, because micro-batches never split a trajectory). Under ``jit`` with a
-batch sharded over the mesh's data axis, XLA reduces the sums across devices (GSPMD); the
-parameters carry their own shardings (replicated by default), so FSDP/TP partition rules only
-change the shardings passed in, not this code.
+every aggregation mode, because micro-batches never split a trajectory).
+
+Sharding (``make_train_step(..., mesh=, state_shardings=)``): the batch rows are split over the
+mesh's ``data x fsdp`` axes with whole task groups per shard, and the parameters and optimizer
+state carry the shardings of ``sharding.rules`` (FSDP along ``embed``, tensor parallelism along
+heads / MLP / vocabulary). XLA (GSPMD) inserts the collectives of the model and the loss. The
+estimator pipeline runs under ``jax.shard_map`` over the batch axes with ``axis_name`` set: group
+statistics stay on their shard, batch-wide ones are reduced across it (the estimators'
+shard-invariance contract). The new state is constrained to the input state's shardings, so
+the layout never drifts between steps.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrl_agent import estimators, losses, segments
+from jaxrl_agent import sharding as sharding_lib
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.losses.kl import entropy_from_logits
 from jaxrl_agent.models.transformer import token_logprobs
@@ -84,7 +92,8 @@ class StepConfig:
     entropy_coef: float = 0.0
     value_coef: float = 0.5
     micro_batches: int = 1
-    data_shards: int = 1
+    remat: bool = False  # recompute each decoder layer in the backward pass
+    data_shards: int = 1  # blocks of the batch (data x fsdp); the packer's num_shards / micro
 
     @property
     def needs_values(self) -> bool:
@@ -136,9 +145,11 @@ def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, se
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward(graphdef, params, rest, tokens, extras, *, want_entropy: bool):
+def _forward(graphdef, params, rest, tokens, extras, *, want_entropy: bool, remat=False,
+             pin=None):
     model = nnx.merge(graphdef, params, rest)
-    out = model(tokens, positions=extras.get("positions"), segment_ids=extras.get("segment_ids"))
+    out = model(tokens, positions=extras.get("positions"), segment_ids=extras.get("segment_ids"),
+                remat=remat, activation_sharding=pin)
     lp = token_logprobs(out.logits, tokens)
     ent = None
     if want_entropy:  # the entropy of the distribution token t was drawn from (logits at t - 1)
@@ -225,11 +236,31 @@ def _token_returns(adv: Advantages, batch: TrajectoryBatch):
     return jnp.zeros(batch.tokens.shape, jnp.float32)
 
 
+def _run_estimator(pipe, est_batch, est_state, stateful: bool, mesh):
+    """The estimator pipeline on the whole batch; under ``shard_map`` over the batch axes when
+    the batch is split (groups are whole per shard, so only batch-wide statistics cross)."""
+    if mesh is None or sharding_lib.batch_shards(mesh) == 1:
+        return pipe(est_batch, state=est_state) if stateful else (pipe(est_batch), est_state)
+    axes = sharding_lib.BATCH_AXES
+    rows = sharding_lib.batch_spec()
+    if stateful:
+        f = lambda b, s: pipe(b, state=s, axis_name=axes)  # noqa: E731
+        return jax.shard_map(f, mesh=mesh, in_specs=(rows, P()),
+                             out_specs=(rows, P()))(est_batch, est_state)
+    f = lambda b: pipe(b, axis_name=axes)  # noqa: E731
+    return jax.shard_map(f, mesh=mesh, in_specs=(rows,), out_specs=rows)(est_batch), est_state
+
+
 def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
-               batch: TrajectoryBatch):
+               batch: TrajectoryBatch, *, mesh=None, state_shardings=None):
     """One update; pure (jit it with ``graphdef``, ``rest``, ``optimizer``, ``cfg`` static, or
-    use ``make_train_step``). Returns ``(new_state, metrics)``."""
-    fwd = functools.partial(_forward, graphdef, rest=rest)
+    use ``make_train_step``). Returns ``(new_state, metrics)``.
+
+    ``mesh``: the batch is split over its ``data x fsdp`` axes (the estimator then runs under
+    ``shard_map``); ``state_shardings``: the shardings the new state is constrained to.
+    """
+    pin = None if mesh is None else NamedSharding(mesh, sharding_lib.batch_spec())
+    fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin)
     spec = estimators.spec(cfg.estimator)
     est_batch = batch
     if cfg.needs_values:
@@ -240,10 +271,7 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
         est_batch = est_batch.replace(extras={**est_batch.extras, "hidden": h,
                                               "state_features": h})
     pipe = estimators.Pipeline((cfg.estimator, cfg.estimator_params), cfg.shaping, cfg.then)
-    if spec.stateful:
-        adv, est_state = pipe(est_batch, state=state.est_state)
-    else:
-        adv, est_state = pipe(est_batch), state.est_state
+    adv, est_state = _run_estimator(pipe, est_batch, state.est_state, spec.stateful, mesh)
     adv_tok = jax.lax.stop_gradient(adv.token)
     returns = _token_returns(adv, batch)
     ref_lp = None
@@ -265,11 +293,14 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     per_row = dict(fields=row_fields, extras=_row_extras(batch.extras, n_rows), adv=adv_tok,
                    returns=returns, ref=ref_lp if ref_lp is not None else zeros)
     split = jax.tree.map(lambda x: _split_rows(x, cfg), per_row)
+    if mesh is not None:  # micro-batch m keeps block m of every shard on that shard
+        mb_rows = NamedSharding(mesh, P(None, sharding_lib.BATCH_AXES))
+        split = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, mb_rows), split)
 
     def micro_loss(params, mbd):
         mb = batch.replace(**mbd["fields"], extras={**batch.extras, **mbd["extras"]})
         lp, ent, values = fwd(params, tokens=mb.tokens, extras=mb.extras,
-                              want_entropy=bool(cfg.entropy_coef))
+                              want_entropy=bool(cfg.entropy_coef), remat=cfg.remat)
         terms = _terms(lp, ent, values, mb, mbd["adv"], mbd["ref"], mbd["returns"], cfg)
         total = sum(coefs[k] * s / jnp.maximum(dens[k], 1.0) for k, (s, _) in terms.items())
         return total, {k: s for k, (s, _) in terms.items()}
@@ -296,6 +327,8 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
         params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
         est_state=keep(est_state, state.est_state), step=state.step + 1,
         rng=jax.random.key_data(rng), skipped=state.skipped + (~finite).astype(jnp.int32))
+    if state_shardings is not None:
+        new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
 
     m = batch.action_mask
     mf = m.astype(jnp.float32)
@@ -311,9 +344,20 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     return new_state, {"metrics": metrics, "advantages": adv}
 
 
-def make_train_step(model: nnx.Module, optimizer, cfg: StepConfig, *, donate: bool = False):
+def make_train_step(model: nnx.Module, optimizer, cfg: StepConfig, *, donate: bool = False,
+                    mesh=None, state_shardings=None):
     """``step(state, batch) -> (state, out)`` jitted; ``model`` supplies the graph and any
-    non-parameter state (e.g. RoPE tables are computed, so usually nothing)."""
+    non-parameter state (e.g. RoPE tables are computed, so usually nothing).
+
+    With ``mesh`` the batch must be split over its ``data x fsdp`` axes into
+    ``cfg.data_shards = data * fsdp`` blocks of whole groups (``pack_records(num_shards=
+    data_shards * micro_batches)``); ``state_shardings`` (``sharding.train_state_shardings``)
+    pins the layout of the returned state.
+    """
+    if mesh is not None and cfg.data_shards != sharding_lib.batch_shards(mesh):
+        raise ValueError(f"StepConfig.data_shards={cfg.data_shards} but the mesh splits the "
+                         f"batch into data*fsdp={sharding_lib.batch_shards(mesh)} blocks")
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-    fn = functools.partial(train_step, graphdef, rest, optimizer, cfg)
+    fn = functools.partial(train_step, graphdef, rest, optimizer, cfg, mesh=mesh,
+                           state_shardings=state_shardings)
     return jax.jit(fn, donate_argnums=(0,) if donate else ())
