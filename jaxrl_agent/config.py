@@ -673,17 +673,15 @@ _semantic_check = validate  # ``load``'s keyword ``validate`` shadows the functi
 
 
 def check_mesh(cfg: RunConfig, num_devices: int) -> tuple[int, int, int]:
-    """Resolved ``(data, fsdp, tensor)`` for ``num_devices``; ``ConfigError`` if they don't fit."""
-    axes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
-    fixed = math.prod(a for a in axes if a != -1)
-    if -1 in axes:
-        if num_devices % fixed:
-            raise ConfigError(f"mesh: fixed axes (product {fixed}) do not divide the "
-                              f"{num_devices} devices")
-        axes[axes.index(-1)] = num_devices // fixed
-    elif fixed != num_devices:
-        raise ConfigError(f"mesh: data*fsdp*tensor = {fixed}, but there are {num_devices} devices")
-    return tuple(axes)
+    """Resolved ``(data, fsdp, tensor)`` for ``num_devices`` (``sharding.resolve_axes``: -1 takes
+    the remaining devices; a smaller explicit mesh uses the first devices); ``ConfigError`` if
+    they don't fit."""
+    from jaxrl_agent.sharding.mesh import resolve_axes
+    try:
+        return resolve_axes(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
+                            num_devices=num_devices)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -70,8 +70,9 @@ def test_tpu_mesh_resolves():
     assert C.check_mesh(C.RunConfig(), 8) == (8, 1, 1)
     fixed = C.from_dict({"mesh": {"data": 2, "fsdp": 2, "tensor": 1}})
     assert C.check_mesh(fixed, 4) == (2, 2, 1)
-    with pytest.raises(C.ConfigError, match="there are 8 devices"):
-        C.check_mesh(fixed, 8)
+    assert C.check_mesh(fixed, 8) == (2, 2, 1)  # a smaller mesh: the first 4 devices
+    with pytest.raises(C.ConfigError, match="only 2 devices"):
+        C.check_mesh(fixed, 2)
 
 
 # --- overrides ---------------------------------------------------------------------------------

@@ -248,9 +248,14 @@ class Embed(nnx.Module):
         self.embedding = nnx.Param(_normal(rngs, (vocab, dim), dtype),
                                    logical_axes=("vocab", "embed"))
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, out_sharding=None):
+        table = self.embedding[...]
+        if out_sharding is not None:  # gather the whole table first (FSDP: weights per use), so
+            # the lookup comes out in the rows' layout, not split along the embedding dimension
+            table = jax.lax.with_sharding_constraint(
+                table, jax.sharding.NamedSharding(out_sharding.mesh, jax.sharding.PartitionSpec()))
         # mode="clip": an out-of-range id never produces NaN (the default "fill" would).
-        return jnp.take(self.embedding[...], tokens, axis=0, mode="clip")
+        return jnp.take(table, tokens, axis=0, mode="clip")
 
 
 class MLP(nnx.Module):
@@ -476,10 +481,10 @@ class Transformer(nnx.Module):
                                              cfg.rope_scaling["rope_type"] == "dynamic") else None
         rope = rope_frequencies(cfg, seq_len)
 
-        h = self.embed_tokens(tokens)
+        pin = activation_sharding if cache is None else None
+        h = self.embed_tokens(tokens, pin)
         new_layers = []
         remat = remat and cache is None
-        pin = activation_sharding if cache is None else None
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache.layers[i]
             if pin is not None:

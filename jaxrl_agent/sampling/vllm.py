@@ -296,8 +296,9 @@ class VllmSampler:
         if self.transfer == "dlpack":
             for k in names:
                 x = tensors[k]
-                if len(x.devices()) > 1:    # replicated over a mesh: one device's copy
-                    x = x.addressable_shards[0].data
+                if len(x.devices()) > 1:    # on a mesh: one device's copy (gathered if split)
+                    x = (x.addressable_shards[0].data if x.is_fully_replicated
+                         else jax.device_put(x, x.addressable_shards[0].device))
                 yield k, torch.utils.dlpack.from_dlpack(x)
             return
         i = 0

@@ -189,6 +189,11 @@ class Trainer:
         self.mesh = self._make_mesh()
         self.data_shards = sharding.batch_shards(self.mesh)
         self.model, self.codec, self.model_from = build_model(cfg, t.seed)
+        mc, tp = self.model.config, self.mesh.shape["tensor"]
+        if mc.num_heads % tp or mc.num_kv_heads % tp:  # also HF models (validate can't see them)
+            raise config_lib.ConfigError(
+                f"mesh.tensor={tp} must divide the model's attention heads ({mc.num_heads}) and "
+                f"key/value heads ({mc.num_kv_heads}), so no head is split across devices")
         self.env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
         r = cfg.rollout
         bos = getattr(self.codec, "bos_token_id", None)

@@ -1,0 +1,100 @@
+"""``jaxrl-agent train`` as a two-process job (2 processes x 4 CPU devices on localhost), then
+resumed by one process with 8 devices on another layout.
+
+What it pins down: both processes finish; only process 0 writes metrics and prints; the
+checkpoint written by both processes together restores into a single process and a
+different mesh, and the run continues from it.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
+        "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
+        "rollout.tasks_per_step=4", "rollout.group_size=2", "rollout.max_turns=4",
+        "rollout.max_new_tokens=8", "rollout.history=last", "trainer.layout=per_step",
+        "trainer.eval_tasks=4", "trainer.eval_every=2", "trainer.warmup_sft_steps=0",
+        "metrics.tensorboard=false", "metrics.plots=false", "checkpoint.every=1",
+        "optimizer.warmup_steps=0", "checkpoint.warmup_dir=null"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _args(d: Path, *extra: str) -> list:
+    sets = TINY + [f"checkpoint.dir={d}/ckpt", f"metrics.dir={d}/metrics",
+                   f"model.builtin_dir={d}/base", f"checkpoint.export_dir={d}/final", *extra]
+    return ([sys.executable, "-m", "jaxrl_agent.cli", "train"]
+            + [a for s in sets for a in ("--set", s)])
+
+
+def _env(devices: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXRL_")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               **extra)
+    return env
+
+
+def _wait(procs, logs, timeout):
+    start, codes = time.monotonic(), []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=max(1.0, timeout - (time.monotonic() - start))))
+    except subprocess.TimeoutExpired:
+        codes.append("timeout")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = [Path(f).read_text() for f in logs]
+    tails = "\n".join(f"--- process {i} ---\n{t[-3000:]}" for i, t in enumerate(texts))
+    assert codes == [0] * len(procs), f"exit codes {codes}\n{tails}"
+    return texts
+
+
+@pytest.mark.slow
+def test_two_process_training_then_single_process_resume(tmp_path):
+    port = _free_port()
+    mesh = ["mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=2", "trainer.steps=2"]
+    procs, logs = [], []
+    for pid in range(2):
+        log = tmp_path / f"p{pid}.log"
+        logs.append(log)
+        env = _env(4, JAXRL_COORDINATOR=f"localhost:{port}", JAXRL_NUM_PROCESSES="2",
+                   JAXRL_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen(_args(tmp_path, *mesh), env=env, cwd=tmp_path,
+                                      stdout=open(log, "w"), stderr=subprocess.STDOUT))
+    p0, p1 = _wait(procs, logs, timeout=400)
+    assert "mesh data=2 fsdp=2 tensor=2 on 8 x cpu (2 processes)" in p0
+    assert "done: 2 steps" in p0 and "done:" not in p1  # process 0 reports, 1 stays quiet
+    rows = [json.loads(x) for x in (tmp_path / "metrics" / "metrics.jsonl").read_text().split("\n")
+            if x.strip()]
+    steps = [r["step"] for r in rows if "train/loss" in r]
+    assert steps == [1, 2]  # written once, by process 0
+    assert (tmp_path / "final" / "config.json").exists()
+    assert (tmp_path / "ckpt" / "2").is_dir()
+
+    # one process, 8 devices, another layout: restore the two-process checkpoint, go on
+    log = tmp_path / "resume.log"
+    proc = subprocess.Popen(_args(tmp_path, "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1",
+                                  "trainer.steps=3") + ["--resume"], env=_env(8), cwd=tmp_path,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    (out,) = _wait([proc], [log], timeout=300)
+    assert "resumed from" in out and "at step 2" in out and "done: 3 steps" in out
+    rows = [json.loads(x) for x in (tmp_path / "metrics" / "metrics.jsonl").read_text().split("\n")
+            if x.strip()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
