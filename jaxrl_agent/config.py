@@ -635,6 +635,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _positive(cfg.checkpoint, "checkpoint", "every", "keep", allow_zero=True)
     if not cfg.checkpoint.dir:
         raise ConfigError("checkpoint.dir must be a non-empty path")
+    if "://" in cfg.checkpoint.dir:
+        raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir!r}: URLs (gs://, s3://) are not "
+                          "supported yet; mount the bucket (e.g. gcsfuse) and give its path")
     if not cfg.metrics.dir:
         raise ConfigError("metrics.dir must be a non-empty path")
 
@@ -653,13 +656,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         check_rules(cfg.mesh.rules)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    # Completeness (coordinator + count + id) is checked after the environment is merged in
+    # (sharding.multihost.resolve_settings): one shared YAML + $JAXRL_PROCESS_ID per host is
+    # the usual set-up.
     d = cfg.distributed
-    if d.auto and d.coordinator_address:
-        raise ConfigError("distributed: set either auto: true or coordinator_address, not both")
-    if d.coordinator_address is not None:
-        if d.num_processes is None or d.process_id is None:
-            raise ConfigError("distributed.coordinator_address needs distributed.num_processes "
-                              "and distributed.process_id")
     if d.num_processes is not None and d.num_processes < 1:
         raise ConfigError(f"distributed.num_processes must be >= 1; got {d.num_processes}")
     if d.process_id is not None and not (

@@ -1,5 +1,8 @@
-"""``jaxrl-agent train`` as a two-process job (2 processes x 4 CPU devices on localhost), then
-resumed by one process with 8 devices on another layout.
+"""``jaxrl-agent train`` as a two-process job (2 processes x 4 CPU devices on localhost, pure
+data parallelism: parameters replicated across hosts), then resumed by one process with 8
+devices on a data x fsdp x tensor = 2 x 2 x 2 layout. (Parameters split across hosts are
+covered by the child of test_multihost.py: a matmul with the weight split across hosts and
+``host_gather``.)
 
 What it pins down: both processes finish; only process 0 writes metrics and prints; the
 checkpoint written by both processes together restores into a single process and a
@@ -69,7 +72,8 @@ def _wait(procs, logs, timeout):
 @pytest.mark.slow
 def test_two_process_training_then_single_process_resume(tmp_path):
     port = _free_port()
-    mesh = ["mesh.data=-1", "mesh.fsdp=2", "mesh.tensor=2", "trainer.steps=2"]
+    # pure data parallelism (the default mesh): parameters replicated across the two hosts
+    mesh = ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1", "trainer.steps=2"]
     procs, logs = [], []
     for pid in range(2):
         log = tmp_path / f"p{pid}.log"
@@ -79,7 +83,7 @@ def test_two_process_training_then_single_process_resume(tmp_path):
         procs.append(subprocess.Popen(_args(tmp_path, *mesh), env=env, cwd=tmp_path,
                                       stdout=open(log, "w"), stderr=subprocess.STDOUT))
     p0, p1 = _wait(procs, logs, timeout=400)
-    assert "mesh data=2 fsdp=2 tensor=2 on 8 x cpu (2 processes)" in p0
+    assert "mesh data=8 fsdp=1 tensor=1 on 8 x cpu (2 processes)" in p0
     assert "done: 2 steps" in p0 and "done:" not in p1  # process 0 reports, 1 stays quiet
     rows = [json.loads(x) for x in (tmp_path / "metrics" / "metrics.jsonl").read_text().split("\n")
             if x.strip()]
@@ -90,7 +94,7 @@ def test_two_process_training_then_single_process_resume(tmp_path):
 
     # one process, 8 devices, another layout: restore the two-process checkpoint, go on
     log = tmp_path / "resume.log"
-    proc = subprocess.Popen(_args(tmp_path, "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1",
+    proc = subprocess.Popen(_args(tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
                                   "trainer.steps=3") + ["--resume"], env=_env(8), cwd=tmp_path,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     (out,) = _wait([proc], [log], timeout=300)

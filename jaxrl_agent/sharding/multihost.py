@@ -338,6 +338,24 @@ def _full_value(x: Any) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def broadcast_from_main(tree: Any) -> Any:
+    """Process 0's value of a pytree of host arrays, on every process (collective); the tree
+    itself in a single process. For state every process computed on its own (the supervised
+    warm-up), so "replicated" copies can never silently disagree."""
+    if jax.process_count() == 1:
+        return tree
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
+def agree(value: Any) -> Any:
+    """Process 0's value of a small Python object on every process (collective; the value
+    itself in a single process). Decisions taken from a shared file system (which checkpoint
+    to resume, whether one exists) are agreed on before anyone acts on them."""
+    if jax.process_count() == 1:
+        return value
+    return allgather_objects(value)[0]
+
+
 def host_gather(tree: Any) -> Any:
     """The full value of every leaf of ``tree`` as numpy, on every process.
 

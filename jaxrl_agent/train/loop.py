@@ -26,6 +26,7 @@ run-directory lock and exports belong to process 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -52,8 +53,8 @@ from jaxrl_agent.sampling.jax_sampler import JaxSampler
 from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
-from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, make_optimizer,
-                                    make_train_step)
+from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
+                                    make_optimizer, make_train_step)
 
 __all__ = ["Trainer", "build_sampler", "StaleBatchError", "refuse_stale", "step_seed", "build_model"]
 
@@ -132,8 +133,9 @@ def build_model(cfg: config_lib.RunConfig, seed: int):
                 f"model.builtin_dir {str(folder)!r} holds a model with {same}, but the config "
                 f"asks for {want}; point model.builtin_dir elsewhere or delete that folder")
         return model, codec, f"{folder} (built-in, loaded)"
-    model = Transformer(mc, rngs=nnx.Rngs(seed))
-    save_hf(model, mc, str(folder))
+    model = Transformer(mc, rngs=nnx.Rngs(seed))  # the same weights on every process (seeded)
+    if multihost.is_main_process():
+        save_hf(model, mc, str(folder))
     return model, codec, f"{folder} (built-in, created now)"
 
 
@@ -262,9 +264,24 @@ class Trainer:
                           est_state=est_state, with_reference=self.cfg.loss.kl_coef > 0)
 
     def _fresh_state(self) -> TrainState:
-        """A new train state laid out by the partition rules (also the restore target: orbax
-        reads each process's slices straight into this layout)."""
-        return multihost.global_tree(jax.device_get(self._init_state()), self.state_shardings)
+        """A new train state laid out by the partition rules: the parameters are placed shard
+        by shard, and the optimizer state (and KL reference) are created already sharded."""
+        params = multihost.global_tree(jax.device_get(nnx.state(self.model, nnx.Param)),
+                                       self.state_shardings.params)
+        est_state = (self.spec.init_state(self.cfg.trainer.task_capacity)
+                     if self.spec.stateful else ())
+        init = functools.partial(init_state_from_params, optimizer=self.optimizer,
+                                 seed=self.cfg.trainer.seed,
+                                 with_reference=self.cfg.loss.kl_coef > 0)
+        return jax.jit(init, out_shardings=self.state_shardings)(
+            params, est_state=multihost.global_tree(jax.device_get(est_state),
+                                                    sharding.replicated(self.mesh)))
+
+    def _restore_target(self):
+        """Shapes, dtypes and shardings of the train state (nothing allocated): orbax reads each
+        process's slices straight into this layout."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            jax.eval_shape(self._init_state), self.state_shardings)
 
     def _shard_batch(self, batch):
         return multihost.global_tree(batch, sharding.batch_sharding(self.mesh))
@@ -292,9 +309,16 @@ class Trainer:
             return collect_groups(self.env, tasks, self.sampler, self.codec, cfg, seed=seed)
         p = jax.process_index()
         mine = multihost.process_share(list(tasks))
-        local = (collect_groups(self.env, mine, self.sampler, self.codec, cfg,
-                                seed=seed + 1_000_003 * p) if mine else ([], None))
+        try:
+            local = (collect_groups(self.env, mine, self.sampler, self.codec, cfg,
+                                    seed=seed + 1_000_003 * p) if mine else ([], None))
+        except Exception as e:  # tell the others, or they wait in the all-gather forever
+            local = f"{type(e).__name__}: {e}"
         parts = multihost.allgather_objects(local)
+        failed = [(i, x) for i, x in enumerate(parts) if isinstance(x, str)]
+        if failed:
+            raise RuntimeError("rollout collection failed on process(es) "
+                               + "; ".join(f"{i}: {msg}" for i, msg in failed))
         records = [r for recs, _ in parts for r in recs]
         return records, _merge_stats([st for _, st in parts if st is not None])
 
@@ -308,8 +332,10 @@ class Trainer:
 
     def _sync(self, state: TrainState):
         params = state.params
-        if not all(x.is_fully_replicated for x in jax.tree.leaves(params)):
-            params = multihost.host_gather(params)  # FSDP/TP shards -> whole arrays per host
+        if jax.process_count() > 1:  # whole arrays on every host (local copy when replicated)
+            params = multihost.host_gather(params)
+        elif not all(x.is_fully_replicated for x in jax.tree.leaves(params)):
+            params = jax.device_put(params, sharding.replicated(self.mesh))  # on-device gather
         self.sampler.sync_weights(params, int(state.step))
 
     # ------------------------------------------------------------------ warm-up
@@ -337,6 +363,9 @@ class Trainer:
             from jaxrl_agent.models.hf import save_hf
             save_hf(self.model, None, self.cfg.checkpoint.warmup_dir)
             self._print(f"  warmed-up model saved to {self.cfg.checkpoint.warmup_dir} (HF format)")
+        # every process trained its own copy: take process 0's, so replicas can never disagree
+        nnx.update(self.model, multihost.broadcast_from_main(
+            jax.device_get(nnx.state(self.model, nnx.Param))))
         return losses
 
     # ------------------------------------------------------------------ the loop
@@ -370,7 +399,16 @@ class Trainer:
         return batch
 
     def run(self) -> Summary:
-        lock = _lock_run_dir(self.cfg.checkpoint.dir) if multihost.is_main_process() else None
+        lock, err = None, None
+        if multihost.is_main_process():
+            try:
+                lock = _lock_run_dir(self.cfg.checkpoint.dir)
+            except RunLockedError as e:
+                err = str(e)
+        err = multihost.agree(err)  # every process stops, not only process 0
+        if err is not None:
+            self.close()
+            raise RunLockedError(err)
         try:
             return self._run()
         finally:
@@ -384,17 +422,18 @@ class Trainer:
         self._print(config_lib.describe(cfg))
         self._print(f"model: {self.model_from}; {self.layout_summary()}")
         start, eval_before, eval_after_sft = 0, None, None
-        latest = self.checkpointer.latest_step() if self.resume else None
+        # decided by process 0 (file systems may lag on other hosts), acted on by all
+        latest = multihost.agree(self.checkpointer.latest_step() if self.resume else None)
         if self.resume and latest is None:
             self._print(f"--resume: no checkpoint in {cfg.checkpoint.dir}; starting fresh")
         if latest is not None:
-            state, meta = self.checkpointer.restore(self._fresh_state(), latest)
+            state, meta = self.checkpointer.restore(self._restore_target(), latest)
             self._check_resume_config(meta)
             self.task_index = {k: int(v) for k, v in meta.get("task_index", {}).items()}
             start = int(meta["step"])
             eval_before, eval_after_sft = meta.get("eval_before"), meta.get("eval_after_sft")
             self._print(f"resumed from {cfg.checkpoint.dir} at step {start}")
-        elif self.checkpointer.all_steps():  # never overwrite another run's checkpoints
+        elif multihost.agree(self.checkpointer.all_steps()):  # never overwrite another run's
             raise config_lib.ConfigError(
                 f"{cfg.checkpoint.dir} already holds checkpoints {self.checkpointer.all_steps()}: "
                 "pass --resume to continue that run, or use another checkpoint.dir")
@@ -440,7 +479,10 @@ class Trainer:
         except BaseException as e:
             # "at exit": keep the newest finished step (its metrics are written, so a resume
             # continues exactly after it).
-            if done is not None and done[0] not in self.checkpointer.all_steps():
+            # (single process only: orbax saves are collective, and the other processes of a
+            # multi-host job are not here; they keep the periodic checkpoints)
+            if (done is not None and jax.process_count() == 1
+                    and done[0] not in self.checkpointer.all_steps()):
                 self.checkpointer.save(done[0], done[1], self._meta(done[0], extra), force=True)
             if isinstance(e, KeyboardInterrupt):
                 newest = self.checkpointer.latest_step()
@@ -633,12 +675,17 @@ def evaluate_checkpoint(directory, *, step: int | None = None, num_tasks: int | 
     if latest_step(directory) is None:
         raise FileNotFoundError(f"no complete checkpoint in {directory}")
     meta = read_meta(directory, step)
-    d = config_lib.apply_overrides(meta["config"], overrides)
+    d = dict(meta["config"])
+    # evaluate on this machine's devices: one process, data-parallel (the run may have used a
+    # bigger mesh or several hosts); overrides can still set them
+    d["mesh"] = {"data": -1, "fsdp": 1, "tensor": 1, "rules": d.get("mesh", {}).get("rules", {})}
+    d["distributed"] = {}
+    d = config_lib.apply_overrides(d, overrides)
     d["checkpoint"] = dict(d["checkpoint"], dir=directory)
     cfg = config_lib.from_dict(d)
     trainer = Trainer(cfg, resume=True, progress=False)
     try:
-        state, meta = trainer.checkpointer.restore(trainer._fresh_state(), step)
+        state, meta = trainer.checkpointer.restore(trainer._restore_target(), step)
         trainer._sync(state)
         if num_tasks is not None or split != "test":
             n = num_tasks if num_tasks is not None else cfg.trainer.eval_tasks

@@ -134,7 +134,14 @@ def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay:
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, seed: int,
                est_state=(), with_reference: bool = False) -> TrainState:
-    params = nnx.state(model, nnx.Param)
+    return init_state_from_params(nnx.state(model, nnx.Param), optimizer, seed=seed,
+                                  est_state=est_state, with_reference=with_reference)
+
+
+def init_state_from_params(params, optimizer: optax.GradientTransformation, *, seed: int,
+                           est_state=(), with_reference: bool = False) -> TrainState:
+    """``init_state`` from the parameters (an ``nnx.State``); jit it with ``out_shardings`` to
+    create the optimizer state (and reference copy) directly in its sharded layout."""
     return TrainState(
         params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)), est_state=est_state,
