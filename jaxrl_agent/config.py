@@ -8,7 +8,7 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
                 value_head, value_stop_gradient
     env:        name, kwargs {}
     rollout:    tasks_per_step, group_size, max_turns, max_new_tokens, max_context_tokens,
-                temperature, top_k, top_p, on_invalid
+                temperature, top_k, top_p, on_invalid, history, bos, branch_turns, branch_factor
     estimator:  name, params {}              (params keys = estimators.spec(name).hyper_params)
                 shaping [], then []          (stages {name, params} or a bare name: reward
                                               shaping before the estimator, credit
@@ -16,7 +16,7 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     loss:       policy, params {}, agg, kl_coef, kl_estimator, entropy_coef, value_coef
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
     trainer:    steps, micro_batches, max_policy_lag, seed, warmup_sft_steps, eval_every,
-                eval_tasks, layout
+                eval_tasks, layout, prefix_sharing, prefix_tree_len
     checkpoint: dir, every, keep
     metrics:    dir, tensorboard, plots
     sampler:    name (jax | vllm), dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
@@ -102,7 +102,9 @@ class EnvSection:
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """Mirrors ``rollout.collect.RolloutConfig``; a step samples ``tasks_per_step * group_size``
-    trajectories."""
+    trajectories, times up to ``branch_factor ** len(branch_turns)`` with tree rollouts (every
+    live trajectory forks into ``branch_factor`` copies at the start of each turn in
+    ``branch_turns``; docs/training.md)."""
     tasks_per_step: int = 4
     group_size: int = 8
     max_turns: int = 12
@@ -114,6 +116,8 @@ class RolloutSection:
     on_invalid: str = "penalise"
     history: str = "last"
     bos: bool = True
+    branch_turns: list = dataclasses.field(default_factory=list)  # distinct turns in [0, max_turns)
+    branch_factor: int = 1                                          # copies per branch; 1 = no tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +167,10 @@ class TrainerSection:
     layout: str = "per_step"
     task_capacity: int = 65536
     remat: bool = False                # recompute each decoder layer in the backward pass
+    # Train each packed prefix tree once: one forward/backward per rollout tree, exact
+    # per-trajectory results; see docs/training.md.
+    prefix_sharing: bool = False
+    prefix_tree_len: int = 0           # packed prefix-tree row length; 0 = auto (T * 2^k, <= 8 T)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,6 +450,18 @@ def _positive(section, prefix, *names, allow_zero=False):
             raise ConfigError(f"{prefix}.{n} must be {need}; got {v!r}")
 
 
+def _check_branching(r: "RolloutSection") -> None:
+    """``rollout.branch_turns``: distinct ints in ``[0, max_turns)``; ``branch_factor >= 1``."""
+    turns = r.branch_turns
+    if not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k < r.max_turns
+               for k in turns) or len(set(turns)) != len(turns):
+        raise ConfigError(f"rollout.branch_turns must be distinct ints in [0, rollout.max_turns) "
+                          f"= [0, {r.max_turns}); got {turns!r}")
+    if r.branch_factor < 1:
+        raise ConfigError(f"rollout.branch_factor must be >= 1 (1 = no branching); got "
+                          f"{r.branch_factor!r}")
+
+
 def _check_params(params: dict, allowed, key: str, what: str):
     bad = sorted(set(params) - set(allowed))
     if bad:
@@ -565,6 +585,7 @@ def validate(cfg: RunConfig) -> RunConfig:
                           f"rollout.max_context_tokens ({r.max_context_tokens})")
     _choice(r.on_invalid, ON_INVALID, "rollout.on_invalid")
     _choice(r.history, HISTORY_MODES, "rollout.history")
+    _check_branching(r)
 
     est = cfg.estimator
     known = estimators.names()
@@ -609,6 +630,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _choice(t.layout, LAYOUTS, "trainer.layout")
     _positive(t, "trainer", "eval_temperature", allow_zero=True)
     _positive(t, "trainer", "sft_batch_size", "sft_lr", "sft_tasks", "task_capacity")
+    _positive(t, "trainer", "prefix_tree_len", allow_zero=True)
     if r.history == "last" and t.layout != "per_step":
         raise ConfigError("rollout.history 'last' (prompts hold only the newest observation) "
                           "needs trainer.layout: per_step, whose rows are exactly those prompts; "
@@ -700,15 +722,18 @@ def describe(cfg: RunConfig) -> str:
     pre = [n for n, _ in stages(cfg.estimator, "shaping")]
     post = [n for n, _ in stages(cfg.estimator, "then")]
     est = " -> ".join(pre + [est] + post)
+    tree = (f", branch x{r.branch_factor} at turns {sorted(r.branch_turns)}"
+            if r.branch_turns and r.branch_factor > 1 else "")
     kl = f", kl {lo.kl_estimator}*{lo.kl_coef:g}" if lo.kl_coef else ""
     ent = f", entropy*{lo.entropy_coef:g}" if lo.entropy_coef else ""
     return "\n".join([
-        f"run {cfg.name!r}: {t.steps} steps, seed {t.seed}, layout {t.layout}",
+        f"run {cfg.name!r}: {t.steps} steps, seed {t.seed}, layout {t.layout}"
+        + (", prefix sharing" if t.prefix_sharing else ""),
         f"  model     {model}, {m.dtype}" + (", value head" if m.value_head else ""),
         f"  env       {cfg.env.name}" + (f" {cfg.env.kwargs}" if cfg.env.kwargs else ""),
         f"  rollout   {r.tasks_per_step} tasks x {r.group_size} = "
         f"{r.tasks_per_step * r.group_size} traj/step, <= {r.max_turns} turns, "
-        f"{r.max_new_tokens} new tokens/turn, T={r.temperature:g}",
+        f"{r.max_new_tokens} new tokens/turn, T={r.temperature:g}{tree}",
         f"  estimator {est}",
         f"  loss      {lo.policy} ({lo.agg}){kl}{ent}",
         f"  sampler   {cfg.sampler.name}",

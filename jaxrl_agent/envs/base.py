@@ -10,6 +10,7 @@ Protocol (``Env``)::
     env.solver()                          # optimal/scripted action text for the current state
     env.sample_tasks(rng, n, split)       # disjoint "train" / "test" task sets
     env.clone()                           # a fresh, un-reset copy with the same configuration
+    env.fork()                            # a copy in the same mid-episode state (tree rollouts)
 
 ``info`` keys (all optional except ``state_key``, which every built-in env sets on every step):
 ``state_key`` (str), ``success`` (bool, on the terminal step), ``invalid_action`` (bool),
@@ -21,6 +22,7 @@ Protocol (``Env``)::
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import hashlib
 import threading
@@ -154,6 +156,17 @@ class Env(abc.ABC):
     def clone(self) -> "Env":
         """A fresh copy with the same configuration (not reset)."""
         return type(self)(**self._config())
+
+    def fork(self) -> "Env":
+        """A copy in the current (mid-episode) state: stepping either with the same action gives
+        the same result, and stepping one never changes the other. The rollout collector forks
+        trajectories with it (tree rollouts, ``RolloutConfig.branch_turns``).
+
+        The default is ``copy.deepcopy`` with the task shared (tasks are immutable by
+        contract). Override it in envs that hold resources a deep copy cannot duplicate
+        (sockets, processes, server sessions, device handles), or raise
+        ``NotImplementedError`` there when the state cannot be forked."""
+        return copy.deepcopy(self, {id(self.task): self.task})
 
     def reset(self, task: Task) -> tuple[str, dict]:
         if not isinstance(task, Task) or task.family != self.family:
@@ -323,7 +336,13 @@ class SafeEnv:
     - Invalid (unparsable) actions are the inner env's business (``invalid_penalty``,
       ``invalid_ends``); they are counted here in ``stats["invalid"]``.
 
-    ``stats`` counts ``errors``, ``timeouts``, ``invalid`` and ``steps`` over the wrapper's life.
+    - ``fork()`` forks the wrapped env (``Env.fork``) into a new wrapper with the same
+      settings. A fork that raises (or times out, or an env without ``fork``) gives a wrapper
+      whose ``fork_error`` holds the message and whose next ``step`` returns the terminal error
+      result; the original wrapper and env are unaffected.
+
+    ``stats`` counts ``errors``, ``timeouts``, ``invalid`` and ``steps`` over the wrapper's life
+    (a fork starts with its own, zero counts).
     """
 
     def __init__(self, env, error_reward: float = 0.0, step_timeout: float | None = None,
@@ -337,6 +356,7 @@ class SafeEnv:
         self.error_observation = error_observation
         self.stats = {"errors": 0, "timeouts": 0, "invalid": 0, "steps": 0}
         self.broken = False
+        self.fork_error: str | None = None
         self._done = True
 
     def __getattr__(self, name):  # max_turns, solver, sample_tasks, family, ...
@@ -347,6 +367,28 @@ class SafeEnv:
     def clone(self) -> "SafeEnv":
         return SafeEnv(self.env.clone(), self.error_reward, self.step_timeout, self.timeout_mode,
                        self.error_observation)
+
+    def fork(self) -> "SafeEnv":
+        """A wrapper with the same settings around ``env.fork()``, in the same episode state;
+        on failure one whose ``fork_error`` is set (class docstring)."""
+        if self.broken:
+            kind, value = "error", "RuntimeError: env abandoned after a timeout"
+        elif getattr(self, "_pending", None) is not None or self._done:
+            kind, value = "error", "RuntimeError: fork after the episode ended"
+        else:
+            kind, value = self._call(_fork_env, self.env)
+            self.broken = False  # an abandoned slow fork leaves this env usable
+        if kind == "ok":
+            out = SafeEnv(value, self.error_reward, self.step_timeout, self.timeout_mode,
+                          self.error_observation)
+            out._done = False
+            return out
+        out = SafeEnv(self.env, self.error_reward, self.step_timeout, self.timeout_mode,
+                      self.error_observation)
+        out.broken = True  # never calls the shared env
+        out._pending = out._fail(kind, value)
+        out.fork_error = value
+        return out
 
     def _call(self, fn, *args):
         """Returns ("ok", value) | ("error", msg) | ("timeout", msg)."""
@@ -411,3 +453,10 @@ class SafeEnv:
             self.stats["invalid"] += 1
         self._done = value.done
         return value
+
+
+def _fork_env(env):
+    fork = getattr(env, "fork", None)
+    if fork is None:
+        raise TypeError(f"{type(env).__name__} has no fork(); tree rollouts need Env.fork")
+    return fork()

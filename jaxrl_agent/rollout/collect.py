@@ -21,10 +21,19 @@ env's terminal ``info["success"]``; this is what learning curves should use), ``
 (min over the turns), ``env_error`` (str or None), ``invalid`` (count of invalid actions),
 ``truncated`` (bool: ended by the env's or the config's ``max_turns`` or by the context limit),
 ``context_truncated`` (bool), ``num_turns``. ``pack_records`` ignores the extra fields.
+
+Tree rollouts (``branch_turns``, ``branch_factor``): at the start of every turn ``k`` in
+``branch_turns`` each live trajectory of a task forks into ``branch_factor`` copies (itself and
+``branch_factor - 1`` forks, ``Env.fork``) that share everything recorded so far and continue
+independently. The turns of a fork before the branch turn are token-for-token (and key-for-key)
+those of its parent, as independent copies; with ``history="full"`` its prompt at the branch
+turn is its parent's. A task then yields up to ``G * branch_factor ** len(branch_turns)``
+trajectories, all in one group (a trajectory that ended earlier is not forked).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import time
@@ -107,6 +116,12 @@ class RolloutConfig:
         rows are then exactly what the sampler saw).
       prompt_prefix: token ids put before the first observation (``"full"``) or before every
         observation (``"last"``), e.g. a BOS token; recorded as part of the observation.
+      branch_turns: the turns (0-based, each ``< max_turns``) at whose start every live
+        trajectory forks (tree rollouts); stored sorted. ``()`` = no branching.
+      branch_factor: ``K``, the copies a trajectory becomes at a branch turn (itself and
+        ``K - 1`` forks). ``group_size`` stays the number of independent roots per task, so a
+        task yields up to ``group_size * K ** len(branch_turns)`` trajectories. ``K = 1`` or no
+        ``branch_turns`` collects exactly as without them.
     """
 
     group_size: int = 8
@@ -121,6 +136,8 @@ class RolloutConfig:
     observation_template: str = "{observation}\n"
     history: str = "full"
     prompt_prefix: tuple[int, ...] = ()
+    branch_turns: tuple[int, ...] = ()
+    branch_factor: int = 1
 
     def __post_init__(self):
         for name in ("group_size", "max_turns", "max_new_tokens", "max_context_tokens"):
@@ -136,6 +153,30 @@ class RolloutConfig:
         object.__setattr__(self, "prompt_prefix", tuple(int(i) for i in self.prompt_prefix))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in self.stop_token_ids))
+        object.__setattr__(self, "branch_turns", _check_branch_turns(self.branch_turns,
+                                                                     self.max_turns))
+        k = self.branch_factor
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"RolloutConfig.branch_factor must be an int >= 1, got {k!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_branch_turns(turns, max_turns: int) -> tuple[int, ...]:
+    """``turns`` as a sorted tuple, or ValueError unless they are distinct ints in
+    ``[0, max_turns)``."""
+    try:
+        turns = tuple(turns)
+    except TypeError:
+        raise ValueError(f"RolloutConfig.branch_turns must be a sequence of ints, got "
+                         f"{turns!r}") from None
+    if not all(_is_int(t) and 0 <= t < max_turns for t in turns) or \
+            len(set(turns)) != len(turns):
+        raise ValueError(f"RolloutConfig.branch_turns must be distinct ints in [0, max_turns = "
+                         f"{max_turns}), got {turns!r}")
+    return tuple(sorted(turns))
 
 
 def _request_seed(seed: int, traj: int, turn: int) -> int:
@@ -155,7 +196,7 @@ def _base_env(env_factory_or_env):
 
 @dataclasses.dataclass
 class _Live:
-    index: int
+    index: int  # the trajectory index of the request seeds
     env: Any
     group: str
     task: str
@@ -171,6 +212,7 @@ class _Live:
     truncated: bool = False
     context_truncated: bool = False
     dropped: bool = False
+    order: tuple = ()  # (task position, root, copy at each branch so far): the record order
 
 
 def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCodec,
@@ -188,14 +230,24 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
       codec: a ``TextCodec`` (``Tokenizer`` or ``ByteCodec``).
       seed: ``None`` lets the sampler draw from its own stream; an int gives every request a
         seed derived from ``(seed, trajectory index, turn)``, so a run is reproducible whatever
-        the batching.
+        the batching. Roots are indexed ``0 .. len(tasks) * G - 1`` in task order; every fork
+        gets the next free index when it is created (tasks in order, then the tree order below).
 
     Returns:
-      ``(records, stats)``; records are in task order, ``G`` consecutive per task, and pack
-      with ``pack_records`` in both layouts. ``stats``: ``trajectories``, ``successes``,
-      ``success_rate``, ``mean_reward`` (mean outcome), ``env_errors``, ``invalid_actions``,
-      ``truncated``, ``context_truncated``, ``dropped``, ``turns``, ``generate_calls``,
-      ``tokens_generated``, ``wall_time_s``, ``tokens_per_s``.
+      ``(records, stats)``; records are in task order, the trajectories of one task
+      consecutive and pack with ``pack_records`` in both layouts. Within a task they are in
+      depth-first tree order: root by root, and at every branch turn the parent's subtree, then
+      its first fork's subtree, and so on (without branching: the ``G`` roots in order).
+      The prompts of each ``generate`` call are in the same order. ``stats``: ``trajectories``,
+      ``successes``, ``success_rate``, ``mean_reward`` (mean outcome), ``env_errors``,
+      ``invalid_actions``, ``truncated``, ``context_truncated``, ``dropped``, ``turns``,
+      ``forks`` (fork trajectories created, failed ones included), ``generate_calls``,
+      ``tokens_generated``, ``wall_time_s``, ``tokens_per_s``. ``turns`` and
+      ``invalid_actions`` count per trajectory (a turn shared by a tree's copies once for each);
+      ``tokens_generated`` counts the tokens actually sampled.
+
+    A fork whose ``Env.fork`` fails (``SafeEnv.fork``) ends at once with ``env_error`` and keeps
+    only the shared turns (dropped when there are none, i.e. at turn 0); its siblings go on.
     """
     t0 = time.perf_counter()
     stop_ids = config.stop_token_ids
@@ -212,25 +264,27 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
         root = base.clone()
         root = root if isinstance(root, SafeEnv) else SafeEnv(root)
         label = task.id if ids.count(task.id) == 1 else f"{task.id}#{ti}"
-        for env, obs, info in reset_group(root, task, config.group_size):
-            tr = _Live(len(live), env, label, label, [], [], None)
+        for g, (env, obs, info) in enumerate(reset_group(root, task, config.group_size)):
+            tr = _Live(len(live), env, label, label, [], [], None, order=(ti, g))
             if info.get("done") or info.get("env_error"):  # reset failed: nothing to record
                 tr.done, tr.dropped, tr.env_error = True, True, str(info.get("env_error"))
             else:
                 _observe(tr, obs, info, codec, config)
             live.append(tr)
 
-    calls = tokens_generated = 0
+    calls = tokens_generated = forks = 0
     for turn in range(config.max_turns):
         running = [tr for tr in live if not tr.done]
-        ready = []
         for tr in running:
             if len(tr.history) + len(tr.pending_obs) + config.max_new_tokens > \
                     config.max_context_tokens:
                 tr.done = tr.truncated = tr.context_truncated = True
                 tr.dropped = not tr.turns
-            else:
-                ready.append(tr)
+        if turn in config.branch_turns and config.branch_factor > 1:
+            new = _branch([tr for tr in running if not tr.done], config.branch_factor, len(live))
+            forks += len(new)
+            live = sorted(live + new, key=lambda tr: tr.order)
+        ready = [tr for tr in live if not tr.done]
         if not ready:
             break
         prompts = [tr.history + tr.pending_obs for tr in ready]
@@ -304,11 +358,36 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
         "truncated": sum(r["truncated"] for r in records),
         "context_truncated": sum(tr.context_truncated for tr in live),
         "dropped": sum(tr.dropped for tr in live),
-        "turns": sum(len(tr.turns) for tr in live), "generate_calls": calls,
+        "turns": sum(len(tr.turns) for tr in live), "forks": forks, "generate_calls": calls,
         "tokens_generated": tokens_generated, "wall_time_s": wall,
         "tokens_per_s": tokens_generated / wall if wall > 0 else 0.0,
     }
     return records, stats
+
+
+def _branch(parents: list[_Live], factor: int, next_index: int) -> list[_Live]:
+    """The ``factor - 1`` forks of every parent (in order), indexed from ``next_index``; every
+    parent's ``order`` is extended by copy 0, its forks' by copies ``1 .. factor - 1``."""
+    forks = []
+    for tr in parents:
+        base = tr.order
+        tr.order = base + (0,)
+        for j in range(1, factor):
+            forks.append(_fork(tr, next_index + len(forks), base + (j,)))
+    return forks
+
+
+def _fork(tr: _Live, index: int, order: tuple) -> _Live:
+    """A copy of live trajectory ``tr`` sharing no mutable state with it, on a fork of its env.
+    A failed env fork (``SafeEnv.fork``'s ``fork_error``) ends the copy with ``env_error``."""
+    env = tr.env.fork()
+    out = dataclasses.replace(tr, index=index, env=env, order=order, history=list(tr.history),
+                              pending_obs=list(tr.pending_obs), turns=copy.deepcopy(tr.turns),
+                              subgoal=copy.deepcopy(tr.subgoal))
+    error = getattr(env, "fork_error", None)
+    if error is not None:
+        out.done, out.env_error, out.dropped = True, str(error), not out.turns
+    return out
 
 
 def _observe(tr: _Live, obs_text: str, info: dict, codec: TextCodec, config: RolloutConfig):
