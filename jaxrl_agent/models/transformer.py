@@ -411,7 +411,7 @@ class Transformer(nnx.Module):
         return self.value_head(h)[..., 0]
 
     def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
-                 *, compute_logits: bool = True, remat: bool = False,
+                 *, key_ends=None, compute_logits: bool = True, remat: bool = False,
                  activation_sharding=None) -> ModelOutput:
         """Runs the model.
 
@@ -435,6 +435,13 @@ class Transformer(nnx.Module):
             None): give each row's real tokens first and its padding last, so a padded prompt
             batch prefills in one call and every row continues at its own length. A padding
             query attends to nothing. One sequence per row (no packing) in cache mode.
+          key_ends: ``[B, L]`` int32, packed prefix trees (``rollout.tree``; no cache): key j
+            is visible to queries ``j <= i < key_ends[j]``, which in a tree laid out in
+            preorder are exactly the nodes of j's subtree (so every token attends to its
+            ancestors and itself); give the node depths as ``positions``. Combined with
+            ``segment_ids`` when both are given. The mask is computed from these ``[B, L]``
+            ends inside the attention, never passed as an ``[L, L]`` array. Plain causal
+            attention is ``key_ends = L``.
           compute_logits: False skips the LM head (``logits`` is None); use
             ``logits_from_hidden`` on the positions you need.
           remat: recompute each decoder layer in the backward pass instead of storing its
@@ -459,11 +466,17 @@ class Transformer(nnx.Module):
             if positions is None:
                 positions = (jnp.broadcast_to(t, (B, L)) if segment_ids is None
                              else segment_positions(segment_ids))
-            seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
-            mask = ((t[:, None] >= t[None, :])[None]
-                    & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0))
+            mask = (t[:, None] >= t[None, :])[None]
+            if segment_ids is not None or key_ends is None:
+                seg = jnp.ones((B, L), jnp.int32) if segment_ids is None else segment_ids
+                mask = mask & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+            if key_ends is not None:  # ancestor ranges of a preorder-packed prefix tree
+                ends = jnp.asarray(key_ends, jnp.int32)
+                mask = mask & (t[None, :, None] < ends[:, None, :])
             slots = None
         else:
+            if key_ends is not None:
+                raise ValueError("key_ends (packed prefix trees) cannot be used with a cache")
             if len(cache.layers) != cfg.num_layers:
                 raise ValueError(f"cache has {len(cache.layers)} layers, model has "
                                  f"{cfg.num_layers}")

@@ -49,6 +49,7 @@ from jaxrl_agent.batch import assign_shards, bucket, pack_records
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig, collect_groups
+from jaxrl_agent.rollout.tree import attach_prefix_trees, attention_cost
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
 from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
@@ -203,12 +204,14 @@ class Trainer:
             group_size=r.group_size, max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
             max_context_tokens=r.max_context_tokens, temperature=r.temperature, top_k=r.top_k,
             top_p=r.top_p, on_invalid=r.on_invalid, history=r.history,
-            prompt_prefix=(bos,) if (r.bos and bos is not None) else ())
+            prompt_prefix=(bos,) if (r.bos and bos is not None) else (),
+            branch_turns=tuple(r.branch_turns), branch_factor=r.branch_factor)
         self.eval_cfg = dataclasses.replace(self.rollout_cfg, group_size=1,
-                                            temperature=t.eval_temperature)
+                                            temperature=t.eval_temperature, branch_turns=(),
+                                            branch_factor=1)
         self.eval_tasks = self.env.sample_tasks(step_seed(t.seed, -1, "eval"), t.eval_tasks,
                                                 "test")
-        self._n_train = r.tasks_per_step * r.group_size
+        self._n_train = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
         self.optimizer = make_optimizer(
             cfg.optimizer.lr, total_steps=t.steps, warmup_steps=cfg.optimizer.warmup_steps,
             decay=cfg.optimizer.decay, weight_decay=cfg.optimizer.weight_decay,
@@ -530,7 +533,15 @@ class Trainer:
                                   f"policies older than version {version} - "
                                   f"trainer.max_policy_lag ({t.max_policy_lag})")
         t1 = time.perf_counter()
-        batch = self._shard_batch(self._pack(records))
+        batch = self._pack(records)
+        shared = {}
+        if t.prefix_sharing:  # one forward/backward per prefix tree, the same loss and gradient
+            batch, tree = attach_prefix_trees(batch, self.data_shards * t.micro_batches,
+                                              t.prefix_tree_len or None,
+                                              attn_cost=attention_cost(self.model.config))
+            shared = {"train/prefix_tokens_ratio": tree["total_tokens"] / max(
+                tree["unique_tokens"], 1), "train/prefix_tree_slots": tree["rows"] * tree["row_len"]}
+        batch = self._shard_batch(batch)
         state, out = self.train_step(state, batch)
         m = jax.device_get(out["metrics"])
         t2 = time.perf_counter()
@@ -547,7 +558,7 @@ class Trainer:
             "train/tokens_per_s": stats["tokens_generated"] / max(t2 - t0, 1e-9),
             "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
             **{f"train/{k}": float(v) for k, v in m.items()},
-            "train/skipped_total": int(state.skipped),
+            "train/skipped_total": int(state.skipped), **shared,
         }
         probe = getattr(self.sampler, "last_sync", {}).get("probe_error")
         if probe is not None:

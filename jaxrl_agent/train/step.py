@@ -39,6 +39,7 @@ from jaxrl_agent import sharding as sharding_lib
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.losses.kl import entropy_from_logits
 from jaxrl_agent.models.transformer import token_logprobs
+from jaxrl_agent.rollout.tree import TREE_KEYS
 
 # What critic estimators read from the value head.
 TOKEN_VALUE_ESTIMATORS = ("gae", "lambda_returns")
@@ -152,9 +153,57 @@ def init_state_from_params(params, optimizer: optax.GradientTransformation, *, s
 # ----------------------------------------------------------------------------- forward
 
 
+def _tree_of(extras: dict) -> dict:
+    tree = {k: extras[k] for k in TREE_KEYS if k in extras}
+    if tree and len(tree) != len(TREE_KEYS):
+        raise ValueError(f"prefix-tree extras must come together: {TREE_KEYS}, got "
+                         f"{sorted(tree)} (use rollout.tree.attach_prefix_trees)")
+    return tree
+
+
+def _at_prev(x, index, blocks: int):
+    """Per-node outputs ``x`` [blocks * P, L, ...] read for every row token t at the node of
+    token t - 1 (t = 0 reads token 0's node) -> [R, T, ...]. ``index`` [R, T] holds block-local
+    slots; the gather is batched over the blocks, so it stays on each block's devices."""
+    R, T = index.shape
+    prev = jnp.concatenate([index[:, :1], index[:, :-1]], axis=1).reshape(blocks, R // blocks, T)
+    xb = x.reshape((blocks, -1) + x.shape[2:])
+    out = jax.vmap(lambda xs, i: jnp.take(xs, i, axis=0, mode="clip"))(xb, prev)
+    return out.reshape((R, T) + x.shape[2:])
+
+
+def _tree_logprobs(logits, tokens, index, blocks: int):
+    """``token_logprobs`` of the unpacked rows from the packed trees' logits [blocks * P, L, V]:
+    ``log p(tokens[r, t] | ...) = z[prev, tok] - logsumexp(z[prev])`` with ``prev`` the node of
+    token t - 1; 0 at t = 0. Never builds an [R, T, V] copy of the logits."""
+    R, T = index.shape
+    z = logits.astype(jnp.float32).reshape(blocks, -1, logits.shape[-1])
+    lse = jax.nn.logsumexp(z, axis=-1)
+    prev = index[:, :-1].reshape(blocks, R // blocks, T - 1)
+    nxt = jnp.asarray(tokens, jnp.int32)[:, 1:].reshape(blocks, R // blocks, T - 1)
+    pick = jax.vmap(lambda zb, lb, p, n: zb.at[p, n].get(mode="clip") - lb.at[p].get(
+        mode="clip"))(z, lse, prev, nxt).reshape(R, T - 1)
+    return jnp.concatenate([jnp.zeros_like(pick[:, :1]), pick], axis=1)
+
+
 def _forward(graphdef, params, rest, tokens, extras, *, want_entropy: bool, remat=False,
-             pin=None):
+             pin=None, blocks: int = 1):
+    """Per-token (log-prob, entropy, value) of the rows ``tokens`` [R, T]; with prefix-tree
+    extras the model runs on the packed trees (``blocks`` of them) and the results are
+    gathered back to the rows: the same numbers, each shared prefix computed once."""
     model = nnx.merge(graphdef, params, rest)
+    tree = _tree_of(extras)
+    if tree:
+        out = model(tree["tree_tokens"], positions=tree["tree_positions"],
+                    key_ends=tree["tree_ends"], remat=remat, activation_sharding=pin)
+        idx = tree["tree_index"]
+        lp = _tree_logprobs(out.logits, tokens, idx, blocks)
+        first = (jnp.arange(tokens.shape[1]) == 0)[None, :]
+        ent = (jnp.where(first, 0.0, _at_prev(entropy_from_logits(out.logits), idx, blocks))
+               if want_entropy else None)
+        values = (None if out.values is None else
+                  jnp.where(first, 0.0, _at_prev(out.values, idx, blocks)))
+        return lp, ent, values
     out = model(tokens, positions=extras.get("positions"), segment_ids=extras.get("segment_ids"),
                 remat=remat, activation_sharding=pin)
     lp = token_logprobs(out.logits, tokens)
@@ -168,13 +217,19 @@ def _forward(graphdef, params, rest, tokens, extras, *, want_entropy: bool, rema
     return lp, ent, values
 
 
-def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch):
+def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch, tree=None, blocks=1):
     """[N, K, D] final hidden state at each turn's decision point (the position before its
     first action token: the state the action was drawn from), detached."""
     model = nnx.merge(graphdef, params, rest)
-    h = model(batch.tokens, positions=batch.extras.get("positions"),
-              segment_ids=batch.extras.get("segment_ids")).hidden.astype(jnp.float32)
-    h = jnp.concatenate([h[:, :1], h[:, :-1]], axis=1)  # h[t - 1] at position t
+    if tree:
+        h = model(tree["tree_tokens"], positions=tree["tree_positions"],
+                  key_ends=tree["tree_ends"], compute_logits=False).hidden.astype(jnp.float32)
+        h = _at_prev(h, tree["tree_index"], blocks)
+    else:
+        h = model(batch.tokens, positions=batch.extras.get("positions"),
+                  segment_ids=batch.extras.get("segment_ids"),
+                  compute_logits=False).hidden.astype(jnp.float32)
+        h = jnp.concatenate([h[:, :1], h[:, :-1]], axis=1)  # h[t - 1] at position t
     first, _ = segments.turn_boundary_masks(batch)
     n, k = batch.num_traj, batch.num_turns
     idx = batch.row_traj[:, None] * k + jnp.clip(batch.turn_ids, 0, k - 1)
@@ -268,13 +323,17 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     """
     pin = None if mesh is None else NamedSharding(mesh, sharding_lib.batch_spec())
     fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin)
+    all_blocks = cfg.data_shards * cfg.micro_batches
+    tree = _tree_of(batch.extras)  # prefix sharing: the model runs on the packed trees
+    batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
     spec = estimators.spec(cfg.estimator)
     est_batch = batch
     if cfg.needs_values:
-        _, _, v0 = fwd(state.params, tokens=batch.tokens, extras=batch.extras, want_entropy=False)
+        _, _, v0 = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
+                       want_entropy=False, blocks=all_blocks)
         est_batch = _attach_values(batch, v0, cfg)
     if cfg.needs_hidden:
-        h = _decision_hidden(graphdef, state.params, rest, batch)
+        h = _decision_hidden(graphdef, state.params, rest, batch, tree, all_blocks)
         est_batch = est_batch.replace(extras={**est_batch.extras, "hidden": h,
                                               "state_features": h})
     pipe = estimators.Pipeline((cfg.estimator, cfg.estimator_params), cfg.shaping, cfg.then)
@@ -283,8 +342,8 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     returns = _token_returns(adv, batch)
     ref_lp = None
     if cfg.kl_coef:
-        ref_lp, _, _ = fwd(state.ref_params, tokens=batch.tokens, extras=batch.extras,
-                           want_entropy=False)
+        ref_lp, _, _ = fwd(state.ref_params, tokens=batch.tokens, extras={**batch.extras, **tree},
+                           want_entropy=False, blocks=all_blocks)
         ref_lp = jax.lax.stop_gradient(ref_lp)
 
     # Whole-batch denominators (they depend on masks only: evaluate the terms at lp = lp_old).
@@ -298,7 +357,8 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     row_fields = dict(tokens=batch.tokens, action_mask=batch.action_mask, turn_ids=batch.turn_ids,
                       row_traj=batch.row_traj, old_logprobs=batch.old_logprobs)
     per_row = dict(fields=row_fields, extras=_row_extras(batch.extras, n_rows), adv=adv_tok,
-                   returns=returns, ref=ref_lp if ref_lp is not None else zeros)
+                   returns=returns, ref=ref_lp if ref_lp is not None else zeros,
+                   tree=tree)  # tree rows are per block too: block m of each shard's trees
     split = jax.tree.map(lambda x: _split_rows(x, cfg), per_row)
     if mesh is not None:  # micro-batch m keeps block m of every shard on that shard
         mb_rows = NamedSharding(mesh, P(None, sharding_lib.BATCH_AXES))
@@ -306,8 +366,9 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
 
     def micro_loss(params, mbd):
         mb = batch.replace(**mbd["fields"], extras={**batch.extras, **mbd["extras"]})
-        lp, ent, values = fwd(params, tokens=mb.tokens, extras=mb.extras,
-                              want_entropy=bool(cfg.entropy_coef), remat=cfg.remat)
+        lp, ent, values = fwd(params, tokens=mb.tokens, extras={**mb.extras, **mbd["tree"]},
+                              want_entropy=bool(cfg.entropy_coef), remat=cfg.remat,
+                              blocks=cfg.data_shards)
         terms = _terms(lp, ent, values, mb, mbd["adv"], mbd["ref"], mbd["returns"], cfg)
         total = sum(coefs[k] * s / jnp.maximum(dens[k], 1.0) for k, (s, _) in terms.items())
         return total, {k: s for k, (s, _) in terms.items()}
