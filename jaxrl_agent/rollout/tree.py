@@ -242,36 +242,48 @@ def _bucket_rows(n: int, cap: int) -> int:
     return min(-(-n // q) * q, max(cap, n))
 
 
-def auto_tree_len(batch, max_factor: int = 8) -> int:
-    """The default prefix-tree row length: ``T * 2^k`` for the smallest k such that the largest
-    task group's prefix tree fits in one row (so a group is packed as one tree), at most
-    ``max_factor * T`` (larger groups are split over rows, repeating their shared prefix).
-
-    Longer rows share more but cost more attention: dense attention over a row is O(L^2)."""
+def largest_group_tree(batch) -> int:
+    """Nodes of the largest task group's prefix tree (the unique tokens of its rows)."""
     tokens = np.asarray(batch.tokens)
-    T = tokens.shape[1]
     lengths = row_lengths(batch)
     group = np.asarray(batch.group_ids)[np.asarray(batch.row_traj)]
     largest = 0
     for g in np.unique(group[lengths > 0]):
         rows = np.flatnonzero((group == g) & (lengths > 0))
         largest = max(largest, build_prefix_tree([tokens[r, :lengths[r]] for r in rows]).num_nodes)
+    return largest
+
+
+def auto_tree_len(batch, max_factor: int = 8) -> int:
+    """The default prefix-tree row length: ``T * 2^k`` for the smallest k such that the largest
+    task group's prefix tree fits in one row (so a group is packed as one tree), at most
+    ``max_factor * T`` (larger groups are split over rows, repeating their shared prefix).
+
+    Longer rows share more but cost more attention: dense attention over a row is O(L^2)."""
+    T = np.asarray(batch.tokens).shape[1]
+    largest = largest_group_tree(batch)
     L = T
     while L < largest and L < max_factor * T:
         L *= 2
     return L
 
 
+# Dense attention costs more than its FLOPs: the mask, softmax and layout work on the
+# [heads, L, L] scores. Measured on CPU (benchmarks/prefix_sharing.py): 2-5x the FLOP share.
+ATTENTION_OVERHEAD = 3.0
+
+
 def attention_cost(model_config) -> float:
-    """FLOPs of one (query, key) pair of dense attention relative to the FLOPs of one token
-    through the rest of the model (projections, MLP, LM head), for ``ModelConfig``-like
-    ``model_config``: the ``a`` of the cost model ``rows * L * (1 + a * L)`` of a packing."""
+    """The cost of one (query, key) pair of dense attention relative to one token through the
+    rest of the model (projections, MLP, LM head), for a ``ModelConfig``-like
+    ``model_config``: ``ATTENTION_OVERHEAD`` x the FLOP ratio. It is the ``a`` of the cost
+    model ``rows * L * (1 + a * L)`` that picks a packing's row length."""
     c = model_config
     hd = c.head_dim
     per_layer = (2 * c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * hd
                  + 2 * c.num_heads * hd * c.hidden_size + 6 * c.hidden_size * c.intermediate_size)
     per_token = c.num_layers * per_layer + 2 * c.hidden_size * c.vocab_size
-    return 4 * c.num_heads * hd * c.num_layers / per_token
+    return ATTENTION_OVERHEAD * 4 * c.num_heads * hd * c.num_layers / per_token
 
 
 def _pack_blocks(seqs, num_blocks, L, rows_per_block=None):
@@ -282,6 +294,23 @@ def _pack_blocks(seqs, num_blocks, L, rows_per_block=None):
     if need > P:
         raise ValueError(f"a block needs {need} prefix-tree rows, more than rows_per_block={P}")
     return packs, P
+
+
+def candidate_lengths(T: int, largest_tree: int, max_factor: int = 8) -> list[int]:
+    """Row lengths ``attach_prefix_trees`` tries: ``T * 2^k`` up to the one that holds the largest
+    group's tree, and the lengths that hold exactly that tree in 1, 2, 3 or 4 rows, rounded up
+    to a multiple of ``max(T // 4, 16)`` (so a run compiles few distinct shapes); all within
+    ``[T, max_factor * T]``."""
+    q = max(T // 4, 16)
+    out = {T}
+    L = T
+    while L < min(largest_tree, max_factor * T):
+        L *= 2
+        out.add(L)
+    for parts in (1, 2, 3, 4):
+        n = -(-largest_tree // parts)
+        out.add(min(max(-(-n // q) * q, T), max_factor * T))
+    return sorted(out)
 
 
 def attach_prefix_trees(batch, num_blocks: int = 1, row_len: int | None = None,
@@ -297,9 +326,9 @@ def attach_prefix_trees(batch, num_blocks: int = 1, row_len: int | None = None,
     past the row's length point at slot 0: finite, never read by the loss). ``P`` =
     ``rows_per_block`` (default: the most any block needs, rounded by ``_bucket_rows`` so that
     few distinct shapes are compiled). ``L`` = ``row_len``; None or 0 picks, among
-    ``T, 2T, ..., auto_tree_len(batch)``, the length with the least estimated cost
-    ``P * L * (1 + attn_cost * L)`` (``attention_cost(model_config)``; dense attention makes a
-    long row cost O(L^2), so sharing across a whole group does not always pay). ``stats``: ``total_tokens`` (trained tokens of the
+    ``candidate_lengths``, the length with the least estimated cost ``P * L * (1 + attn_cost *
+    L)`` (``attention_cost(model_config)``; dense attention makes a long row cost O(L^2), so
+    sharing across a whole group does not always pay). ``stats``: ``total_tokens`` (trained tokens of the
     unpacked rows), ``unique_tokens`` and ``rows`` (``num_blocks * P``).
     """
     tokens = np.asarray(batch.tokens)
@@ -320,16 +349,12 @@ def attach_prefix_trees(batch, num_blocks: int = 1, row_len: int | None = None,
                              f"({int(lengths.max())} tokens up to its last action)")
         _, P = _pack_blocks(seqs, num_blocks, L, rows_per_block)
     else:
-        top, best = auto_tree_len(batch), None
-        L = T
-        while True:
+        best = None
+        for L in candidate_lengths(T, largest_group_tree(batch)):
             _, p = _pack_blocks(seqs, num_blocks, L, rows_per_block)
             cost = p * L * (1.0 + attn_cost * L)
             if best is None or cost < best[0]:
                 best = (cost, L, p)
-            if L >= top:
-                break
-            L *= 2
         _, L, P = best
     packs = [pack_prefix_trees(seqs[b * r_blk:(b + 1) * r_blk], L, num_rows=P)
              for b in range(num_blocks)]
