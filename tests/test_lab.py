@@ -94,6 +94,76 @@ def test_sampling_matches_the_exact_values_and_packs_a_valid_batch():
                                adv[0, 0, np.asarray(roll["action"])[:, 0]], atol=1e-6)
 
 
+def retry_mdp():
+    """s0 -a0-> s0 (wait); s0 -a1-> goal s1 (arrival 1) or s0, with prob 1/2 each. Horizon 3:
+    the values depend on the turn (fewer turns left, less chance to reach the goal)."""
+    P = np.zeros((2, 2, 2))
+    P[0, 0, 0] = 1.0
+    P[0, 1, 1] = P[0, 1, 0] = 0.5
+    P[1, :, 1] = 1.0
+    return M.make_mdp(P, np.zeros((2, 2)), [False, True], [1.0, 0.0], 3, arrival=[0.0, 1.0])
+
+
+def test_extras_use_the_values_of_each_turn():
+    """exact_adv and turn_values at turn k are A_k, V_k (not turn 0's) on every valid turn:
+    the retry MDP's values differ by turn, so a wrong time index fails here."""
+    mdp = retry_mdp()
+    logits = jnp.zeros((2, 2))
+    v, _ = M.exact_values(mdp, logits)
+    # uniform policy, by hand: Q_2 = (0, 1/2), V_2 = 1/4; Q_1 = (1/4, 1/2 + 1/8), V_1 = 7/16;
+    # Q_0 = (7/16, 1/2 + 7/32), V_0 = 37/64
+    np.testing.assert_allclose(v[:, 0], [37 / 64, 0.4375, 0.25, 0.0], atol=1e-6)
+    adv = np.asarray(M.exact_advantages(mdp, logits))
+    np.testing.assert_allclose(adv[2, 0], [-0.25, 0.25], atol=1e-6)
+    np.testing.assert_allclose(adv[1, 0], [-0.1875, 0.1875], atol=1e-6)
+    batch, roll = sampling.sample_batch(jax.random.PRNGKey(1), mdp, logits, 8, 8)
+    s, a, m = (np.asarray(roll[x]) for x in ("state", "action", "mask"))
+    assert m[:, 2].sum() > 10  # many rollouts reach the last turn
+    k = np.broadcast_to(np.arange(3), s.shape)
+    np.testing.assert_allclose(np.asarray(batch.extras["exact_adv"])[m], adv[k, s, a][m],
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(batch.extras["turn_values"])[m],
+                               np.asarray(v)[k, s][m], atol=1e-6)
+
+
+def test_spearman_averages_tied_ranks():
+    from scipy.stats import spearmanr
+    c, a = np.array([[1.0, 2.0, 2.0, 3.0]]), np.array([[1.0, 2.0, 3.0, 4.0]])
+    # ranks of c: 1, 2.5, 2.5, 4; corr with 1..4: 4.5 / sqrt(4.5 * 5)
+    got = scoring.turn_metrics(c, a, np.ones_like(c, bool))["spearman"]
+    assert got == pytest.approx(4.5 / np.sqrt(22.5))
+    rng = np.random.default_rng(1)
+    c, a = rng.integers(0, 4, (5, 6)).astype(float), rng.normal(size=(5, 6))
+    mask = rng.random((5, 6)) < 0.8
+    got = scoring.turn_metrics(c, a, mask)["spearman"]
+    assert got == pytest.approx(spearmanr(c[mask], a[mask]).statistic)
+
+
+def test_sign_metric_skips_tiny_advantages_and_counts_zero_credit_as_wrong():
+    c = np.array([[1.0, -1.0, 0.0, 5.0, 2.0]])
+    a = np.array([[2.0, 3.0, -1.0, 1e-8, -4.0]])  # |A| = 1e-8 <= eps: not counted
+    assert scoring.turn_metrics(c, a, np.ones_like(c, bool))["sign"] == pytest.approx(1 / 4)
+    assert scoring.turn_metrics(c, 0 * a, np.ones_like(c, bool))["sign"] == 0.0
+
+
+def test_summarize_and_paired_difference_t_intervals():
+    rng = np.random.default_rng(2)
+    curves = rng.random((16, 5))
+    out = learning.summarize(curves)
+    final = curves[:, -1]
+    sd = np.sqrt(np.sum((final - final.mean()) ** 2) / 15)
+    assert out["final"]["mean"] == pytest.approx(final.mean())
+    assert out["final"]["std"] == pytest.approx(sd)
+    assert out["final"]["ci"] == pytest.approx(2.131 * sd / 4, rel=1e-3)  # t_{0.975, 15}
+    assert out["auc"]["mean"] == pytest.approx(curves.mean())
+    np.testing.assert_allclose(out["ci"], 2.1314 * curves.std(0, ddof=1) / 4, rtol=1e-4)
+    a, b = np.array([0.5, 0.7, 0.2, 0.9]), np.array([0.4, 0.7, 0.3, 0.6])
+    d = a - b  # 0.1, 0, -0.1, 0.3: a ahead on 2 seeds (a tie is not a win)
+    diff = learning.paired_difference(a, b)
+    assert diff["mean"] == pytest.approx(0.075) and diff["wins"] == 2 and diff["seeds"] == 4
+    assert diff["ci"] == pytest.approx(3.182 * d.std(ddof=1) / 2, rel=1e-3)  # t_{0.975, 3}
+
+
 def test_turn_metrics_on_known_credit():
     rng = np.random.default_rng(0)
     a = rng.normal(size=(6, 4))
@@ -106,7 +176,8 @@ def test_turn_metrics_on_known_credit():
     assert flipped["pearson"] == pytest.approx(-1.0) and flipped["sign"] == 0.0
     assert flipped["nmse"] == pytest.approx(1.0)
     zero = scoring.turn_metrics(np.zeros_like(a), a, mask)
-    assert zero["pearson"] == 0.0 and zero["nmse"] == pytest.approx(1.0)
+    assert zero["pearson"] == 0.0 and zero["nmse"] == pytest.approx(1.0) and zero["degenerate"]
+    assert not perfect["degenerate"] and scoring.turn_metrics(a, 0 * a, mask)["degenerate"]
     # padding is ignored: garbage off the mask changes nothing
     junk = np.where(mask, a, 1e6)
     assert scoring.turn_metrics(junk, a, mask)["pearson"] == pytest.approx(1.0)
@@ -182,7 +253,9 @@ def test_shuffled_weights_keep_each_rollouts_multiset():
 
 def test_cli_lab(tmp_path, capsys):
     rc = cli.main(["lab", "--estimators", "grpo,nope"])
-    assert rc == 2 and "unknown estimator 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown estimator 'nope'" in err
+    assert err.count("bipace") == 1  # the estimator list is printed once
     assert cli.main(["lab", "--task-set", "depth=x", "--task", "chain"]) == 2
     # the settings of the determinism test above: the compiled functions are reused
     rc = cli.main(["lab", "--task", "chain", "--task-set", "length=3", "--estimators",
@@ -190,7 +263,7 @@ def test_cli_lab(tmp_path, capsys):
                    "--num-groups", "2", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "grpo" in out and "cell_pearson" in out
+    assert "grpo" in out and "cell_pearson" in out and "+-95% CI" in out and "degen" in out
     data = json.loads((tmp_path / "lab_chain.json").read_text())
     assert set(data["arms"]) == {"grpo"} and data["task"]["length"] == 3
     assert set(data["arms"]["grpo"]["scores"][0]) >= set(scoring.METRICS)

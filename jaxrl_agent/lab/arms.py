@@ -92,8 +92,8 @@ def parse_arm(spec: str) -> Arm:
     try:
         pipe = estimators.Pipeline.build(est, {}, shaping=[s for s in shaping.split(":") if s],
                                          then=then)
-    except ValueError as e:
-        raise ValueError(f"arm {spec!r}: {e}\n{known_arms()}") from None
+    except ValueError as e:  # the registry's own list of names is in known_arms() below
+        raise ValueError(f"arm {spec!r}: {str(e).split('; known: ')[0]}\n{known_arms()}") from None
     if pipe.stateful:
         raise ValueError(f"arm {spec!r}: {est!r} is stateful (a persistent value tracker); "
                          f"the lab runs stateless estimators only")

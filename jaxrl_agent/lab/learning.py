@@ -6,7 +6,8 @@ One training step (jitted, ``vmap``-ed over seeds, ``lax.scan``-ed over steps):
     C       = arm.credit(batch)                              (stop-gradient)
     C       = C / sqrt(mean over valid turns of C^2)         (``scale="rms"``, the default)
     for each of ``epochs`` passes over the batch:
-        loss    = ppo(log softmax(logits)[s_k, a_k], batch, C)   (token mean, clip 0.2)
+        loss    = ppo(log softmax(logits)[s_k, a_k], batch, C)   (token mean, clip 0.2,
+                                                                  dual clip 3: the default)
         logits <- sgd(lr) (or adam(lr)) step on loss
 
 Why ``scale="rms"``: an estimator's overall scale acts as a learning rate (GiGPO adds a
@@ -18,7 +19,7 @@ zero. ``scale="none"`` trains on the raw credit.
 The curve is the *exact* success probability J(pi) = sum_s start(s) V_0(s) after every
 step (``mdp.expected_return``), so it carries no evaluation noise: the spread across seeds
 is the training noise alone. ``summarize`` gives the mean and a 95% t confidence interval
-over seeds.
+over seeds (sample std, ddof = 1).
 """
 
 from __future__ import annotations

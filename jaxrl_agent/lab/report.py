@@ -63,20 +63,26 @@ def run_lab(task: Task, arms: list[Arm], *, seeds: int = 4, group_sizes=(8,), nu
 
 
 def format_table(result: dict) -> str:
-    """One row per arm and setting: metric means (across-seed std in brackets) and the final
-    and average success of training with a 95% CI."""
+    """One row per arm and setting: metric means (across-seed std, ddof = 1, in brackets), the
+    number of degenerate seeds (constant credit or exact advantage: correlation 0, averaged
+    in) and the final and average success of training, mean +- the 95% t-CI half-width."""
+    seeds = result["settings"]["seeds"]
     head = (f"{'arm':<16} {'G':>3} {'B':>3}  {'pearson':>13} {'spearman':>13} {'sign':>13} "
-            f"{'nmse':>13} {'cell_pearson':>13}  {'final success':>16} {'mean success':>16}")
+            f"{'nmse':>13} {'cell_pearson':>13} {'degen':>6}  {'final +-95% CI':>16} "
+            f"{'mean +-95% CI':>16}")
     lines = [f"# {result['task']['name']}: " + ", ".join(
-        f"{k}={v}" for k, v in result["task"].items() if k != "name"), head, "-" * len(head)]
+        f"{k}={v}" for k, v in result["task"].items() if k != "name"),
+        "# metrics: mean (across-seed std) over seeds; degen: degenerate seeds; success: exact "
+        "J, mean +- 95% t-CI", head, "-" * len(head)]
     for name, res in result["arms"].items():
         learn = res.get("learning")
         for i, sc in enumerate(res["scores"]):
             cells = " ".join(f"{sc[m][0]:>7.3f}({sc[m][1]:.2f})"[:13].rjust(13)
                              for m in scoring.METRICS)
+            cells += f" {sc['degenerate']:>3}/{seeds:<2}"
             tail = ""
             if learn and i == 0:
-                tail = "  " + "  ".join(
+                tail = "  " + " ".join(
                     f"{learn[k]['mean']:>7.3f}+-{learn[k]['ci']:.3f}".rjust(16)
                     for k in ("final", "auc"))
             lines.append(f"{name:<16} {sc['group_size']:>3} {sc['num_groups']:>3}  {cells}{tail}")

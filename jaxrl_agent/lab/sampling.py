@@ -52,7 +52,7 @@ def sample_rollouts(key, mdp: TabularMDP, logits, num_groups: int, group_size: i
         s, alive = carry
         k_a, k_s = jax.random.split(key_t)
         a = jax.random.categorical(k_a, logp_all[s])
-        s_next = jax.random.categorical(k_s, jnp.log(mdp.P[s, a] + 1e-30))
+        s_next = jax.random.categorical(k_s, jnp.log(mdp.P[s, a]))  # -inf: impossible
         r = mdp.R[s, a] + mdp.arrival[s_next]
         out = dict(state=s, action=a, mask=alive, reward=jnp.where(alive, r, 0.0),
                    logprob=logp_all[s, a], check=jnp.where(alive, mdp.check[s, a], 0.0))

@@ -15,9 +15,11 @@ For one batch, over the valid turns (n, k) (padding excluded):
                 estimator that is unbiased for A up to a scale tends to 1 as the batch grows,
                 while ``pearson`` stays capped by the noise of single rollouts.
 
-A degenerate input (fewer than two turns, constant C or A) gives 0 correlation. Each metric
-is computed for every seed; ``score_arm`` reports the mean and the across-seed std.
-Everything is deterministic for a seed.
+A degenerate batch (fewer than two valid turns, constant C over them, e.g. all-zero credit
+when no rollout of the batch succeeded, or constant A) gives 0 correlation; ``degenerate``
+flags it, and ``score_arm`` counts such seeds (they are averaged in, not dropped). Each metric
+is computed for every seed; ``score_arm`` reports the mean and the across-seed sample std
+(ddof = 1; 0 for one seed). Everything is deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ from jaxrl_agent.lab.sampling import sample_batch
 from jaxrl_agent.lab.tasks import Task
 
 METRICS = ("pearson", "spearman", "sign", "nmse", "cell_pearson")
+
+
+def _flat(x) -> bool:
+    """Fewer than two values, or (numerically) no spread: a correlation with x is undefined."""
+    return len(x) < 2 or float(np.var(x)) <= 1e-20
 
 
 def _corr(x, y, w=None):
@@ -58,6 +65,7 @@ def turn_metrics(credit, exact, mask, state=None, action=None, eps: float = 1e-6
     scale = max(float(np.dot(c, a)) / cc, 0.0) if cc > 0 else 0.0
     aa = float(np.dot(a, a))
     out["nmse"] = float(np.sum((scale * c - a) ** 2) / aa) if aa > 1e-20 else 0.0
+    out["degenerate"] = bool(_flat(c) or _flat(a))
     if state is not None and action is not None:
         k = np.broadcast_to(np.arange(mask.shape[1])[None], mask.shape)[mask]
         cells = np.stack([k, np.asarray(state)[mask], np.asarray(action)[mask]], 1)
@@ -67,6 +75,12 @@ def turn_metrics(credit, exact, mask, state=None, action=None, eps: float = 1e-6
         mean_a = np.bincount(inv, weights=a) / counts
         out["cell_pearson"] = _corr(mean_c, mean_a, counts.astype(np.float64))
     return out
+
+
+def _mean_std(x) -> tuple[float, float]:
+    """(mean, sample std with ddof = 1; 0 for a single value) over seeds."""
+    x = np.asarray(x, np.float64)
+    return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
 
 
 def per_turn_pearson(credit, exact, mask) -> np.ndarray:
@@ -115,16 +129,18 @@ def check_arm(task: Task, arm: Arm, num_groups: int = 2, group_size: int = 2) ->
 def score_arm(task: Task, arm: Arm, *, seeds: int = 8, num_groups: int = 8,
               group_size: int = 8, logits=None, seed: int = 0) -> dict:
     """Scores ``arm`` on ``seeds`` independent batches of ``num_groups`` x ``group_size``
-    rollouts of the scoring policy. Returns {metric: (mean, std over seeds)}, plus
-    ``per_turn`` [K] (the mean over seeds of ``per_turn_pearson``) and ``per_seed``."""
+    rollouts of the scoring policy. Returns {metric: (mean, std over seeds, ddof = 1)}, plus
+    ``degenerate`` (how many seeds' batches were degenerate: constant credit or constant
+    exact advantage, correlation 0), ``per_turn`` [K] (the mean over seeds of
+    ``per_turn_pearson``) and ``per_seed``."""
     logits = scoring_policy(task, seed) if logits is None else logits
     keys = jax.random.split(jax.random.PRNGKey(seed), seeds)
     credit, exact, mask, state, action = sampled_credit(task, arm, logits, keys, num_groups,
                                                         group_size)
     rows = [turn_metrics(credit[i], exact[i], mask[i], state[i], action[i])
             for i in range(seeds)]
-    out = {m: (float(np.mean([r[m] for r in rows])), float(np.std([r[m] for r in rows])))
-           for m in METRICS}
+    out = {m: _mean_std([r[m] for r in rows]) for m in METRICS}
+    out["degenerate"] = int(sum(r["degenerate"] for r in rows))
     out["per_turn"] = np.mean([per_turn_pearson(credit[i], exact[i], mask[i])
                                for i in range(seeds)], axis=0).tolist()
     out["per_seed"] = rows
