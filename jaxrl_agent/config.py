@@ -170,7 +170,7 @@ class TrainerSection:
     # Train each packed prefix tree once: one forward/backward per rollout tree, exact
     # per-trajectory results; see docs/training.md.
     prefix_sharing: bool = False
-    prefix_tree_len: int = 0           # packed prefix-tree row length; 0 = auto (T * 2^k, <= 8 T)
+    prefix_tree_len: int = 0           # packed prefix-tree row length; 0 = auto (cost model)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -632,9 +632,9 @@ def test_attach_prefix_trees_errors():
     with pytest.raises(ValueError, match="segment_ids"):
         attach_prefix_trees(seg, num_blocks=2)
     longest = int(row_lengths(batch).max())
-    with pytest.raises(ValueError, match=f"prefix_tree_len={longest - 1} is shorter than the "
-                                         f"longest row \\({longest} tokens"):
-        attach_prefix_trees(batch, num_blocks=2, row_len=longest - 1)
+    # trainer.prefix_tree_len is a minimum: a longer row widens the packing, never stops a run
+    _, stats = attach_prefix_trees(batch, num_blocks=2, row_len=longest - 1)
+    assert stats["row_len"] == longest
     with pytest.raises(ValueError, match="num_blocks=5"):
         attach_prefix_trees(batch, num_blocks=5)
     with pytest.raises(ValueError, match="rows_per_block=1"):
@@ -651,6 +651,9 @@ def test_partial_tree_extras_are_refused_by_the_step():
         part = tb.replace(extras={k: v for k, v in tb.extras.items() if k != drop})
         with pytest.raises(ValueError, match="prefix-tree extras must come together"):
             fn(state, part)
+    _, tb1, _ = _pack(recs, "per_step", blocks=1)  # packed for another block count
+    with pytest.raises(ValueError, match="packed in 1 blocks.*num_blocks=2"):
+        make_train_step(model, _OPT, StepConfig(micro_batches=2))(state, tb1)
 
 
 # ============================================================================ the loop

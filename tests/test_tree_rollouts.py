@@ -285,17 +285,12 @@ class BrokenFork(Chain):
 def test_a_failed_fork_is_an_env_error_of_that_fork_only(turn):
     records, stats, _ = collect(tree_cfg(branch_turns=(turn,)), env=BrokenFork(length=4))
     n_forks = 2 * len(TASKS)
-    assert stats["forks"] == stats["env_errors"] == n_forks
-    errors = [r for r in records if r["env_error"]]
-    ok = [r for r in records if not r["env_error"]]
-    assert len(ok) == n_forks and all(r["num_turns"] == 4 for r in ok)
-    if turn == 0:  # nothing shared to record: dropped like a failed reset
-        assert errors == [] and stats["dropped"] == n_forks
-    else:
-        assert len(errors) == n_forks and stats["dropped"] == 0
-        for r in errors:
-            assert "fork refused" in r["env_error"] and r["num_turns"] == turn
-            assert r["success"] == 0.0 and not r["truncated"]
+    assert stats["forks"] == stats["env_errors"] == stats["fork_errors"] == n_forks
+    # a failed fork is dropped at any turn: its shared turns are its parent's, and recording
+    # them with a made-up ending would bias the group baseline
+    assert all(not r["env_error"] for r in records) and stats["dropped"] == n_forks
+    assert len(records) == n_forks and all(r["num_turns"] == 4 for r in records)
+    assert stats["turns"] == 4 * n_forks
     pack_records(records, layout="per_step")
 
 

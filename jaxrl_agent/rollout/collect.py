@@ -213,6 +213,7 @@ class _Live:
     context_truncated: bool = False
     dropped: bool = False
     order: tuple = ()  # (task position, root, copy at each branch so far): the record order
+    fork_failed: bool = False
 
 
 def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCodec,
@@ -241,13 +242,14 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
       The prompts of each ``generate`` call are in the same order. ``stats``: ``trajectories``,
       ``successes``, ``success_rate``, ``mean_reward`` (mean outcome), ``env_errors``,
       ``invalid_actions``, ``truncated``, ``context_truncated``, ``dropped``, ``turns``,
-      ``forks`` (fork trajectories created, failed ones included), ``generate_calls``,
+      ``forks`` (fork trajectories created, failed ones included), ``fork_errors``, ``generate_calls``,
       ``tokens_generated``, ``wall_time_s``, ``tokens_per_s``. ``turns`` and
       ``invalid_actions`` count per trajectory (a turn shared by a tree's copies once for each);
       ``tokens_generated`` counts the tokens actually sampled.
 
-    A fork whose ``Env.fork`` fails (``SafeEnv.fork``) ends at once with ``env_error`` and keeps
-    only the shared turns (dropped when there are none, i.e. at turn 0); its siblings go on.
+    A fork whose ``Env.fork`` fails (``SafeEnv.fork``) is dropped (counted in ``dropped``,
+    ``env_errors`` and ``fork_errors``): its shared turns are its parent's, and recording them
+    with a made-up ending would bias the group's baseline. Its siblings go on.
     """
     t0 = time.perf_counter()
     stop_ids = config.stop_token_ids
@@ -358,7 +360,8 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
         "truncated": sum(r["truncated"] for r in records),
         "context_truncated": sum(tr.context_truncated for tr in live),
         "dropped": sum(tr.dropped for tr in live),
-        "turns": sum(len(tr.turns) for tr in live), "forks": forks, "generate_calls": calls,
+        "turns": sum(len(tr.turns) for tr in live if not tr.fork_failed), "forks": forks,
+        "fork_errors": sum(tr.fork_failed for tr in live), "generate_calls": calls,
         "tokens_generated": tokens_generated, "wall_time_s": wall,
         "tokens_per_s": tokens_generated / wall if wall > 0 else 0.0,
     }
@@ -385,8 +388,8 @@ def _fork(tr: _Live, index: int, order: tuple) -> _Live:
                               pending_obs=list(tr.pending_obs), turns=copy.deepcopy(tr.turns),
                               subgoal=copy.deepcopy(tr.subgoal))
     error = getattr(env, "fork_error", None)
-    if error is not None:
-        out.done, out.env_error, out.dropped = True, str(error), not out.turns
+    if error is not None:  # not a trajectory of the policy: never trained on or counted
+        out.done, out.env_error, out.dropped, out.fork_failed = True, str(error), True, True
     return out
 
 

@@ -34,7 +34,9 @@ from typing import Sequence
 
 import numpy as np
 
-TREE_KEYS = ("tree_tokens", "tree_positions", "tree_ends", "tree_index")
+TREE_KEYS = ("tree_tokens", "tree_positions", "tree_ends", "tree_index", "tree_blocks")
+# A packing may hold at most this many times the unpacked rows' attention scores (memory).
+MEMORY_FACTOR = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,13 +174,46 @@ class TreePack:
         return int(self.mult.sum())
 
 
+def _sorted_lcp(sequences: list) -> tuple[list, list]:
+    """Lexicographic order of ``sequences`` (lists of ints) and, at each position of that order,
+    the longest common prefix with the previous one. In sorted order the longest prefix a
+    sequence shares with *any* earlier one is the one it shares with its predecessor."""
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i])
+    lcp = [0] * len(order)
+    for j in range(1, len(order)):
+        a, b = sequences[order[j - 1]], sequences[order[j]]
+        n = min(len(a), len(b))
+        k = 0
+        while k < n and a[k] == b[k]:
+            k += 1
+        lcp[j] = k
+    return order, lcp
+
+
+def _plan_rows(sequences: list, order: list, lcp: list, row_len: int) -> list:
+    """Row of each sequence under next-fit in sorted order: a sequence costs the tokens it does
+    not share with its predecessor (all of them at the start of a row); a row is closed when
+    the next sequence no longer fits. O(number of sequences)."""
+    rows = [0] * len(sequences)
+    row, used = 0, 0
+    for j, i in enumerate(order):
+        n = len(sequences[i])
+        new = n - (lcp[j] if used else 0)
+        if used + new > row_len:
+            row, used = row + 1, n
+        else:
+            used += new
+        rows[i] = row
+    return rows
+
+
 def pack_prefix_trees(sequences: Sequence[Sequence[int]], row_len: int,
-                      num_rows: int | None = None) -> TreePack:
+                      num_rows: int | None = None, _plan=None) -> TreePack:
     """Packs ``sequences`` into rows of ``row_len`` slots, each row a prefix forest.
 
-    Greedy, in the given order: a sequence goes to the row that shares the longest prefix with
-    it among those where its unshared suffix still fits (the first such row on ties), else to a
-    new row. A sequence longer than ``row_len`` is an error. ``num_rows`` pads to that many rows (an error
+    Next-fit in lexicographic order (``_plan_rows``): sequences sharing a prefix are adjacent
+    there, so a row holds runs of them and each shared token is stored once per row. A
+    sequence longer than ``row_len`` is an error. ``num_rows`` pads to that many rows (an error
     if more are needed); default: as many as used (at least one).
     """
     sequences = [[int(t) for t in s] for s in sequences]
@@ -186,19 +221,14 @@ def pack_prefix_trees(sequences: Sequence[Sequence[int]], row_len: int,
     if too_long:
         raise ValueError(f"sequence {too_long[0]} has {len(sequences[too_long[0]])} tokens, "
                          f"more than the prefix-tree row length {row_len}")
-    rows: list[_Trie] = []
-    where = []
-    for s in sequences:
-        r, best = -1, -1
-        for i, trie in enumerate(rows):
-            shared = trie.shared(s)
-            if shared > best and trie.size + len(s) - shared <= row_len:
-                r, best = i, shared
-        if r < 0:
-            rows.append(_Trie())
-            r = len(rows) - 1
-        rows[r].insert(s)
-        where.append((r, len(rows[r].paths) - 1))
+    order, lcp = _plan if _plan is not None else _sorted_lcp(sequences)
+    row_of = _plan_rows(sequences, order, lcp, row_len)
+    rows = [_Trie() for _ in range(max(row_of, default=-1) + 1)]
+    where = [None] * len(sequences)
+    for i in order:
+        trie = rows[row_of[i]]
+        trie.insert(sequences[i])
+        where[i] = (row_of[i], len(trie.paths) - 1)
     p = max(len(rows), 1) if num_rows is None else num_rows
     if len(rows) > p:
         raise ValueError(f"the sequences need {len(rows)} prefix-tree rows of {row_len} slots, "
@@ -242,6 +272,14 @@ def _bucket_rows(n: int, cap: int) -> int:
     return min(-(-n // q) * q, max(cap, n))
 
 
+def unique_tokens(sequences) -> int:
+    """Nodes of the prefix forest of ``sequences``: the total length minus, in lexicographic
+    order, each sequence's common prefix with its predecessor."""
+    seqs = [[int(t) for t in q] for q in sequences]
+    _, lcp = _sorted_lcp(seqs)
+    return sum(len(q) for q in seqs) - sum(lcp)
+
+
 def largest_group_tree(batch) -> int:
     """Nodes of the largest task group's prefix tree (the unique tokens of its rows)."""
     tokens = np.asarray(batch.tokens)
@@ -250,7 +288,7 @@ def largest_group_tree(batch) -> int:
     largest = 0
     for g in np.unique(group[lengths > 0]):
         rows = np.flatnonzero((group == g) & (lengths > 0))
-        largest = max(largest, build_prefix_tree([tokens[r, :lengths[r]] for r in rows]).num_nodes)
+        largest = max(largest, unique_tokens([tokens[r, :lengths[r]] for r in rows]))
     return largest
 
 
@@ -286,31 +324,19 @@ def attention_cost(model_config) -> float:
     return ATTENTION_OVERHEAD * 4 * c.num_heads * hd * c.num_layers / per_token
 
 
-def _pack_blocks(seqs, num_blocks, L, rows_per_block=None):
-    r_blk = len(seqs) // num_blocks
-    packs = [pack_prefix_trees(seqs[b * r_blk:(b + 1) * r_blk], L) for b in range(num_blocks)]
-    need = max(p.tokens.shape[0] for p in packs)
-    P = _bucket_rows(need, r_blk) if rows_per_block is None else int(rows_per_block)
-    if need > P:
-        raise ValueError(f"a block needs {need} prefix-tree rows, more than rows_per_block={P}")
-    return packs, P
+# Row lengths tried, as multiples of the batch row length T (a coarse grid: few compiles).
+LENGTH_FACTORS = (1, 1.5, 2, 3, 4, 6, 8)
 
 
-def candidate_lengths(T: int, largest_tree: int, max_factor: int = 8) -> list[int]:
-    """Row lengths ``attach_prefix_trees`` tries: ``T * 2^k`` up to the one that holds the largest
-    group's tree, and the lengths that hold exactly that tree in 1, 2, 3 or 4 rows, rounded up
-    to a multiple of ``max(T // 4, 16)`` (so a run compiles few distinct shapes); all within
-    ``[T, max_factor * T]``."""
-    q = max(T // 4, 16)
-    out = {T}
-    L = T
-    while L < min(largest_tree, max_factor * T):
-        L *= 2
-        out.add(L)
-    for parts in (1, 2, 3, 4):
-        n = -(-largest_tree // parts)
-        out.add(min(max(-(-n // q) * q, T), max_factor * T))
-    return sorted(out)
+def candidate_lengths(T: int, largest_tree: int) -> list[int]:
+    """Row lengths ``attach_prefix_trees`` tries: ``T * f`` for ``f`` in ``LENGTH_FACTORS``
+    (rounded up to a multiple of 16), up to the first that holds the largest group's tree."""
+    out = []
+    for f in LENGTH_FACTORS:
+        out.append(16 * -(-int(T * f) // 16))
+        if out[-1] >= largest_tree:
+            break
+    return sorted(set(out))
 
 
 def attach_prefix_trees(batch, num_blocks: int = 1, row_len: int | None = None,
@@ -318,18 +344,24 @@ def attach_prefix_trees(batch, num_blocks: int = 1, row_len: int | None = None,
     """Returns ``(batch', stats)``: ``batch`` with the prefix-tree packing of its rows in
     ``extras`` (``TREE_KEYS``), built separately for each of the ``num_blocks`` equal blocks of
     rows (the train step's ``data_shards x micro_batches`` blocks: a block's trees never
-    reference another block).
+    reference another block; ``extras['tree_blocks']`` records the count and the step checks
+    it).
 
     ``extras['tree_tokens' | 'tree_positions' | 'tree_ends']`` are [num_blocks * P, L] (block b
     owns rows ``b * P .. (b + 1) * P - 1``) and ``extras['tree_index']`` [R, T] holds, for
     each token of row r in block b, its slot ``p * L + l`` within block b's rows (positions
     past the row's length point at slot 0: finite, never read by the loss). ``P`` =
     ``rows_per_block`` (default: the most any block needs, rounded by ``_bucket_rows`` so that
-    few distinct shapes are compiled). ``L`` = ``row_len``; None or 0 picks, among
-    ``candidate_lengths``, the length with the least estimated cost ``P * L * (1 + attn_cost *
-    L)`` (``attention_cost(model_config)``; dense attention makes a long row cost O(L^2), so
-    sharing across a whole group does not always pay). ``stats``: ``total_tokens`` (trained tokens of the
-    unpacked rows), ``unique_tokens`` and ``rows`` (``num_blocks * P``).
+    few distinct shapes are compiled).
+
+    ``L``: ``row_len`` when given (raised to the longest row if a row is longer); None or 0
+    picks, among ``candidate_lengths``, the length of least estimated cost ``P * L * (1 +
+    attn_cost * L)`` (``attention_cost(model_config)``: dense attention makes a long row cost
+    O(L^2)), skipping lengths whose attention scores ``P * L^2`` would exceed
+    ``MEMORY_FACTOR`` times the unpacked ``rows * T^2``. Row counts of the candidates come from
+    ``_plan_rows`` (arithmetic on the sorted rows' common prefixes); only the chosen packing is
+    built. ``stats``: ``total_tokens`` (trained tokens of the unpacked rows), ``unique_tokens``,
+    ``rows`` (``num_blocks * P``) and ``row_len`` (L).
     """
     tokens = np.asarray(batch.tokens)
     R, T = tokens.shape
@@ -341,23 +373,32 @@ def attach_prefix_trees(batch, num_blocks: int = 1, row_len: int | None = None,
                          "this batch has extras['segment_ids'/'positions'] (already packed)")
     lengths = row_lengths(batch)
     r_blk = R // num_blocks
-    seqs = [tokens[r, :lengths[r]] for r in range(R)]
-    if row_len:
-        L = int(row_len)
-        if lengths.max(initial=0) > L:
-            raise ValueError(f"trainer.prefix_tree_len={L} is shorter than the longest row "
-                             f"({int(lengths.max())} tokens up to its last action)")
-        _, P = _pack_blocks(seqs, num_blocks, L, rows_per_block)
+    seqs = [tokens[r, :lengths[r]].tolist() for r in range(R)]
+    blocks = [seqs[b * r_blk:(b + 1) * r_blk] for b in range(num_blocks)]
+    plans = [_sorted_lcp(q) for q in blocks]
+
+    def rows_needed(L):
+        need = max(max(_plan_rows(q, *pl, L), default=0) + 1 for q, pl in zip(blocks, plans))
+        P = _bucket_rows(need, r_blk) if rows_per_block is None else int(rows_per_block)
+        if need > P:
+            raise ValueError(f"a block needs {need} prefix-tree rows of {L} slots, more than "
+                             f"rows_per_block={P}")
+        return P
+
+    if row_len:  # a minimum: a longer row than expected must never stop a run
+        L = max(int(row_len), int(lengths.max(initial=1)))
+        P = rows_needed(L)
     else:
         best = None
         for L in candidate_lengths(T, largest_group_tree(batch)):
-            _, p = _pack_blocks(seqs, num_blocks, L, rows_per_block)
+            p = rows_needed(L)
+            if L > T and p * L * L > MEMORY_FACTOR * r_blk * T * T:
+                continue  # the [rows, heads, L, L] attention scores would outgrow the unpacked
             cost = p * L * (1.0 + attn_cost * L)
             if best is None or cost < best[0]:
                 best = (cost, L, p)
         _, L, P = best
-    packs = [pack_prefix_trees(seqs[b * r_blk:(b + 1) * r_blk], L, num_rows=P)
-             for b in range(num_blocks)]
+    packs = [pack_prefix_trees(q, L, num_rows=P, _plan=pl) for q, pl in zip(blocks, plans)]
     index = np.zeros((R, T), np.int32)
     for b, pack in enumerate(packs):
         for j, idx in enumerate(pack.index):
@@ -370,7 +411,7 @@ def attach_prefix_trees(batch, num_blocks: int = 1, row_len: int | None = None,
     if not np.array_equal(np.where(valid, check, 0), np.where(valid, tokens, 0)):
         raise AssertionError("prefix-tree packing does not reproduce the batch's tokens")
     extras.update(tree_tokens=tree_tok, tree_positions=cat("positions"), tree_ends=cat("ends"),
-                  tree_index=index)
+                  tree_index=index, tree_blocks=np.arange(num_blocks, dtype=np.int32))
     stats = {"total_tokens": int(lengths.sum()),
              "unique_tokens": sum(p.unique_tokens for p in packs), "rows": num_blocks * P,
              "row_len": L}

@@ -199,6 +199,11 @@ class Trainer:
                 f"key/value heads ({mc.num_kv_heads}), so no head is split across devices")
         self.env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
         r = cfg.rollout
+        if r.branch_turns and r.branch_factor > 1 and not callable(getattr(self.env, "fork",
+                                                                           None)):
+            raise config_lib.ConfigError(
+                f"rollout.branch_turns needs an env that can fork mid-episode (Env.fork); "
+                f"{type(self.env).__name__} has no fork()")
         bos = getattr(self.codec, "bos_token_id", None)
         self.rollout_cfg = RolloutConfig(
             group_size=r.group_size, max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,

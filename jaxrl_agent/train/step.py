@@ -325,6 +325,11 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin)
     all_blocks = cfg.data_shards * cfg.micro_batches
     tree = _tree_of(batch.extras)  # prefix sharing: the model runs on the packed trees
+    if tree and tree["tree_blocks"].shape[0] != all_blocks:
+        raise ValueError(f"the prefix trees were packed in {tree['tree_blocks'].shape[0]} "
+                         f"blocks, but this step splits the batch into data_shards x "
+                         f"micro_batches = {all_blocks}: attach_prefix_trees(batch, "
+                         f"num_blocks={all_blocks})")
     batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
     spec = estimators.spec(cfg.estimator)
     est_batch = batch

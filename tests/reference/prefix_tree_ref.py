@@ -34,26 +34,22 @@ def ancestors(parent, v) -> set:
 
 
 def greedy_rows(sequences, row_len: int) -> list:
-    """The documented greedy row assignment of ``pack_prefix_trees``: in the given order, each
-    sequence goes to the row sharing the longest prefix with it among the rows where its
-    unshared suffix still fits (the first such row on ties), else to a new row. Rows are sets
-    of prefixes; returns the row of each sequence."""
-    rows: list[set] = []
-    where = []
-    for s in sequences:
-        s = tuple(int(t) for t in s)
-        best, r = -1, -1
-        for i, prefixes in enumerate(rows):
-            shared = 0
-            while shared < len(s) and s[:shared + 1] in prefixes:
-                shared += 1
-            if shared > best and len(prefixes) + len(s) - shared <= row_len:
-                best, r = shared, i
-        if r < 0:
-            rows.append(set())
-            r = len(rows) - 1
-        rows[r].update(s[:k] for k in range(1, len(s) + 1))
-        where.append(r)
+    """The documented row assignment of ``pack_prefix_trees``: sequences in lexicographic order
+    (ties: original order), next-fit: each goes to the current row if the prefixes it adds
+    (its prefixes not yet in the row) still fit, else it opens a new row. Rows are sets of
+    prefixes; returns the row of each sequence (in the original order)."""
+    seqs = [tuple(int(t) for t in s) for s in sequences]
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    where = [0] * len(seqs)
+    row, prefixes = 0, set()
+    for i in order:
+        s = seqs[i]
+        new = {s[:k] for k in range(1, len(s) + 1)} - prefixes
+        if len(prefixes) + len(new) > row_len:
+            row, prefixes = row + 1, set()
+            new = {s[:k] for k in range(1, len(s) + 1)}
+        prefixes |= new
+        where[i] = row
     return where
 
 
@@ -64,25 +60,24 @@ def bucket_rows(n: int, cap: int) -> int:
 
 
 def auto_row_len(blocks, T: int, top: int, attn_cost: float, largest: int):
-    """``(L, P)`` of ``attach_prefix_trees`` without ``row_len``: among ``L = T, 2T, ..., top``
-    and the lengths holding the largest group tree (``largest`` nodes) in 1-4 rows, rounded up
-    to multiples of ``max(T // 4, 16)`` and kept in ``[T, 8 T]``, the least
-    ``P * L * (1 + attn_cost * L)`` (the shortest on ties), ``P`` the rows the fullest block
-    needs (``greedy_rows``) rounded by ``bucket_rows`` to the block's row count."""
-    cands, L = set(), T
-    while True:
-        cands.add(L)
-        if L >= top:
+    """``(L, P)`` of ``attach_prefix_trees`` without ``row_len``: among ``L = T * f`` for f in
+    1, 1.5, 2, 3, 4, 6, 8 (rounded up to 16) up to the first holding the largest group tree
+    (``largest`` nodes), skipping L > T whose ``P * L^2`` exceeds twice the block's unpacked
+    ``rows * T^2``, the least ``P * L * (1 + attn_cost * L)`` (the shortest on ties); ``P``
+    the rows the fullest block needs (``greedy_rows``) rounded by ``bucket_rows``.
+    (``top`` is unused, kept for the call sites.)"""
+    cands = []
+    for f in (1, 1.5, 2, 3, 4, 6, 8):
+        cands.append(16 * math.ceil(int(T * f) / 16))
+        if cands[-1] >= largest:
             break
-        L *= 2
-    q = max(T // 4, 16)
-    for parts in range(1, 5):
-        n = math.ceil(largest / parts)
-        cands.add(min(max(math.ceil(n / q) * q, T), 8 * T))
     best = None
-    for L in sorted(cands):
+    r_blk = len(blocks[0])
+    for L in sorted(set(cands)):
         need = max(max(greedy_rows(b, L), default=0) + 1 for b in blocks)
-        P = bucket_rows(need, len(blocks[0]))
+        P = bucket_rows(need, r_blk)
+        if L > T and P * L * L > 2 * r_blk * T * T:
+            continue
         cost = P * L * (1.0 + attn_cost * L)
         if best is None or cost < best[0]:
             best = (cost, L, P)
