@@ -324,19 +324,17 @@ def attention_cost(model_config) -> float:
     return ATTENTION_OVERHEAD * 4 * c.num_heads * hd * c.num_layers / per_token
 
 
-# Row lengths tried, as multiples of the batch row length T (a coarse grid: few compiles).
-LENGTH_FACTORS = (1, 1.5, 2, 3, 4, 6, 8)
-
-
-def candidate_lengths(T: int, largest_tree: int) -> list[int]:
-    """Row lengths ``attach_prefix_trees`` tries: ``T * f`` for ``f`` in ``LENGTH_FACTORS``
-    (rounded up to a multiple of 16), up to the first that holds the largest group's tree."""
-    out = []
-    for f in LENGTH_FACTORS:
-        out.append(16 * -(-int(T * f) // 16))
-        if out[-1] >= largest_tree:
-            break
-    return sorted(set(out))
+def candidate_lengths(T: int, largest_tree: int, max_factor: int = 8) -> list[int]:
+    """Row lengths ``attach_prefix_trees`` tries: multiples of ``q = max(16, min(T // 4, 64))``
+    from ``T`` (rounded up to ``q``) to the first that holds the largest group's tree, at most
+    ``max_factor * T``. The grid bounds the distinct shapes a run compiles while wasting at
+    most ``q`` slots per row."""
+    q = max(16, min(T // 4, 64))
+    L = q * -(-T // q)
+    out = [L]
+    while out[-1] < min(largest_tree, max_factor * T):
+        out.append(out[-1] + q)
+    return out
 
 
 def attach_prefix_trees(batch, num_blocks: int = 1, row_len: int | None = None,

@@ -60,17 +60,16 @@ def bucket_rows(n: int, cap: int) -> int:
 
 
 def auto_row_len(blocks, T: int, top: int, attn_cost: float, largest: int):
-    """``(L, P)`` of ``attach_prefix_trees`` without ``row_len``: among ``L = T * f`` for f in
-    1, 1.5, 2, 3, 4, 6, 8 (rounded up to 16) up to the first holding the largest group tree
-    (``largest`` nodes), skipping L > T whose ``P * L^2`` exceeds twice the block's unpacked
-    ``rows * T^2``, the least ``P * L * (1 + attn_cost * L)`` (the shortest on ties); ``P``
-    the rows the fullest block needs (``greedy_rows``) rounded by ``bucket_rows``.
-    (``top`` is unused, kept for the call sites.)"""
-    cands = []
-    for f in (1, 1.5, 2, 3, 4, 6, 8):
-        cands.append(16 * math.ceil(int(T * f) / 16))
-        if cands[-1] >= largest:
-            break
+    """``(L, P)`` of ``attach_prefix_trees`` without ``row_len``: among the multiples of
+    ``q = max(16, min(T // 4, 64))`` from T up to the first holding the largest group tree
+    (``largest`` nodes; at most 8 T), skipping L > T whose ``P * L^2`` exceeds twice the
+    block's unpacked ``rows * T^2``, the least ``P * L * (1 + attn_cost * L)`` (the shortest
+    on ties); ``P`` the rows the fullest block needs (``greedy_rows``) rounded by
+    ``bucket_rows``. (``top`` is unused, kept for the call sites.)"""
+    q = max(16, min(T // 4, 64))
+    cands = [q * math.ceil(T / q)]
+    while cands[-1] < min(largest, 8 * T):
+        cands.append(cands[-1] + q)
     best = None
     r_blk = len(blocks[0])
     for L in sorted(set(cands)):
