@@ -83,16 +83,6 @@ class _Trie:
     def size(self) -> int:
         return len(self.token) - 1
 
-    def shared(self, seq) -> int:
-        """Length of the longest prefix of ``seq`` already in the trie."""
-        node, n = 0, 0
-        for tok in seq:
-            node = self.children[node].get(tok)
-            if node is None:
-                break
-            n += 1
-        return n
-
     def insert(self, seq) -> None:
         node, path = 0, []
         for tok in seq:
