@@ -15,7 +15,7 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
                                               transforms such as re-allocation after it)
     loss:       policy, params {}, agg, kl_coef, kl_estimator, entropy_coef, value_coef
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
-    trainer:    steps, micro_batches, max_policy_lag, seed, warmup_sft_steps, eval_every,
+    trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, seed, warmup_sft_steps, eval_every,
                 eval_tasks, layout, prefix_sharing, prefix_tree_len
     checkpoint: dir, every, keep
     metrics:    dir, tensorboard, plots
@@ -154,13 +154,16 @@ class OptimizerSection:
 @dataclasses.dataclass(frozen=True)
 class TrainerSection:
     steps: int = 100
-    micro_batches: int = 1
+    ppo_epochs: int = 1                # passes over each step's rollouts
+    mini_batches: int = 1              # optimizer updates per pass (1/mini_batches of the rows)
+    micro_batches: int = 1             # gradient accumulation within one update
     max_policy_lag: int = 0
     seed: int = 0
     warmup_sft_steps: int = 800
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     sft_tasks: int = 2000
+    sft_noise: float = 0.0             # demonstrator takes a random action with this probability
     eval_every: int = 10
     eval_tasks: int = 128
     eval_temperature: float = 1.0
@@ -383,19 +386,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def apply_overrides(d: dict | None, overrides) -> dict:
-    """A copy of raw config dict ``d`` with ``--set`` overrides applied in order. Intermediate
-    mappings are created as needed (``estimator.params.gamma=0.99``); unknown keys are reported by
-    ``from_dict`` afterwards, with the same message as in a YAML file."""
+def apply_overrides(d: dict | None, overrides, defaults: dict | None = None) -> dict:
+    """A copy of raw config dict ``d`` with ``--set`` overrides applied in order. An override
+    sets one key and merges into the mapping around it: a mapping on the way that ``d`` lacks
+    is copied from ``defaults`` (the values ``d`` would get anyway; ``load`` passes the
+    ``RunConfig`` defaults), so ``env.kwargs.size=6`` keeps the other keys of ``env.kwargs``.
+    Mappings that neither has are created (``estimator.params.gamma=0.99``). Unknown keys are
+    reported by ``from_dict`` afterwards, with the same message as in a YAML file."""
     import copy
     out = copy.deepcopy(d) if d else {}
     for text in overrides or ():
         parts, value = parse_override(text)
-        node = out
+        node, base = out, defaults
         for i, p in enumerate(parts[:-1]):
             nxt = node.get(p)
+            base = base.get(p) if isinstance(base, dict) else None
             if nxt is None:
-                nxt = node[p] = {}
+                nxt = node[p] = copy.deepcopy(base) if isinstance(base, dict) else {}
             elif i == 0 and p == "sampler" and isinstance(nxt, str):
                 nxt = node[p] = {"name": nxt}      # `sampler: vllm` + `sampler.key=v`
             elif not isinstance(nxt, dict):
@@ -423,7 +430,7 @@ def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
     """YAML file (``None`` = defaults, i.e. ``configs/cpu_default.yaml``), then ``--set`` overrides,
     then ``from_dict``, then (unless ``validate=False``) ``validate``."""
     raw = read_yaml(path) if path is not None else {}
-    cfg = from_dict(apply_overrides(raw, overrides))
+    cfg = from_dict(apply_overrides(raw, overrides, defaults=to_dict(RunConfig())))
     if validate:
         _semantic_check(cfg)
     return cfg
@@ -624,12 +631,14 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"optimizer.{n} must be in [0, 1); got {getattr(o, n)!r}")
 
     t = cfg.trainer
-    _positive(t, "trainer", "steps", "micro_batches", "eval_tasks")
+    _positive(t, "trainer", "steps", "ppo_epochs", "mini_batches", "micro_batches", "eval_tasks")
     _positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
               allow_zero=True)
     _choice(t.layout, LAYOUTS, "trainer.layout")
     _positive(t, "trainer", "eval_temperature", allow_zero=True)
     _positive(t, "trainer", "sft_batch_size", "sft_lr", "sft_tasks", "task_capacity")
+    if not 0.0 <= t.sft_noise <= 1.0:
+        raise ConfigError(f"trainer.sft_noise must be in [0, 1]; got {t.sft_noise!r}")
     _positive(t, "trainer", "prefix_tree_len", allow_zero=True)
     if r.history == "last" and t.layout != "per_step":
         raise ConfigError("rollout.history 'last' (prompts hold only the newest observation) "
@@ -640,6 +649,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"trainer.micro_batches ({t.micro_batches}) must divide the "
                           f"trajectories per step (rollout.tasks_per_step * rollout.group_size "
                           f"= {n_traj})")
+    if r.tasks_per_step % t.mini_batches:
+        raise ConfigError(f"trainer.mini_batches ({t.mini_batches}) must divide "
+                          f"rollout.tasks_per_step ({r.tasks_per_step}): every mini-batch "
+                          f"(one optimizer update) holds the same number of whole task groups")
 
     s = cfg.sampler
     _choice(s.name, SAMPLERS, "sampler.name")

@@ -99,6 +99,21 @@ def test_nested_dict_overrides():
     assert cfg.estimator.params == {"gamma": 0.99, "lam": 0.95}
 
 
+def test_mapping_key_override_merges_into_the_defaults(tmp_path):
+    """``--set env.kwargs.k=v`` sets one key: the other keys of the mapping stay, whether they
+    come from the built-in defaults or from the YAML file (a whole-mapping value replaces)."""
+    default_kwargs = C.RunConfig().env.kwargs
+    assert default_kwargs  # the test needs a non-empty default mapping
+    cfg = C.load(None, ["env.kwargs.invalid_penalty=0"])
+    assert cfg.env.kwargs == {**default_kwargs, "invalid_penalty": 0}
+    path = tmp_path / "c.yaml"
+    path.write_text("env:\n  name: gridworld\n  kwargs: {size: 6}\n")
+    assert C.load(path, ["env.kwargs.extra_walls=1"]).env.kwargs == {"size": 6, "extra_walls": 1}
+    path.write_text("env:\n  name: gridworld\n")  # kwargs left out: the default, then merged
+    assert C.load(path, ["env.kwargs.size=6"]).env.kwargs == {**default_kwargs, "size": 6}
+    assert C.load(None, ["env.kwargs={size: 6}"]).env.kwargs == {"size": 6}
+
+
 def test_list_and_mapping_overrides():
     cfg = C.load(None, ["env.kwargs={size: 4, extra_walls: 0}", "estimator.params={eps: 0.5}"])
     assert cfg.env.kwargs == {"size": 4, "extra_walls": 0}
@@ -126,8 +141,8 @@ def test_malformed_overrides(bad):
 def test_override_through_scalar_is_an_error():
     with pytest.raises(C.ConfigError, match="'trainer.steps' is not a mapping"):
         C.apply_overrides({"trainer": {"steps": 3}}, ["trainer.steps.x=1"])
-    with pytest.raises(C.ConfigError, match=r"key 'trainer.steps' must be int, got \{'x': 1\}"):
-        C.load(None, ["trainer.steps.x=1"])
+    with pytest.raises(C.ConfigError, match="'trainer.steps' is not a mapping"):
+        C.load(None, ["trainer.steps.x=1"])  # the default steps value is on the way
 
 
 # --- structural errors -------------------------------------------------------------------------
@@ -247,6 +262,9 @@ def test_empty_sections_and_files(tmp_path):
     ("trainer.layout=flat", r"trainer.layout must be one of concatenated, per_step"),
     ("trainer.steps=0", r"trainer.steps must be > 0"),
     ("trainer.micro_batches=3", r"micro_batches \(3\) must divide .* = 32"),
+    ("trainer.mini_batches=3", r"mini_batches \(3\) must divide rollout.tasks_per_step"),
+    ("trainer.ppo_epochs=0", r"trainer.ppo_epochs must be > 0"),
+    ("trainer.sft_noise=1.5", r"trainer.sft_noise must be in \[0, 1\]"),
     ("trainer.max_policy_lag=-1", r"trainer.max_policy_lag must be >= 0"),
     ("trainer.prefix_tree_len=-1", r"trainer.prefix_tree_len must be >= 0"),
     ("checkpoint.keep=-1", r"checkpoint.keep must be >= 0"),

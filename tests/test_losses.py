@@ -87,7 +87,7 @@ def _policy_all(lp, batch, adv, prox):
         "w_seq": L.truncated_is_weights(prox, batch, level="sequence", cap=1.5),
         "w_tok_mask": L.truncated_is_weights(prox, batch, mode="mask", lower=0.8, cap=1.3),
         "w_seq_mask": L.truncated_is_weights(prox, batch, level="sequence", mode="mask"),
-        "metrics": L.policy_metrics(lp, batch, adv, clip_low=0.1, clip_high=0.3),
+        "metrics": L.policy_metrics(lp, batch, adv, clip_low=0.1, clip_high=0.3, dual_clip=1.5),
     }
 
 
@@ -165,6 +165,13 @@ def test_policy_losses_match_reference(layout, recs, seed):
     clipped = (adv * np.clip(ratio, 0.9, 1.3) < adv * ratio) & m
     _pair_close(out["metrics"]["clip_fraction"], (clipped.sum(), m.sum()))
     _pair_close(out["metrics"]["approx_kl"], agg(np.where(m, old - lp, 0.0)))
+    low, high = (adv < 0) & (ratio < 0.9) & m, (adv > 0) & (ratio > 1.3) & m
+    _pair_close(out["metrics"]["clip_low_fraction"], (low.sum(), m.sum()))
+    _pair_close(out["metrics"]["clip_high_fraction"], (high.sum(), m.sum()))
+    _pair_close(out["metrics"]["dual_clip_fraction"],
+                (((adv < 0) & (ratio > 1.5) & m).sum(), m.sum()))
+    log_r = np.clip(lp - old, -20, 20)
+    _pair_close(out["metrics"]["approx_kl_k3"], agg(np.where(m, ratio - 1 - log_r, 0.0)))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

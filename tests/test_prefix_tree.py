@@ -357,7 +357,7 @@ def test_key_ends_with_a_cache_is_an_error():
 
 # Fixed padded shapes: hypothesis examples reuse one compile per layout.
 T_ROW = 16
-N_TRAJ = 24
+N_TRAJ = 32
 PAD = {"per_step": {"num_traj": N_TRAJ, "num_turns": 2, "num_rows": 2 * N_TRAJ,
                     "row_len": T_ROW},
        "concatenated": {"num_traj": N_TRAJ, "num_turns": 2, "num_rows": N_TRAJ,
@@ -369,7 +369,10 @@ CONFIGS = {
     "per_step": {**{f"grpo_{m}": dataclasses.replace(GRPO, agg=m) for m in AGG_MODES},
                  "gae": StepConfig(estimator="gae", value_coef=0.5, micro_batches=2,
                                    estimator_params=(("gamma", 0.95), ("lam", 0.9)),
-                                   agg="seq_mean_token_sum_norm")},
+                                   agg="seq_mean_token_sum_norm"),
+                 # log-probs of a tempered, truncated sampling distribution (tree gather too)
+                 "grpo_tempered": dataclasses.replace(GRPO, temperature=0.7, top_k=5,
+                                                      top_p=0.9)},
     "concatenated": {"turn_gae": StepConfig(estimator="turn_gae", value_coef=0.5,
                                             micro_batches=2, entropy_coef=0.01),
                      "grpo_traj": dataclasses.replace(GRPO, agg="traj_mean_token_mean")},
@@ -383,7 +386,8 @@ def _tree_records(seed: int, n_groups: int, branch: int, turns: int, act_len: in
     ``1..branch`` branches (siblings share a random part of the first sibling's action with
     probability ``share``); each branch stops, or forks again at turn 1 (observation + action),
     sometimes with a trajectory that stops at the fork (its rows are prefixes) and sometimes a
-    duplicate. At most 4 trajectories per group (whole groups fit a shard block). per_step rows
+    duplicate (always one for a single path). The first two trajectories of a group have
+    different outcomes, so no update is skipped for want of signal. At most 4 trajectories per group (whole groups fit a shard block). per_step rows
     carry the history in their observation (as ``history: full`` prompts), so a turn-0 row is a
     prefix of its turn-1 rows."""
     rng = np.random.default_rng(seed)
@@ -411,8 +415,9 @@ def _tree_records(seed: int, n_groups: int, branch: int, turns: int, act_len: in
                 a1 = grow(first1)
                 first1 = first1 or a1
                 paths.append([(prompt, a0), (o1, a1)])
-        if rng.random() < 0.3:
-            paths.append(list(paths[int(rng.integers(len(paths)))]))  # a duplicate
+        if rng.random() < 0.3 or len(paths) == 1:  # a duplicate (every group has two members)
+            paths.append(list(paths[int(rng.integers(len(paths)))]))
+        first_outcome = None
         for p in paths[:4]:
             turns_out, hist = [], []
             for obs, act in p:
@@ -420,8 +425,12 @@ def _tree_records(seed: int, n_groups: int, branch: int, turns: int, act_len: in
                 turns_out.append({"observation": list(o), "action": list(act),
                                   "logprobs": (-0.1 - rng.random(len(act))).tolist()})
                 hist = hist + obs + act
-            recs.append({"group": f"g{g}", "outcome": float(rng.random() < 0.5),
-                         "turns": turns_out})
+            outcome = float(rng.random() < 0.5)
+            if first_outcome is None:
+                first_outcome = outcome
+            elif len([r for r in recs if r["group"] == f"g{g}"]) == 1:
+                outcome = 1.0 - first_outcome  # mixed outcomes: GRPO's advantages are not all 0
+            recs.append({"group": f"g{g}", "outcome": outcome, "turns": turns_out})
     return recs
 
 

@@ -60,9 +60,14 @@ def test_smoke_run_writes_everything(full_run):
     rows = read_metrics(d / "metrics" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     for r in rows[1:]:
-        for k in ("train/reward", "train/success", "train/loss", "train/grad_norm"):
+        for k in ("train/reward", "train/success", "train/loss", "train/grad_norm",
+                  "train/entropy", "train/approx_kl", "train/approx_kl_k3",
+                  "train/clip_fraction", "train/clip_low_fraction", "train/clip_high_fraction",
+                  "train/group_zero_frac", "train/adv_std", "train/response_len_turn",
+                  "train/response_len_traj", "train/updates", "train/idle_total"):
             assert math.isfinite(r[k]), (k, r)
-        assert r["train/update_skipped"] == 0
+        assert r["train/update_skipped"] == 0 and r["train/entropy"] > 0
+        assert 1 <= r["train/response_len_turn"] <= 8  # rollout.max_new_tokens
     assert "eval/success" in rows[2] and "eval/success" in rows[4]
     assert Checkpointer(d / "ckpt", every=2, keep=3).all_steps() == [2, 4]
     for p in summary.plots:
@@ -154,6 +159,45 @@ def test_demonstrations_skip_faulty_episodes():
     good = demonstration_records(GridWorld(max_turns=12), tasks, ByteCodec(),
                                  RolloutConfig(max_turns=12))
     assert len(good) == 4 and all(r["turns"][-1]["reward"] == 1.0 for r in good)
+
+
+def test_noisy_demonstrator():
+    """``noise`` = eps: each demonstration turn is a uniformly random action with probability
+    eps (the episode follows it), else the solver's; reproducible from the seed."""
+    from jaxrl_agent.envs.base import Env
+    from jaxrl_agent.envs.calculator import Calculator
+    from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig
+    from jaxrl_agent.train.sft import demonstration_records
+    env = GridWorld(max_turns=12, action_names="letters")
+    tasks = env.sample_tasks(0, 200, "train")
+    cfg = RolloutConfig(max_turns=12, history="last")
+    codec = ByteCodec()
+
+    by_id = {t.id: t for t in tasks}
+
+    def off_solver(recs):  # replay the episodes; count actions that are not the solver's
+        n = bad = 0
+        e = env.clone()
+        for r in recs:  # history "last": one record per turn, "<task>#<turn>"
+            if r["group"].endswith("#0"):
+                e.reset(by_id[r["task"]])
+            act = codec.decode(r["turns"][0]["action"][:-1])
+            bad += act != e.solver()
+            n += 1
+            e.step(act)
+        return bad / n
+
+    clean = demonstration_records(env, tasks[:50], codec, cfg)
+    assert clean == demonstration_records(env, tasks[:50], codec, cfg, noise=0.0, seed=5)
+    recs = [demonstration_records(env, tasks, codec, cfg, noise=0.3, seed=s) for s in (1, 1, 2)]
+    assert recs[0] == recs[1] and recs[0] != recs[2]
+    # a random action equals the solver's 1/6 of the time: expected 0.3 * 5/6 = 0.25
+    assert 0.2 < off_solver(recs[0]) < 0.3 and off_solver(clean) == 0.0
+    assert not hasattr(Calculator, "random_action") or \
+        Calculator.random_action is Env.random_action
+    with pytest.raises(ValueError, match="random_action"):
+        demonstration_records(Calculator(), Calculator().sample_tasks(0, 2, "train"), codec,
+                              cfg, noise=0.1)
 
 
 def test_refuse_stale_drops_whole_groups():

@@ -8,6 +8,7 @@ Protocol (``Env``)::
     obs, info = env.reset(task)           # info["state_key"]: canonical text of the true state
     res = env.step("up")                  # StepResult(observation, reward, done, info)
     env.solver()                          # optimal/scripted action text for the current state
+    env.random_action(rng)                # a uniformly random valid action (optional; noisy demos)
     env.sample_tasks(rng, n, split)       # disjoint "train" / "test" task sets
     env.clone()                           # a fresh, un-reset copy with the same configuration
     env.fork()                            # a copy in the same mid-episode state (tree rollouts)
@@ -137,6 +138,14 @@ class Env(abc.ABC):
     def _config(self) -> dict:
         return dict(max_turns=self.max_turns, invalid_penalty=self.invalid_penalty,
                     invalid_ends=self.invalid_ends)
+
+    def random_action(self, rng) -> str:
+        """A valid action drawn uniformly from the env's action set (``rng``: ``random.Random``).
+        Used by the supervised warm-up's noisy demonstrator (``trainer.sft_noise``). Envs
+        without a small finite action set need not implement it; the default raises
+        ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} has no random_action(); a noisy "
+                                  f"demonstrator (trainer.sft_noise > 0) needs one")
 
     def subgoal(self) -> str | None:
         """The subgoal the current state belongs to (e.g. "get the key"), or None when the

@@ -98,5 +98,8 @@ class Chain(Env):
     def solver(self) -> str:
         return self.answer(min(self.j, self.length - 1))
 
+    def random_action(self, rng) -> str:
+        return rng.choice(WORDS[:self.num_words])
+
 
 register("chain", Chain)

@@ -128,6 +128,10 @@ class GridWorld(Env):
             return "key"
         return "goal" if self.door_open else "door"
 
+    def random_action(self, rng) -> str:
+        act = rng.choice(ACTIONS)
+        return LETTERS[act] if self.action_names == "letters" else act
+
     def solver(self) -> str:
         plan = bfs_plan(self.size, self.layout, (self.pos, self.has_key, self.door_open))
         act = plan[0] if plan else "up"  # goal reached or unsolvable: any legal action

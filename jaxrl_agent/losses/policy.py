@@ -301,16 +301,35 @@ def truncated_is_weights(proximal_logprobs, batch: TrajectoryBatch, *, level="to
 
 
 def policy_metrics(logprobs, batch: TrajectoryBatch, advantages, *, clip_low=0.2,
-                   clip_high=0.2, old_logprobs=None):
-    """Diagnostics as token-mean ``(sum, denominator)`` pairs (no gradient).
+                   clip_high=0.2, dual_clip=None, old_logprobs=None):
+    """Diagnostics as token-mean ``(sum, denominator)`` pairs (no gradient), with
+    r = exp(clip(lp - lp_old, -20, 20)) and A the advantages:
 
     * ``clip_fraction``: share of action tokens whose clipped term is active,
-      -A clip(r) > -A r (their gradient is cut), as verl's ``pg_clipfrac``.
-    * ``approx_kl``: mean of lp_old - lp (verl's ``ppo_kl``), a k1 estimate of KL(old || new).
+      -A clip(r) > -A r (their gradient is cut), as verl's ``pg_clipfrac``;
+    * ``clip_low_fraction``: A < 0 and r < 1 - clip_low (the lower bound cut the gradient);
+    * ``clip_high_fraction``: A > 0 and r > 1 + clip_high (the upper bound cut it);
+      ``clip_fraction`` = low + high;
+    * ``dual_clip_fraction``: A < 0 and r > ``dual_clip`` (only when ``dual_clip`` is given):
+      tokens whose loss the dual clip bounds (verl's ``pg_clipfrac_lower``);
+    * ``approx_kl``: mean of lp_old - lp (verl's ``ppo_kl``), the k1 estimate of
+      KL(old || new) from tokens sampled by the old policy (unbiased, can be negative);
+    * ``approx_kl_k3``: mean of (r - 1) - log r, the k3 estimate of the same KL (unbiased
+      too, never negative, lower variance).
+
+    All are 0 when the policy has not moved (r = 1), e.g. in the first update of a step
+    whose log-probs equal the sampler's.
     """
     m, lp, old, adv, _ = _prepare(sg(logprobs), batch, advantages, old_logprobs)
     lr = log_ratio(lp, old)
     ratio = jnp.exp(lr)
-    clipped = -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) > -adv * ratio
-    return {"clip_fraction": aggregate(clipped.astype(jnp.float32), batch),
-            "approx_kl": aggregate(old - lp, batch)}
+    low = (adv < 0) & (ratio < 1.0 - clip_low)
+    high = (adv > 0) & (ratio > 1.0 + clip_high)
+    f = lambda x: aggregate(x.astype(jnp.float32), batch)  # noqa: E731
+    out = {"clip_fraction": f(low | high), "clip_low_fraction": f(low),
+           "clip_high_fraction": f(high)}
+    if dual_clip is not None:
+        out["dual_clip_fraction"] = f((adv < 0) & (ratio > dual_clip))
+    out["approx_kl"] = aggregate(old - lp, batch)
+    out["approx_kl_k3"] = aggregate(ratio - 1.0 - lr, batch)
+    return out

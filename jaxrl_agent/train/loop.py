@@ -6,8 +6,8 @@ an uninterrupted one exactly)::
     tasks    = env.sample_tasks(rng(seed, s), tasks_per_step, "train")
     records  = collect_groups(env, tasks, sampler @ policy version s, ...)   # G per task
     records  = refuse_stale(records, version=s, max_lag)                    # whole groups
-    batch    = pack_records(records, layout, num_shards = data * fsdp * micro_batches)
-    state    = train_step(state, batch)                                     # version s + 1
+    batch    = pack_records(records, layout, num_shards = data*fsdp * mini_batches * micro_batches)
+    state    = train_step(state, batch)       # ppo_epochs x mini_batches updates; version s + 1
     sampler.sync_weights(state.params, version=s + 1)
     log, evaluate (greedy, held-out "test" tasks), checkpoint
 
@@ -217,8 +217,10 @@ class Trainer:
         self.eval_tasks = self.env.sample_tasks(step_seed(t.seed, -1, "eval"), t.eval_tasks,
                                                 "test")
         self._n_train = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
+        updates = t.ppo_epochs * t.mini_batches  # optimizer updates per step
         self.optimizer = make_optimizer(
-            cfg.optimizer.lr, total_steps=t.steps, warmup_steps=cfg.optimizer.warmup_steps,
+            cfg.optimizer.lr, total_steps=t.steps * updates,
+            warmup_steps=cfg.optimizer.warmup_steps * updates,
             decay=cfg.optimizer.decay, weight_decay=cfg.optimizer.weight_decay,
             grad_clip=cfg.optimizer.grad_clip, b1=cfg.optimizer.b1, b2=cfg.optimizer.b2,
             eps=cfg.optimizer.eps)
@@ -231,7 +233,9 @@ class Trainer:
             policy_loss=cfg.loss.policy, policy_params=tuple(sorted(cfg.loss.params.items())),
             agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
             entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
-            micro_batches=t.micro_batches, data_shards=self.data_shards, remat=t.remat)
+            micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
+            data_shards=self.data_shards, remat=t.remat, temperature=r.temperature,
+            top_k=r.top_k, top_p=r.top_p)
         self.rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
         self.state_shardings = sharding.train_state_shardings(
             jax.eval_shape(self._init_state), self.optimizer, self.mesh, self.rules)
@@ -353,9 +357,15 @@ class Trainer:
         if t.warmup_sft_steps <= 0:
             return
         demo_tasks = self.env.sample_tasks(step_seed(t.seed, -2, "sft"), t.sft_tasks, "train")
-        records = sft_lib.demonstration_records(self.env, demo_tasks, self.codec,
-                                                self.rollout_cfg)
-        self._print(f"supervised warm-up: {t.warmup_sft_steps} steps on solver demonstrations "
+        try:
+            records = sft_lib.demonstration_records(
+                self.env, demo_tasks, self.codec, self.rollout_cfg, noise=t.sft_noise,
+                seed=step_seed(t.seed, -4, "sft-noise"))
+        except ValueError as e:
+            raise config_lib.ConfigError(f"trainer.sft_noise: {e}") from None
+        who = (f"a noisy solver (random action with probability {t.sft_noise:g})"
+               if t.sft_noise else "solver demonstrations")
+        self._print(f"supervised warm-up: {t.warmup_sft_steps} steps on {who} "
                     f"({len(demo_tasks)} episodes, {sum(len(r['turns']) for r in records)} turns)")
         t0 = time.time()
 
@@ -384,7 +394,7 @@ class Trainer:
 
     def _pack(self, records):
         t = self.cfg.trainer
-        shards = self.data_shards * t.micro_batches
+        shards = self.step_cfg.blocks
         pad_to = None
         if t.layout == "per_step":  # fixed shapes: one compile for the whole run
             # whole groups per shard: with fewer groups than shards some blocks stay empty
@@ -541,7 +551,7 @@ class Trainer:
         batch = self._pack(records)
         shared = {}
         if t.prefix_sharing:  # one forward/backward per prefix tree, the same loss and gradient
-            batch, tree = attach_prefix_trees(batch, self.data_shards * t.micro_batches,
+            batch, tree = attach_prefix_trees(batch, self.step_cfg.blocks,
                                               t.prefix_tree_len or None,
                                               attn_cost=attention_cost(self.model.config))
             shared = {"train/prefix_tokens_ratio": tree["total_tokens"] / max(
@@ -553,8 +563,8 @@ class Trainer:
         self._sync(state)
         t3 = time.perf_counter()
         if m["update_skipped"]:
-            self._print(f"step {s + 1}: non-finite loss or gradient, update skipped "
-                        f"({int(state.skipped)} so far)")
+            self._print(f"step {s + 1}: non-finite loss or gradient in {int(m['update_skipped'])} "
+                        f"update(s), skipped ({int(state.skipped)} so far)")
         n = max(stats["trajectories"], 1)
         metrics = {
             "train/reward": stats["mean_reward"], "train/success": stats["success_rate"],
@@ -563,7 +573,8 @@ class Trainer:
             "train/tokens_per_s": stats["tokens_generated"] / max(t2 - t0, 1e-9),
             "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
             **{f"train/{k}": float(v) for k, v in m.items()},
-            "train/skipped_total": int(state.skipped), **shared,
+            "train/skipped_total": int(state.skipped), "train/idle_total": int(state.idle),
+            **_length_stats(records), **shared,
         }
         probe = getattr(self.sampler, "last_sync", {}).get("probe_error")
         if probe is not None:
@@ -643,6 +654,18 @@ def _merge_stats(parts: list) -> dict:
     out["wall_time_s"] = max(p["wall_time_s"] for p in parts)
     out["tokens_per_s"] = out["tokens_generated"] / max(out["wall_time_s"], 1e-9)
     return out
+
+
+def _length_stats(records) -> dict:
+    """Response lengths (sampled tokens) per turn and per trajectory of a step's records."""
+    turns = [len(t["action"]) for r in records for t in r["turns"]]
+    trajs = [sum(len(t["action"]) for t in r["turns"]) for r in records]
+    if not turns:
+        return {}
+    return {"train/response_len_turn": float(np.mean(turns)),
+            "train/response_len_turn_max": int(max(turns)),
+            "train/response_len_traj": float(np.mean(trajs)),
+            "train/response_len_traj_max": int(max(trajs))}
 
 
 def _printable(text: str) -> str:

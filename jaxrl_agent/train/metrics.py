@@ -39,6 +39,9 @@ DEFAULT_PROGRESS_KEYS = {
     "reward": "train/reward",
     "success": "train/success",
     "eval": "eval/success",
+    "entropy": "train/entropy",         # of the sampling policy, nats per action token
+    "zero-adv": "train/group_zero_frac",  # groups that teach nothing (all rollouts alike)
+    "clip": "train/clip_fraction",      # 0 unless the ratio moves (ppo_epochs, mini_batches)
     "tok/s": "train/tokens_per_s",
 }
 

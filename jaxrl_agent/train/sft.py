@@ -22,21 +22,38 @@ from jaxrl_agent.batch import pack_records
 from jaxrl_agent.envs.base import Task, run_episode, solver_policy
 from jaxrl_agent.models.transformer import token_logprobs
 from jaxrl_agent.rollout.collect import RolloutConfig
+from jaxrl_agent.train.step import warmup_schedule
 
 __all__ = ["demonstration_records", "sft_loss", "run_sft"]
 
 
-def demonstration_records(env, tasks: Sequence[Task], codec, config: RolloutConfig) -> list[dict]:
+def demonstration_records(env, tasks: Sequence[Task], codec, config: RolloutConfig, *,
+                          noise: float = 0.0, seed: int = 0) -> list[dict]:
     """The solver's episodes, tokenised as ``collect_groups`` would: one record per episode, or
     one per turn with ``config.history == "last"`` (each prompt is then self-contained, so a
-    mini-batch of ``n`` records is ``n`` turns)."""
+    mini-batch of ``n`` records is ``n`` turns).
+
+    ``noise`` = eps makes the demonstrator imperfect: at every turn, with probability eps, it
+    takes ``env.random_action(rng)`` instead of ``env.solver()`` (the episode continues from
+    wherever that action leads, and the random action is what the record holds). Cloning such
+    a demonstrator gives a policy that solves part of the tasks and errs at about the
+    demonstrator's rate everywhere: errors that a policy-gradient phase can remove, where a
+    clean demonstrator leaves little for RL to improve. ``seed`` fixes the coin flips."""
     eos = codec.eos_token_id
     if eos is None:
         raise ValueError("the codec has no eos_token_id; demonstrations need one")
+    if not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise must be in [0, 1], got {noise!r}")
+    rng = random.Random(seed)
+    if noise > 0:
+        try:
+            env.clone().random_action(random.Random(0))
+        except NotImplementedError as e:
+            raise ValueError(str(e)) from None
     records, failures = [], []
     for task in tasks:
         try:
-            turns = _solver_episode(env, task, codec, config, eos)
+            turns = _solver_episode(env, task, codec, config, eos, noise, rng)
         except Exception as e:  # a faulty env loses that episode, not the run
             failures.append(f"{task.id}: {type(e).__name__}: {e}")
             continue
@@ -50,9 +67,13 @@ def demonstration_records(env, tasks: Sequence[Task], codec, config: RolloutConf
     return records
 
 
-def _solver_episode(env, task, codec, config: RolloutConfig, eos: int) -> list[dict]:
+def _solver_episode(env, task, codec, config: RolloutConfig, eos: int, noise: float,
+                    rng: random.Random) -> list[dict]:
     e = env.clone()
-    ep = run_episode(e, solver_policy(e), task, max_turns=config.max_turns)
+    policy = solver_policy(e)
+    if noise > 0:
+        policy = lambda _obs: e.random_action(rng) if rng.random() < noise else e.solver()  # noqa: E731
+    ep = run_episode(e, policy, task, max_turns=config.max_turns)
     turns = []
     for k, (obs, text, reward) in enumerate(zip(ep.observations, ep.actions, ep.rewards)):
         prefix = list(config.prompt_prefix) if (config.history == "last" or k == 0) else []
@@ -76,7 +97,7 @@ def run_sft(model: nnx.Module, records: list[dict], *, steps: int, batch_size: i
             layout: str, seed: int = 0, pad_to: dict | None = None,
             on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Trains ``model`` in place for ``steps`` AdamW steps (linear warm-up over the first 10%,
-    cosine decay) on random mini-batches of ``batch_size`` demonstration records.
+    starting above 0, then cosine decay) on random mini-batches of ``batch_size`` demonstration records.
 
     ``pad_to`` fixes the packed shape (one compile); by default it is the bucketed shape of the
     longest records. Returns the loss of every step; ``on_step(step, loss)`` is called after
@@ -87,8 +108,7 @@ def run_sft(model: nnx.Module, records: list[dict], *, steps: int, batch_size: i
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps,
-                                               end_value=0.1 * lr)
+    sched = warmup_schedule(lr, steps, min(max(1, steps // 10), steps - 1))
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
     opt_state = opt.init(params)
     loss_fn = functools.partial(sft_loss, graphdef, rest)

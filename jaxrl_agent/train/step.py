@@ -3,14 +3,31 @@
 One step, for a packed ``TrajectoryBatch``::
 
     values   = V_theta(batch)                        (only for critic estimators)
-    A, est'  = estimator(batch [+ values], est)      (registry; on the whole batch)
-    for each micro-batch m (rows of whole trajectories):
-        g += grad_theta [ P_m / D_P + kl_coef K_m / D_K - ent_coef H_m / D_H + v_coef V_m / D_V ]
-    theta', opt' = optax update(g)   -- skipped (and counted) when the loss or g is not finite
+    A, est'  = estimator(batch [+ values], est)      (registry; on the whole batch, once)
+    for epoch in 1..ppo_epochs:
+      for each mini-batch b (1/mini_batches of the rows, whole trajectories):
+        g = 0
+        for each micro-batch m of b (gradient accumulation):
+            g += grad_theta [ P_m / D_P + kl_coef K_m / D_K - ent_coef H_m / D_H + v_coef V_m / D_V ]
+        theta, opt = optax update(g)   -- skipped (and counted) when the loss or g is not
+                                          finite, or when b carries no learning signal
 
 where each term is a ``(sum, denominator)`` pair of a registry loss: the denominators are
-those of the whole batch, so the micro-batched gradient equals the one-pass gradient (for
-every aggregation mode, because micro-batches never split a trajectory).
+those of the whole mini-batch, so the micro-batched gradient equals the one-pass gradient (for
+every aggregation mode, because micro-batches never split a trajectory). The PPO ratio of
+every update is taken against the sampler's log-probs (``batch.old_logprobs``): in the first
+update it is 1 (the policy has not moved), in later ones the clip binds. "No learning signal"
+means every advantage of the mini-batch's action tokens is 0 and no value loss is trained:
+Adam would otherwise keep moving the parameters along its momentum (and the KL / entropy
+terms alone) on steps that learned nothing. Such updates are counted in
+``TrainState.idle``; ``TrainState.skipped`` counts the non-finite ones.
+
+Log-probs of the distribution actually sampled: with ``StepConfig.temperature`` (and
+``top_k`` / ``top_p``) the train step computes ``log softmax(z)[x]`` of the processed logits
+``z`` = ``sampling.process_logits(logits / T, top_k, top_p)``, the sampler's own formula, so
+``lp - batch.old_logprobs`` is 0 before the first update. A token outside the current top-k /
+top-p set (possible after earlier updates moved the policy) gets the tempered log-prob
+without truncation, a finite stand-in (counted in ``outside_truncation_frac``).
 
 Sharding (``make_train_step(..., mesh=, state_shardings=)``): the batch rows are split over the
 mesh's ``data x fsdp`` axes with whole task groups per shard, and the parameters and optimizer
@@ -26,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -38,8 +56,8 @@ from jaxrl_agent import estimators, losses, segments
 from jaxrl_agent import sharding as sharding_lib
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.losses.kl import entropy_from_logits
-from jaxrl_agent.models.transformer import token_logprobs
 from jaxrl_agent.rollout.tree import TREE_KEYS
+from jaxrl_agent.sampling.jax_sampler import process_logits
 
 # What critic estimators read from the value head.
 TOKEN_VALUE_ESTIMATORS = ("gae", "lambda_returns")
@@ -66,6 +84,8 @@ class TrainState:
       est_state: the estimator's state (SPO's tracker) or ``()``.
       ref_params: frozen reference parameters for the KL term, or ``()``.
       skipped: int32, updates skipped because the loss or the gradient was not finite.
+      idle: int32, updates skipped because their mini-batch carried no learning signal (every
+        advantage 0 and no value loss).
     """
 
     params: Any
@@ -75,6 +95,7 @@ class TrainState:
     est_state: Any = ()
     ref_params: Any = ()
     skipped: Any = 0
+    idle: Any = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +113,29 @@ class StepConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     value_coef: float = 0.5
-    micro_batches: int = 1
+    micro_batches: int = 1  # gradient accumulation within one update
+    mini_batches: int = 1  # optimizer updates per epoch, each on 1/mini_batches of the rows
+    ppo_epochs: int = 1  # passes over the batch
     remat: bool = False  # recompute each decoder layer in the backward pass
-    data_shards: int = 1  # blocks of the batch (data x fsdp); the packer's num_shards / micro
+    data_shards: int = 1  # blocks of the batch (data x fsdp)
+    temperature: float = 1.0  # the rollouts' sampling parameters (log-probs of that distribution)
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of whole groups the batch is packed into: data_shards x mini x micro
+        (``pack_records(num_shards=cfg.blocks)``)."""
+        return self.data_shards * self.mini_batches * self.micro_batches
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.ppo_epochs * self.mini_batches
+
+    @property
+    def truncated(self) -> bool:
+        """The rollouts were sampled from a top-k / top-p truncated distribution."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
 
     @property
     def needs_values(self) -> bool:
@@ -109,7 +150,11 @@ def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay:
                    weight_decay: float = 0.0, grad_clip: float = 1.0, b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
     """AdamW with linear warm-up, cosine (to 10% of ``lr``) or constant schedule, and global-norm
-    clipping (``grad_clip <= 0`` turns it off).
+    clipping (``grad_clip <= 0`` turns it off). Steps count optimizer updates.
+
+    The warm-up's update ``c`` (0-based, ``c < warmup_steps``) uses ``lr (c + 1) / (warmup_steps
+    + 1)``: the first update already moves the parameters (a schedule starting at exactly 0
+    wastes it), and update ``warmup_steps`` is the first at the full ``lr``.
 
     ``eps`` matters for RL on small models: Adam divides by ``sqrt(v) + eps``, so parameters
     whose gradients are tiny but consistently signed (the LM-head rows of tokens the policy
@@ -118,19 +163,28 @@ def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay:
     """
     total_steps = max(int(total_steps), 1)
     warmup_steps = min(max(int(warmup_steps), 0), total_steps - 1) if total_steps > 1 else 0
-    if decay == "cosine":
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0 if warmup_steps else lr, lr, warmup_steps, total_steps, end_value=0.1 * lr)
-    elif decay == "constant":
-        sched = (optax.linear_schedule(0.0, lr, warmup_steps) if warmup_steps
-                 else optax.constant_schedule(lr))
-        if warmup_steps:
-            sched = optax.join_schedules([sched, optax.constant_schedule(lr)], [warmup_steps])
-    else:
+    return optax.chain(*_clip(grad_clip), optax.adamw(
+        warmup_schedule(lr, total_steps, warmup_steps, decay), b1=b1, b2=b2, eps=eps,
+        weight_decay=weight_decay))
+
+
+def warmup_schedule(lr: float, total_steps: int, warmup_steps: int, decay: str = "cosine"):
+    """The learning rate per update: ``lr (c + 1) / (warmup_steps + 1)`` for ``c <
+    warmup_steps``, then cosine from ``lr`` to ``0.1 lr`` at ``total_steps`` or constant."""
+    if decay not in ("cosine", "constant"):
         raise ValueError(f"decay must be 'cosine' or 'constant', got {decay!r}")
-    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []
-    parts.append(optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
-    return optax.chain(*parts)
+    if decay == "cosine":
+        rest = optax.cosine_decay_schedule(lr, max(total_steps - warmup_steps, 1), alpha=0.1)
+    else:
+        rest = optax.constant_schedule(lr)
+    if not warmup_steps:
+        return rest
+    ramp = optax.linear_schedule(lr / (warmup_steps + 1), lr, warmup_steps)
+    return optax.join_schedules([ramp, rest], [warmup_steps])
+
+
+def _clip(grad_clip: float) -> list:
+    return [optax.clip_by_global_norm(grad_clip)] if grad_clip and grad_clip > 0 else []
 
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, seed: int,
@@ -147,7 +201,7 @@ def init_state_from_params(params, optimizer: optax.GradientTransformation, *, s
         params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)), est_state=est_state,
         ref_params=jax.tree.map(jnp.copy, params) if with_reference else (),
-        skipped=jnp.zeros((), jnp.int32))
+        skipped=jnp.zeros((), jnp.int32), idle=jnp.zeros((), jnp.int32))
 
 
 # ----------------------------------------------------------------------------- forward
@@ -172,49 +226,114 @@ def _at_prev(x, index, blocks: int):
     return out.reshape((R, T) + x.shape[2:])
 
 
-def _tree_logprobs(logits, tokens, index, blocks: int):
-    """``token_logprobs`` of the unpacked rows from the packed trees' logits [blocks * P, L, V]:
-    ``log p(tokens[r, t] | ...) = z[prev, tok] - logsumexp(z[prev])`` with ``prev`` the node of
-    token t - 1; 0 at t = 0. Never builds an [R, T, V] copy of the logits."""
+def _process(logits, temperature: float, top_k: int, top_p: float):
+    """``(z, zt)``: the logits [..., V] divided by the rollouts' temperature (float32), and the
+    same after the sampler's top-k / top-p truncation (``sampling.process_logits``: -inf
+    outside the kept set), or ``None`` without truncation."""
+    z = jnp.asarray(logits, jnp.float32)
+    if temperature > 0 and temperature != 1.0:
+        z = z / temperature
+    if not (temperature > 0 and (top_k > 0 or top_p < 1.0)):
+        return z, None
+    flat = z.reshape(-1, z.shape[-1])
+    n = flat.shape[0]
+    zt = process_logits(flat, jnp.ones((n,), jnp.float32), jnp.full((n,), top_k, jnp.int32),
+                        jnp.full((n,), top_p, jnp.float32))
+    return z, zt.reshape(z.shape)
+
+
+def _sampling(cfg: "StepConfig") -> tuple:
+    return cfg.temperature, cfg.top_k, cfg.top_p
+
+
+def _pick(z, zt, at, nxt):
+    """Log-prob of token ``nxt`` under the distribution at node ``at`` (``at``/``nxt`` index
+    the leading axes of ``z`` through ``take``): ``zt`` where it keeps the token, else the
+    untruncated ``z``. Returns ``(lp, outside)``."""
+    def one(a):
+        return a.at[at + (nxt,)].get(mode="clip"), jax.nn.logsumexp(a, axis=-1).at[at].get(
+            mode="clip")
+    picked, lse = one(z)
+    lp = picked - lse
+    if zt is None:
+        return lp, jnp.zeros(lp.shape, bool)
+    picked_t, lse_t = one(zt)
+    outside = jnp.isneginf(picked_t)
+    return jnp.where(outside, lp, jnp.where(outside, 0.0, picked_t) - lse_t), outside
+
+
+def _tree_logprobs(logits, tokens, index, blocks: int, cfg: "StepConfig"):
+    """Log-probs of the unpacked rows from the packed trees' logits [blocks * P, L, V]:
+    ``log p(tokens[r, t] | ...)`` read at the node of token t - 1 (``_pick``); 0 at t = 0.
+    Never builds an [R, T, V] copy of the logits. Returns ``(lp, outside)`` [R, T]."""
     R, T = index.shape
-    z = logits.astype(jnp.float32).reshape(blocks, -1, logits.shape[-1])
-    lse = jax.nn.logsumexp(z, axis=-1)
+    z, zt = _process(logits.reshape(blocks, -1, logits.shape[-1]), *_sampling(cfg))
     prev = index[:, :-1].reshape(blocks, R // blocks, T - 1)
     nxt = jnp.asarray(tokens, jnp.int32)[:, 1:].reshape(blocks, R // blocks, T - 1)
-    pick = jax.vmap(lambda zb, lb, p, n: zb.at[p, n].get(mode="clip") - lb.at[p].get(
-        mode="clip"))(z, lse, prev, nxt).reshape(R, T - 1)
-    return jnp.concatenate([jnp.zeros_like(pick[:, :1]), pick], axis=1)
+    blk = jnp.broadcast_to(jnp.arange(blocks)[:, None, None], prev.shape)
+    lp, out = _pick(z, zt, (blk, prev), nxt)
+    pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)  # noqa: E731
+    return pad(lp.reshape(R, T - 1)), pad(out.reshape(R, T - 1))
 
 
-def _forward(graphdef, params, rest, tokens, extras, *, want_entropy: bool, remat=False,
-             pin=None, blocks: int = 1):
-    """Per-token (log-prob, entropy, value) of the rows ``tokens`` [R, T]; with prefix-tree
-    extras the model runs on the packed trees (``blocks`` of them) and the results are
-    gathered back to the rows: the same numbers, each shared prefix computed once."""
+def sampled_logprobs(logits, tokens, *, temperature: float = 1.0, top_k: int = 0,
+                     top_p: float = 1.0):
+    """Log-probs of ``tokens`` [R, T] under the distribution a sampler with these parameters
+    draws from: ``lp[:, t] = log softmax(z[:, t - 1])[tokens[:, t]]`` (0 at t = 0) with
+    ``z = process_logits(logits / temperature, top_k, top_p)``, the sampler's own processing
+    (``temperature <= 0``, greedy, means the untempered, untruncated distribution, as the
+    sampler reports for greedy rows). A token outside the top-k / top-p set of ``z`` (the
+    policy moved since it was sampled) gets the tempered log-prob without truncation, a finite
+    stand-in.
+
+    Returns ``(lp [R, T], outside [R, T] bool, z [R, T, V])``, ``z`` the processed logits (the
+    entropy of the distribution each token was drawn from is ``entropy_from_logits(z)`` one
+    position earlier).
+    """
+    z, zt = _process(logits, temperature, top_k, top_p)
+    R, T = tokens.shape
+    rows = jnp.broadcast_to(jnp.arange(R)[:, None], (R, T - 1))
+    cols = jnp.broadcast_to(jnp.arange(T - 1)[None, :], (R, T - 1))
+    lp, out = _pick(z, zt, (rows, cols), jnp.asarray(tokens, jnp.int32)[:, 1:])
+    pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)  # noqa: E731
+    return pad(lp), pad(out), (z if zt is None else zt)
+
+
+def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_entropy: bool,
+             remat=False, pin=None, blocks: int = 1):
+    """Per-token (log-prob, entropy, value, outside-truncation) of the rows ``tokens`` [R, T]
+    under the rollouts' sampling distribution (``cfg.temperature``, ``top_k``, ``top_p``);
+    with prefix-tree extras the model runs on the packed trees (``blocks`` of them) and the
+    results are gathered back to the rows: the same numbers, each shared prefix computed
+    once."""
     model = nnx.merge(graphdef, params, rest)
     tree = _tree_of(extras)
     if tree:
         out = model(tree["tree_tokens"], positions=tree["tree_positions"],
                     key_ends=tree["tree_ends"], remat=remat, activation_sharding=pin)
         idx = tree["tree_index"]
-        lp = _tree_logprobs(out.logits, tokens, idx, blocks)
+        lp, outside = _tree_logprobs(out.logits, tokens, idx, blocks, cfg)
         first = (jnp.arange(tokens.shape[1]) == 0)[None, :]
-        ent = (jnp.where(first, 0.0, _at_prev(entropy_from_logits(out.logits), idx, blocks))
-               if want_entropy else None)
+        ent = None
+        if want_entropy:
+            z, zt = _process(out.logits, *_sampling(cfg))
+            ent = jnp.where(first, 0.0, _at_prev(entropy_from_logits(z if zt is None else zt),
+                                                 idx, blocks))
         values = (None if out.values is None else
                   jnp.where(first, 0.0, _at_prev(out.values, idx, blocks)))
-        return lp, ent, values
+        return lp, ent, values, outside
     out = model(tokens, positions=extras.get("positions"), segment_ids=extras.get("segment_ids"),
                 remat=remat, activation_sharding=pin)
-    lp = token_logprobs(out.logits, tokens)
+    lp, outside, zp = sampled_logprobs(out.logits, tokens, temperature=cfg.temperature,
+                                       top_k=cfg.top_k, top_p=cfg.top_p)
     ent = None
     if want_entropy:  # the entropy of the distribution token t was drawn from (logits at t - 1)
-        h = entropy_from_logits(out.logits)
+        h = entropy_from_logits(zp)
         ent = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
     values = out.values
     if values is not None:  # value of the state before token t (head read at t - 1)
         values = jnp.concatenate([jnp.zeros_like(values[:, :1]), values[:, :-1]], axis=1)
-    return lp, ent, values
+    return lp, ent, values, outside
 
 
 def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch, tree=None, blocks=1):
@@ -262,11 +381,13 @@ def _attach_values(batch: TrajectoryBatch, values, cfg: StepConfig) -> Trajector
 
 
 def _split_rows(x, cfg: StepConfig):
-    """[R, ...] -> [M, R / M, ...] such that micro-batch m holds block m of every data shard."""
-    d, m = cfg.data_shards, cfg.micro_batches
-    r = x.shape[0] // (d * m)
-    x = x.reshape((d, m, r) + x.shape[1:])
-    return jnp.moveaxis(x, 1, 0).reshape((m, d * r) + x.shape[3:])
+    """[R, ...] -> [mini, micro, R / (mini * micro), ...]: micro-batch u of mini-batch b holds
+    block (b, u) of every data shard (the packer's blocks are shard-major: block index =
+    shard * mini * micro + b * micro + u)."""
+    d, b, u = cfg.data_shards, cfg.mini_batches, cfg.micro_batches
+    r = x.shape[0] // (d * b * u)
+    x = jnp.moveaxis(x.reshape((d, b, u, r) + x.shape[1:]), 0, 2)
+    return x.reshape((b, u, d * r) + x.shape[4:])
 
 
 # ----------------------------------------------------------------------------- the step
@@ -288,6 +409,17 @@ def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: 
 def _coefs(cfg: StepConfig) -> dict:
     return {"policy": 1.0, "kl": cfg.kl_coef, "entropy": -cfg.entropy_coef,
             "value": cfg.value_coef}
+
+
+def _clip_params(cfg: StepConfig) -> dict | None:
+    """The clip range of the policy loss (its defaults overridden by ``policy_params``) for the
+    clip-fraction diagnostics, or None for losses without one (``reinforce``)."""
+    sig = inspect.signature(losses.get(cfg.policy_loss)).parameters
+    if "clip_low" not in sig or "clip_high" not in sig:
+        return None
+    out = {k: sig[k].default for k in ("clip_low", "clip_high", "dual_clip") if k in sig}
+    out.update({k: v for k, v in cfg.policy_params if k in out})
+    return out
 
 
 def _token_returns(adv: Advantages, batch: TrajectoryBatch):
@@ -313,29 +445,57 @@ def _run_estimator(pipe, est_batch, est_state, stateful: bool, mesh):
     return jax.shard_map(f, mesh=mesh, in_specs=(rows,), out_specs=rows)(est_batch), est_state
 
 
+def advantage_metrics(adv_tok, batch: TrajectoryBatch) -> dict:
+    """The distribution of the token advantages over action tokens (mean, std, |A| mean, min,
+    max, fractions > 0 and == 0) and ``group_zero_frac``: the share of real groups in which
+    every action token's advantage is 0 (nothing to learn from them: all rollouts of the
+    task scored alike under a group baseline)."""
+    m = batch.action_mask
+    mf = m.astype(jnp.float32)
+    n_tok = jnp.maximum(jnp.sum(mf), 1.0)
+    a = jnp.where(m, adv_tok, 0.0)
+    mean = jnp.sum(a) / n_tok
+    n, big = batch.num_traj, jnp.finfo(jnp.float32).max
+    traj_abs = jax.ops.segment_max(jnp.max(jnp.abs(a), axis=1), batch.row_traj, n)
+    traj_abs = jnp.where(batch.traj_mask, jnp.maximum(traj_abs, 0.0), 0.0)
+    gid = jnp.where(batch.traj_mask, batch.group_ids, n)
+    group_abs = jax.ops.segment_max(traj_abs, gid, n + 1)[:n]
+    real = jax.ops.segment_max(batch.traj_mask.astype(jnp.int32), gid, n + 1)[:n] > 0
+    return {
+        "adv_mean": mean, "adv_abs": jnp.sum(jnp.abs(a)) / n_tok,
+        "adv_std": jnp.sqrt(jnp.sum(jnp.where(m, (adv_tok - mean) ** 2, 0.0)) / n_tok),
+        "adv_min": jnp.min(jnp.where(m, adv_tok, big)) * (jnp.sum(mf) > 0),
+        "adv_max": jnp.max(jnp.where(m, adv_tok, -big)) * (jnp.sum(mf) > 0),
+        "adv_pos_frac": jnp.sum(jnp.where(m, (adv_tok > 0).astype(jnp.float32), 0.0)) / n_tok,
+        "adv_zero_frac": jnp.sum(jnp.where(m, (adv_tok == 0).astype(jnp.float32), 0.0)) / n_tok,
+        "group_zero_frac": jnp.sum(real & (group_abs == 0)) / jnp.maximum(jnp.sum(real), 1),
+    }
+
+
 def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
                batch: TrajectoryBatch, *, mesh=None, state_shardings=None):
-    """One update; pure (jit it with ``graphdef``, ``rest``, ``optimizer``, ``cfg`` static, or
-    use ``make_train_step``). Returns ``(new_state, metrics)``.
+    """One step: ``cfg.ppo_epochs x cfg.mini_batches`` optimizer updates on one batch; pure
+    (jit it with ``graphdef``, ``rest``, ``optimizer``, ``cfg`` static, or use
+    ``make_train_step``). Returns ``(new_state, {"metrics": ..., "advantages": ...})``.
 
     ``mesh``: the batch is split over its ``data x fsdp`` axes (the estimator then runs under
     ``shard_map``); ``state_shardings``: the shardings the new state is constrained to.
     """
     pin = None if mesh is None else NamedSharding(mesh, sharding_lib.batch_spec())
-    fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin)
-    all_blocks = cfg.data_shards * cfg.micro_batches
+    fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin, cfg=cfg)
+    all_blocks = cfg.blocks
     tree = _tree_of(batch.extras)  # prefix sharing: the model runs on the packed trees
     if tree and tree["tree_blocks"].shape[0] != all_blocks:
         raise ValueError(f"the prefix trees were packed in {tree['tree_blocks'].shape[0]} "
                          f"blocks, but this step splits the batch into data_shards x "
-                         f"micro_batches = {all_blocks}: attach_prefix_trees(batch, "
-                         f"num_blocks={all_blocks})")
+                         f"mini_batches x micro_batches = {all_blocks}: "
+                         f"attach_prefix_trees(batch, num_blocks={all_blocks})")
     batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
     spec = estimators.spec(cfg.estimator)
     est_batch = batch
     if cfg.needs_values:
-        _, _, v0 = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
-                       want_entropy=False, blocks=all_blocks)
+        _, _, v0, _ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
+                          want_entropy=False, blocks=all_blocks)
         est_batch = _attach_values(batch, v0, cfg)
     if cfg.needs_hidden:
         h = _decision_hidden(graphdef, state.params, rest, batch, tree, all_blocks)
@@ -345,75 +505,127 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     adv, est_state = _run_estimator(pipe, est_batch, state.est_state, spec.stateful, mesh)
     adv_tok = jax.lax.stop_gradient(adv.token)
     returns = _token_returns(adv, batch)
-    ref_lp = None
-    if cfg.kl_coef:
-        ref_lp, _, _ = fwd(state.ref_params, tokens=batch.tokens, extras={**batch.extras, **tree},
-                           want_entropy=False, blocks=all_blocks)
-        ref_lp = jax.lax.stop_gradient(ref_lp)
-
-    # Whole-batch denominators (they depend on masks only: evaluate the terms at lp = lp_old).
     zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
-    dens = {k: d for k, (_, d) in _terms(batch.old_logprobs, zeros, zeros, batch, adv_tok,
-                                         ref_lp if ref_lp is not None else zeros, returns,
-                                         cfg).items()}
-    coefs = _coefs(cfg)
+    ref_lp = zeros
+    if cfg.kl_coef:
+        ref_lp, _, _, _ = fwd(state.ref_params, tokens=batch.tokens,
+                              extras={**batch.extras, **tree}, want_entropy=False,
+                              blocks=all_blocks)
+        ref_lp = jax.lax.stop_gradient(ref_lp)
 
     n_rows = batch.num_rows
     row_fields = dict(tokens=batch.tokens, action_mask=batch.action_mask, turn_ids=batch.turn_ids,
                       row_traj=batch.row_traj, old_logprobs=batch.old_logprobs)
     per_row = dict(fields=row_fields, extras=_row_extras(batch.extras, n_rows), adv=adv_tok,
-                   returns=returns, ref=ref_lp if ref_lp is not None else zeros,
-                   tree=tree)  # tree rows are per block too: block m of each shard's trees
-    split = jax.tree.map(lambda x: _split_rows(x, cfg), per_row)
-    if mesh is not None:  # micro-batch m keeps block m of every shard on that shard
-        mb_rows = NamedSharding(mesh, P(None, sharding_lib.BATCH_AXES))
+                   returns=returns, ref=ref_lp,
+                   tree=tree)  # tree rows are per block too: block (b, u) of each shard's trees
+    split = jax.tree.map(lambda x: _split_rows(x, cfg), per_row)  # [mini, micro, rows, ...]
+    if mesh is not None:  # micro-batch (b, u) keeps block (b, u) of every shard on that shard
+        mb_rows = NamedSharding(mesh, P(None, None, sharding_lib.BATCH_AXES))
         split = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, mb_rows), split)
 
-    def micro_loss(params, mbd):
-        mb = batch.replace(**mbd["fields"], extras={**batch.extras, **mbd["extras"]})
-        lp, ent, values = fwd(params, tokens=mb.tokens, extras={**mb.extras, **mbd["tree"]},
-                              want_entropy=bool(cfg.entropy_coef), remat=cfg.remat,
-                              blocks=cfg.data_shards)
+    def as_batch(mbd) -> TrajectoryBatch:
+        return batch.replace(**mbd["fields"], extras={**batch.extras, **mbd["extras"]})
+
+    def micro_dens(mbd):  # the denominators depend on masks only: evaluate at lp = lp_old
+        mb = as_batch(mbd)
+        z = jnp.zeros(mb.tokens.shape, jnp.float32)
+        return {k: d for k, (_, d) in _terms(mb.old_logprobs, z, z, mb, mbd["adv"], mbd["ref"],
+                                             mbd["returns"], cfg).items()}
+
+    # Each mini-batch's denominators: sums over its micro-batches (counts are additive).
+    dens = {k: jnp.sum(v, axis=1) for k, v in jax.vmap(jax.vmap(micro_dens))(split).items()}
+    value_trained = bool(cfg.needs_values and cfg.value_coef)
+    signal = jnp.any((split["adv"] != 0) & split["fields"]["action_mask"], axis=(1, 2, 3))
+    signal = signal | value_trained
+    coefs = _coefs(cfg)
+    clip = _clip_params(cfg)
+
+    def micro_loss(params, mbd, den):
+        mb = as_batch(mbd)
+        lp, ent, values, outside = fwd(params, tokens=mb.tokens,
+                                       extras={**mb.extras, **mbd["tree"]}, want_entropy=True,
+                                       remat=cfg.remat, blocks=cfg.data_shards)
         terms = _terms(lp, ent, values, mb, mbd["adv"], mbd["ref"], mbd["returns"], cfg)
-        total = sum(coefs[k] * s / jnp.maximum(dens[k], 1.0) for k, (s, _) in terms.items())
-        return total, {k: s for k, (s, _) in terms.items()}
+        total = sum(coefs[k] * s / jnp.maximum(den[k], 1.0) for k, (s, _) in terms.items())
+        # token sums of the diagnostics (divided by the token count after the scans)
+        pm = losses.policy_metrics(lp, mb, mbd["adv"], **(clip or {}))
+        if clip is None:
+            pm = {k: v for k, v in pm.items() if "clip" not in k}
+        diag = {k: s for k, (s, _) in pm.items()}
+        diag["entropy"] = losses.aggregate(jax.lax.stop_gradient(ent), mb)[0]
+        diag["outside_truncation_frac"] = losses.aggregate(outside.astype(jnp.float32), mb)[0]
+        diag["tokens"] = jnp.sum(mb.action_mask.astype(jnp.float32))
+        return total, ({k: s for k, (s, _) in terms.items()}, diag)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def body(carry, mbd):
-        g_acc, l_acc, s_acc = carry
-        (loss, sums), g = grad_fn(state.params, mbd)
-        return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
-                jax.tree.map(jnp.add, s_acc, sums)), None
+    def micro(params, den):
+        def body(carry, mbd):
+            g_acc, l_acc, aux_acc = carry
+            (loss, aux), g = grad_fn(params, mbd, den)
+            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                    jax.tree.map(jnp.add, aux_acc, aux)), None
+        return body
 
-    g0 = jax.tree.map(jnp.zeros_like, state.params)
-    s0 = {k: jnp.zeros((), jnp.float32) for k in dens}
-    (grads, loss, sums), _ = jax.lax.scan(body, (g0, jnp.zeros((), jnp.float32), s0), split)
+    aux0 = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
+                        jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(
+                            lambda x: x[0, 0], split), {k: v[0] for k, v in dens.items()})[0][1]))
 
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    def update(carry, xs):
+        params, opt_state, n_bad, n_idle = carry
+        mbs, den, has_signal = xs
+        g0 = jax.tree.map(jnp.zeros_like, params)
+        (grads, loss, aux), _ = jax.lax.scan(micro(params, den),
+                                             (g0, jnp.zeros((), jnp.float32), aux0), mbs)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        apply = finite & has_signal
+        updates, new_opt = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)  # noqa: E731
+        carry = (keep(new_params, params), keep(new_opt, opt_state),
+                 n_bad + (~finite).astype(jnp.int32),
+                 n_idle + (finite & ~has_signal).astype(jnp.int32))
+        return carry, {"loss": loss, "grad_norm": grad_norm, "aux": aux}
+
+    def epoch(carry, _):
+        return jax.lax.scan(update, carry, (split, dens, signal))
+
+    zero = jnp.zeros((), jnp.int32)
+    (params, opt_state, n_bad, n_idle), per = jax.lax.scan(
+        epoch, (state.params, state.opt_state, zero, zero), None, length=cfg.ppo_epochs)
     rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
+    ok = n_bad == 0
     new_state = state.replace(
-        params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
-        est_state=keep(est_state, state.est_state), step=state.step + 1,
-        rng=jax.random.key_data(rng), skipped=state.skipped + (~finite).astype(jnp.int32))
+        params=params, opt_state=opt_state,
+        est_state=jax.tree.map(lambda a, b: jnp.where(ok, a, b), est_state, state.est_state),
+        step=state.step + 1, rng=jax.random.key_data(rng), skipped=state.skipped + n_bad,
+        idle=state.idle + n_idle)
     if state_shardings is not None:
         new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
 
-    m = batch.action_mask
-    mf = m.astype(jnp.float32)
-    n_tok = jnp.maximum(jnp.sum(mf), 1.0)
-    metrics = {
-        "loss": loss, "grad_norm": grad_norm, "update_skipped": (~finite).astype(jnp.float32),
-        "adv_mean": jnp.sum(jnp.where(m, adv_tok, 0.0)) / n_tok,
-        "adv_abs": jnp.sum(jnp.where(m, jnp.abs(adv_tok), 0.0)) / n_tok,
-        "adv_zero_frac": jnp.sum(jnp.where(m, (adv_tok == 0).astype(jnp.float32), 0.0)) / n_tok,
-    }
-    for k, s in sums.items():
-        metrics[f"loss_{k}"] = s / jnp.maximum(dens[k], 1.0)
+    # per[...]: [epochs, mini]. Loss terms and the sampling policy's entropy: first epoch
+    # (the on-policy values); ratio diagnostics: over every update.
+    terms, diag = per["aux"]
+    first = lambda x: jnp.mean(x[0])  # noqa: E731
+    metrics = {"loss": first(per["loss"]), "grad_norm": jnp.mean(per["grad_norm"]),
+               "update_skipped": n_bad.astype(jnp.float32),
+               "updates_idle": n_idle.astype(jnp.float32),
+               "updates": (cfg.updates_per_step - n_bad - n_idle).astype(jnp.float32),
+               **advantage_metrics(adv_tok, batch)}
+    for k, v in terms.items():
+        metrics[f"loss_{k}"] = first(v / jnp.maximum(dens[k][None, :], 1.0))
+    tok_all = jnp.maximum(jnp.sum(diag["tokens"]), 1.0)
+    tok_first = jnp.maximum(jnp.sum(diag["tokens"][0]), 1.0)
+    for k, v in diag.items():
+        if k == "entropy":
+            metrics[k] = jnp.sum(v[0]) / tok_first
+        elif k == "outside_truncation_frac":
+            if cfg.truncated:
+                metrics[k] = jnp.sum(v) / tok_all
+        elif k != "tokens":
+            metrics[k] = jnp.sum(v) / tok_all
     return new_state, {"metrics": metrics, "advantages": adv}
 
 
@@ -422,10 +634,11 @@ def make_train_step(model: nnx.Module, optimizer, cfg: StepConfig, *, donate: bo
     """``step(state, batch) -> (state, out)`` jitted; ``model`` supplies the graph and any
     non-parameter state (e.g. RoPE tables are computed, so usually nothing).
 
-    With ``mesh`` the batch must be split over its ``data x fsdp`` axes into
-    ``cfg.data_shards = data * fsdp`` blocks of whole groups (``pack_records(num_shards=
-    data_shards * micro_batches)``); ``state_shardings`` (``sharding.train_state_shardings``)
-    pins the layout of the returned state.
+    The batch must be packed into ``cfg.blocks = data_shards * mini_batches * micro_batches``
+    blocks of whole groups (``pack_records(num_shards=cfg.blocks)``); with ``mesh`` its rows
+    are split over the ``data x fsdp`` axes (``cfg.data_shards = data * fsdp``).
+    ``state_shardings`` (``sharding.train_state_shardings``) pins the layout of the returned
+    state.
     """
     if mesh is not None and cfg.data_shards != sharding_lib.batch_shards(mesh):
         raise ValueError(f"StepConfig.data_shards={cfg.data_shards} but the mesh splits the "

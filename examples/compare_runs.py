@@ -1,0 +1,217 @@
+"""Compare training variants over several seeds from one warm start: held-out learning curves
+with 95% intervals and paired differences.
+
+    python examples/compare_runs.py OUT_DIR --seeds 0 1 2 \
+        --variant grpo: \
+        --variant gigpo:estimator.name=gigpo \
+        --variant turn_gae:estimator.name=turn_gae,model.value_head=true \
+        [--set key=value ...] [--jobs 2]
+
+1. One supervised warm-up (the config after ``--set``, seed 0) is run once and saved as an HF
+   folder (``OUT_DIR/warm_start``), with the held-out evaluation before RL.
+2. Every (variant, seed) runs ``jaxrl-agent train`` from that folder
+   (``model.builtin_dir=OUT_DIR/warm_start``, ``trainer.warmup_sft_steps=0``,
+   ``trainer.seed=SEED``) in its own directory ``OUT_DIR/<variant>/seed<SEED>``; a finished run
+   (its ``metrics.jsonl`` reaches ``trainer.steps``) is not run again.
+3. ``OUT_DIR/summary.json``, ``OUT_DIR/curves.png`` and ``OUT_DIR/summary.md``: per variant
+   and evaluation step, the mean held-out success over seeds with a 95% t-interval; the lift
+   over the step-0 evaluation; and the paired difference to the first variant (same seed =
+   same held-out tasks and same RL task stream), with its 95% t-interval.
+
+The held-out set of a run depends on its seed (``trainer.seed``), so seeds differ in tasks as
+well as in sampling; each evaluation's own binomial standard error is reported beside the
+spread over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+
+def _t95(n: int) -> float:
+    from scipy import stats
+    return float(stats.t.ppf(0.975, n - 1)) if n > 1 else float("nan")
+
+
+def _ci(values) -> tuple[float, float]:
+    v = np.asarray(values, float)
+    if len(v) < 2:
+        return float(v.mean()) if len(v) else float("nan"), float("nan")
+    return float(v.mean()), _t95(len(v)) * float(v.std(ddof=1)) / math.sqrt(len(v))
+
+
+def _parse_variant(text: str) -> tuple[str, list[str]]:
+    name, _, sets = text.partition(":")
+    if not name or "/" in name:
+        raise SystemExit(f"--variant {text!r}: give NAME:key=value,key=value (NAME without /)")
+    return name, [s for s in sets.split(",") if s.strip()]
+
+
+def _eval_curve(metrics_path: pathlib.Path) -> dict[int, dict]:
+    out = {}
+    if not metrics_path.exists():
+        return out
+    for line in metrics_path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("eval/success") is not None:
+            out[int(row["step"])] = {"success": float(row["eval/success"])}
+    return out
+
+
+def _cli(args: list[str], log: pathlib.Path) -> int:
+    cmd = [sys.executable, "-m", "jaxrl_agent.cli", *args]
+    with open(log, "w") as f:
+        return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _run_args(out: pathlib.Path, sets: list[str], warmup_dir: str = "null") -> list[str]:
+    args = ["train", "--quiet"]
+    for s in sets + [f"checkpoint.dir={out}/ckpt", f"metrics.dir={out}/metrics",
+                     "checkpoint.export_dir=null", f"checkpoint.warmup_dir={warmup_dir}",
+                     "metrics.tensorboard=false", "checkpoint.every=0"]:
+        args += ["--set", s]
+    return args
+
+
+def warm_start(root: pathlib.Path, sets: list[str]) -> pathlib.Path:
+    """The warmed-up model (HF folder), made once by a one-step run of the base config."""
+    folder = root / "warm_start"
+    if (folder / "config.json").exists():
+        return folder
+    out = root / "_warmup"
+    rc = _cli(_run_args(out, sets + [f"model.builtin_dir={out}/base_model", "trainer.steps=1",
+                                     "trainer.seed=0"], warmup_dir=str(folder)),
+              root / "warmup.log")
+    if rc != 0 or not (folder / "config.json").exists():
+        raise SystemExit(f"the warm-up run failed (exit {rc}); see {root / 'warmup.log'}")
+    return folder
+
+
+def run_one(root, warm, variant, vsets, seed, base_sets, steps) -> pathlib.Path:
+    out = root / variant / f"seed{seed}"
+    metrics = out / "metrics" / "metrics.jsonl"
+    curve = _eval_curve(metrics)
+    if curve and max(curve) >= steps:
+        return out
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    sets = base_sets + vsets + [f"model.builtin_dir={warm}", "trainer.warmup_sft_steps=0",
+                                f"trainer.seed={seed}"]
+    rc = _cli(_run_args(out, sets), out / "log.txt")
+    if rc != 0:
+        print(f"  {variant} seed {seed}: exit {rc}, see {out / 'log.txt'}", file=sys.stderr)
+    return out
+
+
+def summarize(root, variants, seeds, eval_tasks) -> dict:
+    curves = {v: {s: _eval_curve(root / v / f"seed{s}" / "metrics" / "metrics.jsonl")
+                  for s in seeds} for v, _ in variants}
+    steps = sorted(set.intersection(*[set(c) for v in curves for c in curves[v].values()
+                                      if c] or [set()]))
+    base = variants[0][0]
+    out = {"steps": steps, "seeds": seeds, "eval_tasks": eval_tasks, "variants": {}}
+    for v, sets in variants:
+        per = {}
+        for st in steps:
+            vals = [curves[v][s][st]["success"] for s in seeds if st in curves[v][s]]
+            m, h = _ci(vals)
+            lift = [curves[v][s][st]["success"] - curves[v][s][0]["success"]
+                    for s in seeds if st in curves[v][s] and 0 in curves[v][s]]
+            lm, lh = _ci(lift)
+            diff = [curves[v][s][st]["success"] - curves[base][s][st]["success"]
+                    for s in seeds if st in curves[v][s] and st in curves[base][s]]
+            dm, dh = _ci(diff)
+            se = float(np.mean([math.sqrt(max(x * (1 - x), 0) / eval_tasks) for x in vals]))
+            per[st] = {"values": vals, "mean": m, "ci95": h, "lift": lm, "lift_ci95": lh,
+                       "diff_vs_" + base: dm, "diff_ci95": dh, "eval_se": se}
+        out["variants"][v] = {"sets": sets, "per_step": per}
+    return out
+
+
+def write_report(root: pathlib.Path, summary: dict) -> None:
+    (root / "summary.json").write_text(json.dumps(summary, indent=1))
+    steps, variants = summary["steps"], summary["variants"]
+    if not steps:
+        return
+    base = next(iter(variants))
+    last = steps[-1]
+    lines = [f"held-out success over seeds {summary['seeds']} ({summary['eval_tasks']} tasks "
+             f"each; mean +- 95% t-interval over seeds; eval SE = binomial standard error of "
+             f"one evaluation)", "",
+             f"| variant | step 0 | step {last} | lift (step {last} - step 0) | "
+             f"paired diff vs {base} at step {last} | eval SE |", "|---|---|---|---|---|---|"]
+    for v, d in variants.items():
+        p0, pl = d["per_step"][steps[0]], d["per_step"][last]
+        diff = "-" if v == base else f"{pl['diff_vs_' + base]:+.3f} +- {pl['diff_ci95']:.3f}"
+        lines.append(f"| {v} | {p0['mean']:.3f} +- {p0['ci95']:.3f} | "
+                     f"{pl['mean']:.3f} +- {pl['ci95']:.3f} | {pl['lift']:+.3f} +- "
+                     f"{pl['lift_ci95']:.3f} | {diff} | {pl['eval_se']:.3f} |")
+    (root / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7, 4.2), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for v, d in variants.items():
+        m = np.array([d["per_step"][s]["mean"] for s in steps])
+        h = np.nan_to_num(np.array([d["per_step"][s]["ci95"] for s in steps]))
+        ax.plot(steps, m, marker="o", ms=3, label=f"{v} (n={len(summary['seeds'])})")
+        ax.fill_between(steps, m - h, m + h, alpha=0.2)
+    ax.set_xlabel("RL step (0 = after the warm-up)")
+    ax.set_ylabel("held-out success")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("held-out success, mean and 95% interval over seeds")
+    fig.tight_layout()
+    fig.savefig(root / "curves.png")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="output directory (re-running resumes: finished runs are kept)")
+    p.add_argument("--variant", action="append", required=True,
+                   help="NAME:key=value,key=value (the first variant is the baseline)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--set", action="append", default=[], dest="sets",
+                   help="override for every run (and the warm-up)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each uses every core)")
+    a = p.parse_args(argv)
+    root = pathlib.Path(a.out).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    variants = [_parse_variant(v) for v in a.variant]
+    from jaxrl_agent import config as config_lib
+    cfg = config_lib.load(None, a.sets)
+    warm = warm_start(root, a.sets)
+    print(f"warm start: {warm}", flush=True)
+    jobs = [(v, vs, s) for s in a.seeds for v, vs in variants]
+    with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        futs = {pool.submit(run_one, root, warm, v, vs, s, a.sets, cfg.trainer.steps): (v, s)
+                for v, vs, s in jobs}
+        for f in concurrent.futures.as_completed(futs):
+            v, s = futs[f]
+            c = _eval_curve(f.result() / "metrics" / "metrics.jsonl")
+            print(f"  {v} seed {s}: " + " ".join(f"{k}:{x['success']:.3f}"
+                                                 for k, x in sorted(c.items())), flush=True)
+    write_report(root, summarize(root, variants, a.seeds, cfg.trainer.eval_tasks))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
