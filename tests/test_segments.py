@@ -271,6 +271,26 @@ def test_segment_stats_large_offset_keeps_precision(seed):
         np.testing.assert_allclose(std, rs, rtol=1e-3, atol=1e-3)
 
 
+def test_segment_stats_cannot_overflow_for_finite_values():
+    """Huge but finite values: no square or sum overflows float32 (std 1e20 / sqrt(2), not
+    inf), so GRPO still gives +-0.707; ties stay exactly symmetric."""
+    x = np.array([1e20, 0.0, -1e38, 1e38, 1.0, 1.0 + 2 ** -23, 5.0], np.float32)
+    ids = np.array([0, 0, 1, 1, 2, 2, 3], np.int32)
+    mean, std, count = _seg_stats(x, ids, np.ones(7, bool), num_segments=4, ddof=1)
+    np.testing.assert_allclose(mean[:2], [5e19, 0.0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(std[:2], [1e20 / np.sqrt(2), 2e38 / np.sqrt(2)], rtol=1e-6)
+    assert np.isfinite(std).all() and std[3] == 0.0
+    recs = [{"group": "g", "outcome": o, "turns": [{"observation": [3], "action": [4]}]}
+            for o in (1e20, 0.0)]
+    from jaxrl_agent import estimators
+    adv = estimators.compute("grpo", pack_records(recs)[0])
+    np.testing.assert_allclose(np.asarray(adv.turn)[:2, 0], [0.7071, -0.7071], atol=1e-4)
+    recs = [{"group": "g", "outcome": o, "turns": [{"observation": [3], "action": [4]}]}
+            for o in (0.1, 0.1 + 1e-9, 0.3)]  # the first two are equal in float32
+    turn = np.asarray(estimators.compute("rloo", pack_records(recs)[0]).turn)[:3, 0]
+    assert turn[0] == turn[1]
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_group_stats_vs_loop(seed):
     rng = np.random.default_rng(seed)
