@@ -1,7 +1,7 @@
 """The ``jaxrl-agent`` command line.
 
-  jaxrl-agent train [CONFIG.yaml] [--set section.key=value ...] [--resume]
-  jaxrl-agent eval CHECKPOINT_DIR [--step N] [--tasks N] [--split test|train]
+  jaxrl-agent train [CONFIG.yaml] [--set section.key=value ...] [--resume [RUN]] [--overwrite]
+  jaxrl-agent eval RUN [--step N] [--tasks N] [--split test|train]
   jaxrl-agent credit ROLLOUTS.jsonl --estimator NAME [--shaping NAME ...] [--then NAME ...]
                      [--set key=value | --set stage.key=value ...] [--layout ...] --out OUT
   jaxrl-agent estimators
@@ -46,29 +46,54 @@ def _parse_sets(items):
 
 def read_records(path: str):
     """Reads a JSONL file of rollout records; returns (records, line number of each record)."""
-    if not os.path.exists(path):
-        raise CliError(f"{path}: no such file")
+    from jaxrl_agent.config import ConfigError, read_text
+
+    try:
+        text = read_text(path, "rollout file")
+    except ConfigError as e:
+        raise CliError(str(e)) from None
     records, lines = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise CliError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            lines.append(lineno)
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CliError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(rec, dict):
+            raise CliError(f"{path}:{lineno}: a record must be a JSON object, got "
+                           f"{type(rec).__name__}")
+        records.append(rec)
+        lines.append(lineno)
     if not records:
         raise CliError(f"{path}: no rollout records (the file is empty)")
     return records, lines
 
 
+def check_output_path(out: str, inputs=()) -> None:
+    """``CliError`` unless ``out`` can be written as a new or replaced file: not a directory,
+    not one of ``inputs`` (the same file under any name), in a writable directory."""
+    if os.path.isdir(out):
+        raise CliError(f"--out {out}: is a directory; give a file name")
+    for src in inputs:
+        if os.path.exists(out) and os.path.exists(src) and os.path.samefile(out, src):
+            raise CliError(f"--out {out} is the input {src}; it would be overwritten: write "
+                           f"to another file")
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.exists(parent) and not os.access(parent, os.W_OK):
+        raise CliError(f"--out {out}: the directory {parent} is not writable")
+
+
 def _write_atomic(path: str, lines) -> None:
-    """Writes all lines to a temporary file beside ``path``, then renames it into place."""
+    """Writes all lines to a temporary file beside ``path``, then renames it into place; the
+    file gets the permissions a newly created file would (0666 minus the umask)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".jsonl", dir=directory)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for line in lines:
                 f.write(line + "\n")
@@ -151,6 +176,7 @@ def cmd_credit(args) -> int:
             then=[(n, stage_params[n]) for n in args.then or []])
     except ValueError as e:
         raise CliError(str(e)) from None
+    check_output_path(args.out, [args.rollouts])
     records, lines = read_records(args.rollouts)
     try:
         batch, index = pack_records(records, layout=args.layout)
@@ -253,17 +279,13 @@ def cmd_lab(args) -> int:
     return 0
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-                   "generation_config.json")
-
-
 def cmd_convert(args) -> int:
     import shutil
 
     import numpy as np
 
     from jaxrl_agent.models import load_hf, save_hf, to_hf_tensors
+    from jaxrl_agent.models.tokenizer import TOKENIZER_FILES
 
     start = time.perf_counter()
     try:
@@ -342,13 +364,33 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def _train_config(args):
+    """The run's config: CONFIG (or the defaults) + --set; with --resume and no CONFIG, the
+    run's own saved config + --set (a value left out keeps the run's, not the default)."""
+    from jaxrl_agent import config as config_lib
+    from jaxrl_agent.train.loop import find_run, run_config
+
+    if args.resume is None:
+        return config_lib.load(args.config, args.set or ())
+    if args.resume is not True:  # --resume RUN
+        root = find_run(args.resume)
+    else:  # the run the config names (default: runs/cpu_default)
+        named = config_lib.load(args.config, args.set or (), validate=False)
+        root = config_lib.run_dir(named)
+        if not os.path.isfile(os.path.join(root, "config.yaml")):
+            return config_lib.validate(named)  # nothing to resume there: starts fresh
+    if args.config is not None:  # the file states the values; the run keeps its location
+        d = config_lib.apply_overrides(config_lib.read_yaml(args.config), args.set or (),
+                                       defaults=config_lib.to_dict(config_lib.RunConfig()))
+        d["run"] = dict(d.get("run") or {}, dir=root)
+        return config_lib.validate(config_lib.from_dict(d))
+    return config_lib.validate(run_config(root, args.set or ()))
+
+
 def cmd_train(args) -> int:
     from jaxrl_agent import config as config_lib
 
-    try:
-        cfg = config_lib.load(args.config, args.set or ())
-    except FileNotFoundError as e:
-        raise CliError(str(e)) from None
+    cfg = _train_config(args)
     from jaxrl_agent.train.loop import Trainer
 
     if args.print_config:
@@ -360,7 +402,8 @@ def cmd_train(args) -> int:
         multihost.initialize(**dataclasses.asdict(cfg.distributed))
     except ValueError as e:
         raise CliError(str(e)) from None
-    trainer = Trainer(cfg, resume=args.resume, progress=not args.quiet)
+    trainer = Trainer(cfg, resume=args.resume is not None, progress=not args.quiet,
+                      overwrite=args.overwrite)
     import signal
 
     def on_term(signum, frame):  # a scheduler's SIGTERM: stop like Ctrl-C (checkpoint kept)
@@ -377,12 +420,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from jaxrl_agent.train.loop import evaluate_checkpoint
+    from jaxrl_agent.train.loop import evaluate_run
 
-    if not os.path.isdir(args.checkpoint):
-        raise CliError(f"{args.checkpoint!r} is not a directory (give a run's checkpoint.dir)")
-    res = evaluate_checkpoint(args.checkpoint, step=args.step, num_tasks=args.tasks,
-                              split=args.split, overrides=args.set or ())
+    res = evaluate_run(args.run, step=args.step, num_tasks=args.tasks, split=args.split,
+                       overrides=args.set or ())
     print(json.dumps(res))
     return 0
 
@@ -401,15 +442,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a YAML run config (see configs/); default: the built-in CPU default")
     t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set optimizer.lr=1e-5 (repeatable)")
-    t.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in checkpoint.dir")
+    t.add_argument("--resume", nargs="?", const=True, default=None, metavar="RUN",
+                   help="continue a run from its newest readable checkpoint, with the run's "
+                        "own config (--set may change steps, evaluation, logging, checkpoint "
+                        "cadence and the device layout); RUN is a run directory or name "
+                        "(default: the run the config names, runs/<name>)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start fresh in a run directory that holds an earlier run, deleting "
+                        "its config, checkpoints, metrics and exported models")
     t.add_argument("--quiet", action="store_true", help="no progress output")
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML and exit")
     t.set_defaults(func=cmd_train)
-    ev = sub.add_parser("eval", help="greedy held-out evaluation of a training checkpoint")
-    ev.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
-                    help="a run's checkpoint.dir (e.g. runs/cpu_default/checkpoints)")
+    ev = sub.add_parser("eval", help="held-out evaluation of a run's checkpoint")
+    ev.add_argument("run", metavar="RUN",
+                    help="a run directory (e.g. runs/cpu_default) or a run name")
     ev.add_argument("--step", type=int, default=None, help="default: the newest checkpoint")
     ev.add_argument("--tasks", type=int, default=None,
                     help="number of tasks (default: the run's trainer.eval_tasks)")
@@ -506,12 +553,24 @@ def main(argv=None) -> int:
     except CliError as e:
         print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:  # config and input errors: no traceback
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
+    except OSError as e:  # a path: missing, a directory, not readable or writable, disk full
+        if getattr(e, "filename", None) is None:
+            raise
+        print(f"jaxrl-agent {args.command}: error: {e.filename}: {e.strerror or e}",
+              file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as e:
+        print(f"jaxrl-agent {args.command}: error: a file is not UTF-8 text ({e.reason} at "
+              f"byte {e.start})", file=sys.stderr)
+        return 2
+    except ValueError as e:  # config and input errors: no traceback
         from jaxrl_agent.config import ConfigError
         from jaxrl_agent.train.loop import RunLockedError, StaleBatchError
 
-        if not (isinstance(e, (ConfigError, StaleBatchError, RunLockedError))
-                or (isinstance(e, FileNotFoundError) and args.command == "eval")):
+        if not isinstance(e, (ConfigError, StaleBatchError, RunLockedError)):
             raise
         print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -526,9 +585,6 @@ def main(argv=None) -> int:
             raise
         print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # output piped into `head` and the like
-        sys.stderr.close()
-        return 0
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
     trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, seed, warmup_sft_steps, eval_every,
                 eval_tasks, layout, prefix_sharing, prefix_tree_len
-    checkpoint: dir, every, keep
-    metrics:    dir, tensorboard, plots
+    run:        dir                          (null = runs/<name>: everything of the run lives there)
+    checkpoint: every, keep, export, export_warmup
+    metrics:    tensorboard, plots
     sampler:    name (jax | vllm), dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
                 enforce_eager, transfer, probe_every, probe_tol   (``sampler: vllm`` = name only)
     mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
@@ -90,7 +91,7 @@ class ModelSection:
     dtype: str = "float32"
     value_head: bool = False
     value_stop_gradient: bool = False
-    builtin_dir: str = "runs/cpu_default/base_model"
+    builtin_dir: str | None = None  # null = <run.dir>/base_model (created on first use)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,17 +178,22 @@ class TrainerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunSection:
+    """Where the run lives: ``dir`` (null = ``runs/<name>``) holds its resolved config, lock,
+    checkpoints, metrics, plots and exported models (``run_paths``)."""
+    dir: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSection:
-    dir: str = "runs/cpu_default/checkpoints"
     every: int = 50
     keep: int = 2
-    export_dir: str | None = "runs/cpu_default/final_model"
-    warmup_dir: str | None = "runs/cpu_default/warmup_model"
+    export: bool = True                # the final policy as an HF folder: <run.dir>/final_model
+    export_warmup: bool = True         # the model after the warm-up: <run.dir>/warmup_model
 
 
 @dataclasses.dataclass(frozen=True)
 class MetricsSection:
-    dir: str = "runs/cpu_default/metrics"
     tensorboard: bool = True
     plots: bool = True
 
@@ -235,6 +241,7 @@ class DistributedSection:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     name: str = "cpu_default"
+    run: RunSection = dataclasses.field(default_factory=RunSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     env: EnvSection = dataclasses.field(default_factory=EnvSection)
     rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
@@ -328,6 +335,21 @@ def _unknown(key: str, valid, hint: str = "") -> ConfigError:
     return ConfigError(f"unknown key '{key}'; {what}: {', '.join(valid)}{hint}")
 
 
+#: keys of earlier versions -> what to write instead
+REMOVED_KEYS = {
+    "checkpoint.dir": "a run keeps everything in one directory: its checkpoints are in "
+                      "<run.dir>/checkpoints; name the run (`name: NAME`, i.e. runs/NAME) or set "
+                      "`run.dir: PATH`",
+    "metrics.dir": "a run keeps everything in one directory: its metrics are in "
+                   "<run.dir>/metrics; name the run (`name: NAME`, i.e. runs/NAME) or set "
+                   "`run.dir: PATH`",
+    "checkpoint.export_dir": "use `checkpoint.export: true` (the final model goes to "
+                             "<run.dir>/final_model) or `false`",
+    "checkpoint.warmup_dir": "use `checkpoint.export_warmup: true` (the warmed-up model goes "
+                             "to <run.dir>/warmup_model) or `false`",
+}
+
+
 def _build(cls, data, prefix: str):
     if data is None:
         data = {}
@@ -339,6 +361,8 @@ def _build(cls, data, prefix: str):
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
+        if key in REMOVED_KEYS:
+            raise ConfigError(f"key '{key}' no longer exists: {REMOVED_KEYS[key]}")
         if k not in fields:
             raise _unknown(key, list(fields), _suggest(str(k)) if prefix else "")
         tp = fields[k]
@@ -365,6 +389,71 @@ def from_dict(d: dict | None) -> RunConfig:
 def to_dict(cfg: RunConfig) -> dict:
     """Plain nested dict (YAML-safe); ``from_dict(to_dict(cfg)) == cfg``."""
     return dataclasses.asdict(cfg)
+
+
+# --- the run directory --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """Everything a run writes, under one directory (``run.dir``, default ``runs/<name>``)."""
+    root: str
+    config: str          # the resolved config, written when the run starts
+    lock: str            # held by the training process while it runs
+    checkpoints: str
+    metrics: str         # metrics.jsonl, tb/, learning_curve.png, credit.png
+    final_model: str     # HF folder (checkpoint.export)
+    warmup_model: str    # HF folder (checkpoint.export_warmup)
+    base_model: str      # the built-in model's starting weights (model.builtin_dir: null)
+
+    #: entries of a run directory that mean "a run lives here"
+    OUTPUTS = ("config.yaml", "checkpoints", "metrics", "final_model", "warmup_model")
+
+
+def run_dir(cfg: RunConfig) -> str:
+    return cfg.run.dir if cfg.run.dir is not None else os.path.join("runs", cfg.name)
+
+
+def run_paths(cfg: RunConfig) -> RunPaths:
+    root = run_dir(cfg)
+    j = lambda *p: os.path.join(root, *p)  # noqa: E731
+    return RunPaths(root=root, config=j("config.yaml"), lock=j(".lock"),
+                    checkpoints=j("checkpoints"), metrics=j("metrics"),
+                    final_model=j("final_model"), warmup_model=j("warmup_model"),
+                    base_model=cfg.model.builtin_dir or j("base_model"))
+
+
+#: keys that may differ between a run and its resume: how long it runs, how it is evaluated,
+#: logged and checkpointed, and how the work is laid out (none changes what is learned)
+RESUMABLE_KEYS = ("trainer.steps", "trainer.eval_every", "trainer.eval_tasks",
+                  "trainer.eval_temperature", "trainer.micro_batches", "trainer.remat",
+                  "trainer.prefix_sharing", "trainer.prefix_tree_len", "checkpoint.",
+                  "metrics.", "sampler.", "mesh.", "distributed.", "name", "run.")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """{"a.b.c": value} of a nested dict (mappings are flattened all the way down)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: RunConfig, now: RunConfig) -> tuple[list, list]:
+    """``(allowed, refused)`` differences between a run's saved config and the one it is
+    resumed with, each a list of ``(key, saved value, new value)``; allowed are the
+    ``RESUMABLE_KEYS``."""
+    a, b = _flatten(to_dict(saved)), _flatten(to_dict(now))
+    allowed, refused = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        ok = any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_KEYS)
+        (allowed if ok else refused).append((key, a.get(key), b.get(key)))
+    return allowed, refused
 
 
 # --- overrides / loading ------------------------------------------------------------------------
@@ -416,9 +505,33 @@ def apply_overrides(d: dict | None, overrides, defaults: dict | None = None) -> 
     return out
 
 
+def read_text(path, what: str = "file") -> str:
+    """The UTF-8 text of ``path``; ``ConfigError`` naming the path for a missing, directory,
+    unreadable or non-UTF-8 file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a {what}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
+
+
 def read_yaml(path) -> dict:
-    with open(path) as f:
-        data = _yaml_load(f)
+    """The mapping of a YAML file; ``ConfigError`` with ``file:line:column`` for a syntax error
+    and naming the file for anything unreadable."""
+    text = read_text(path, "YAML file")
+    try:
+        data = _yaml_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -543,8 +656,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     from jaxrl_agent import envs, estimators, losses
     from jaxrl_agent.models.config import DTYPES
 
-    if not cfg.name:
-        raise ConfigError("name must be a non-empty string")
+    if not cfg.name or cfg.name in (".", "..") or "/" in cfg.name or "\\" in cfg.name:
+        raise ConfigError(f"name must be a non-empty directory name (the run lives in "
+                          f"runs/<name>; set run.dir for another place); got {cfg.name!r}")
+    if cfg.run.dir is not None and not cfg.run.dir.strip():
+        raise ConfigError("run.dir must be a path or null (null = runs/<name>)")
 
     m = cfg.model
     _choice(m.dtype, DTYPES, "model.dtype")
@@ -668,13 +784,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         _positive(s, "sampler", "probe_tol")
 
     _positive(cfg.checkpoint, "checkpoint", "every", "keep", allow_zero=True)
-    if not cfg.checkpoint.dir:
-        raise ConfigError("checkpoint.dir must be a non-empty path")
-    if "://" in cfg.checkpoint.dir:
-        raise ConfigError(f"checkpoint.dir {cfg.checkpoint.dir!r}: URLs (gs://, s3://) are not "
+    run_dir = run_paths(cfg).root
+    if "://" in run_dir:
+        raise ConfigError(f"run.dir {run_dir!r}: URLs (gs://, s3://) are not "
                           "supported yet; mount the bucket (e.g. gcsfuse) and give its path")
-    if not cfg.metrics.dir:
-        raise ConfigError("metrics.dir must be a non-empty path")
 
     axes = {n: getattr(cfg.mesh, n) for n in ("data", "fsdp", "tensor")}
     for n, v in axes.items():
@@ -757,7 +870,9 @@ def describe(cfg: RunConfig) -> str:
 
 __all__ = [
     "CheckpointSection", "ConfigError", "EnvSection", "EstimatorSection", "LossSection",
-    "DistributedSection", "MeshSection", "MetricsSection", "ModelSection", "OptimizerSection", "RolloutSection",
-    "RunConfig", "SamplerSection", "TrainerSection", "apply_overrides", "check_mesh", "check_paths", "describe",
-    "dump_yaml", "from_dict", "load", "parse_override", "read_yaml", "to_dict", "validate",
+    "DistributedSection", "MeshSection", "MetricsSection", "ModelSection", "OptimizerSection",
+    "RolloutSection", "RunConfig", "RunPaths", "RunSection", "SamplerSection", "TrainerSection",
+    "REMOVED_KEYS", "RESUMABLE_KEYS", "apply_overrides", "check_mesh", "check_paths",
+    "config_changes", "describe", "dump_yaml", "from_dict", "load", "parse_override",
+    "read_yaml", "run_dir", "run_paths", "to_dict", "validate",
 ]

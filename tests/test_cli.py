@@ -200,7 +200,7 @@ def test_convert_round_trip(tiny_checkpoint, tmp_path, capsys):
         np.testing.assert_array_equal(load_file(str(out / shard))[name], src[name])
     assert set(index["weight_map"]) == set(src)
     rc, _, err = run(["convert", tmp_path / "missing", out], capsys)
-    assert rc == 2 and "config.json" in err
+    assert rc == 2 and "no such model folder" in err
 
 
 def test_sample_from_a_checkpoint(tiny_checkpoint, capsys):

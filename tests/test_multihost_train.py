@@ -27,7 +27,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
         "rollout.max_new_tokens=8", "rollout.history=last", "trainer.layout=per_step",
         "trainer.eval_tasks=4", "trainer.eval_every=2", "trainer.warmup_sft_steps=0",
         "metrics.tensorboard=false", "metrics.plots=false", "checkpoint.every=1",
-        "optimizer.warmup_steps=0", "checkpoint.warmup_dir=null"]
+        "optimizer.warmup_steps=0", "checkpoint.export_warmup=false"]
 
 
 def _free_port() -> int:
@@ -37,8 +37,7 @@ def _free_port() -> int:
 
 
 def _args(d: Path, *extra: str) -> list:
-    sets = TINY + [f"checkpoint.dir={d}/ckpt", f"metrics.dir={d}/metrics",
-                   f"model.builtin_dir={d}/base", f"checkpoint.export_dir={d}/final", *extra]
+    sets = TINY + [f"run.dir={d}/run", *extra]
     return ([sys.executable, "-m", "jaxrl_agent.cli", "train"]
             + [a for s in sets for a in ("--set", s)])
 
@@ -85,12 +84,13 @@ def test_two_process_training_then_single_process_resume(tmp_path):
     p0, p1 = _wait(procs, logs, timeout=400)
     assert "mesh data=8 fsdp=1 tensor=1 on 8 x cpu (2 processes)" in p0
     assert "done: 2 steps" in p0 and "done:" not in p1  # process 0 reports, 1 stays quiet
-    rows = [json.loads(x) for x in (tmp_path / "metrics" / "metrics.jsonl").read_text().split("\n")
+    run = tmp_path / "run"
+    rows = [json.loads(x) for x in (run / "metrics" / "metrics.jsonl").read_text().split("\n")
             if x.strip()]
     steps = [r["step"] for r in rows if "train/loss" in r]
     assert steps == [1, 2]  # written once, by process 0
-    assert (tmp_path / "final" / "config.json").exists()
-    assert (tmp_path / "ckpt" / "2").is_dir()
+    assert (run / "final_model" / "config.json").exists()
+    assert (run / "checkpoints" / "2").is_dir()
 
     # one process, 8 devices, another layout: restore the two-process checkpoint, go on
     log = tmp_path / "resume.log"
@@ -99,6 +99,6 @@ def test_two_process_training_then_single_process_resume(tmp_path):
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     (out,) = _wait([proc], [log], timeout=300)
     assert "resumed from" in out and "at step 2" in out and "done: 3 steps" in out
-    rows = [json.loads(x) for x in (tmp_path / "metrics" / "metrics.jsonl").read_text().split("\n")
+    rows = [json.loads(x) for x in (run / "metrics" / "metrics.jsonl").read_text().split("\n")
             if x.strip()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]

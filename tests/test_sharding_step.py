@@ -427,7 +427,7 @@ def test_make_mesh():
 @pytest.mark.parametrize("overrides,match", [
     (["mesh.rules.embed=model"], r"mesh\.rules\.embed"),
     (["mesh.rules={mlp: [tensor, tensor]}"], r"mesh\.rules\.mlp"),
-    (["checkpoint.dir=gs://bucket/run"], r"mount the bucket"),
+    (["run.dir=gs://bucket/run"], r"mount the bucket"),
     (["distributed.num_processes=0"], r"distributed\.num_processes must be >= 1"),
     (["distributed.num_processes=2", "distributed.process_id=2"], r"distributed\.process_id"),
     (["distributed.process_id=-1"], r"distributed\.process_id"),

@@ -22,28 +22,7 @@ from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.metrics import read_metrics
 from jaxrl_agent.train.step import StepConfig, init_state, make_optimizer, make_train_step
 
-TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
-        "model.num_heads=2", "model.num_kv_heads=2", "model.vocab_size=260",
-        "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_turns=4",
-        "rollout.max_new_tokens=8", "rollout.history=last", "trainer.layout=per_step",
-        "trainer.eval_tasks=4", "trainer.eval_every=2", "trainer.sft_tasks=8",
-        "trainer.sft_batch_size=8", "metrics.tensorboard=false", "mesh.data=1",
-        "checkpoint.every=2", "checkpoint.keep=3", "optimizer.lr=1e-3",
-        "trainer.warmup_sft_steps=0", "trainer.steps=4", "optimizer.warmup_steps=0"]
-
-
-def tiny_config(tmp_path, *extra):
-    d = tmp_path
-    return config_lib.load(None, TINY + [
-        f"checkpoint.dir={d}/ckpt", f"metrics.dir={d}/metrics", f"model.builtin_dir={d}/base",
-        f"checkpoint.export_dir={d}/final", f"checkpoint.warmup_dir={d}/warm", *extra])
-
-
-# Wall-clock metrics differ between runs; everything else must match exactly.
-def _deterministic(rows):
-    return [{k: v for k, v in r.items()
-             if k not in ("time",) and not k.startswith("time/") and k != "train/tokens_per_s"}
-            for r in rows]
+from tests.runs import TINY, deterministic as _deterministic, tiny_config  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +48,12 @@ def test_smoke_run_writes_everything(full_run):
         assert r["train/update_skipped"] == 0 and r["train/entropy"] > 0
         assert 1 <= r["train/response_len_turn"] <= 8  # rollout.max_new_tokens
     assert "eval/success" in rows[2] and "eval/success" in rows[4]
-    assert Checkpointer(d / "ckpt", every=2, keep=3).all_steps() == [2, 4]
+    assert Checkpointer(d / "checkpoints", every=2, keep=3).all_steps() == [2, 4]
     for p in summary.plots:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert (d / "final" / "config.json").exists()
+    for folder in ("final_model", "warmup_model", "base_model"):
+        assert (d / folder / "config.json").exists() and (d / folder / "tokenizer.json").exists()
+    assert config_lib.read_yaml(d / "config.yaml") == config_lib.to_dict(cfg)
 
 
 def test_resume_equals_uninterrupted_run(full_run, tmp_path, monkeypatch):
@@ -89,7 +70,7 @@ def test_resume_equals_uninterrupted_run(full_run, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         loop.Trainer(cfg, progress=False).run()
     # steps 1-3 finished: 2 by the schedule, 3 saved at exit
-    assert Checkpointer(tmp_path / "ckpt", every=2, keep=3).all_steps() == [2, 3]
+    assert Checkpointer(tmp_path / "checkpoints", every=2, keep=3).all_steps() == [2, 3]
     monkeypatch.setattr(loop.Trainer, "_one_step", real_step)
     with pytest.raises(config_lib.ConfigError, match="--resume"):
         loop.Trainer(cfg, progress=False).run()  # a fresh run must not overwrite checkpoints
@@ -103,7 +84,7 @@ def test_resume_equals_uninterrupted_run(full_run, tmp_path, monkeypatch):
 
 def test_two_runs_never_share_a_checkpoint_dir(tmp_path):
     cfg = tiny_config(tmp_path)
-    held = loop._lock_run_dir(cfg.checkpoint.dir)
+    held = loop._lock_run_dir(config_lib.run_paths(cfg).root)
     try:
         with pytest.raises(loop.RunLockedError, match="another process"):
             loop.Trainer(cfg, progress=False).run()
@@ -111,19 +92,18 @@ def test_two_runs_never_share_a_checkpoint_dir(tmp_path):
         held.close()
 
 
-def test_resume_refuses_changed_config(full_run, tmp_path):
+def test_resume_refuses_changed_config(full_run):
     d, _, _ = full_run
-    cfg = tiny_config(tmp_path, "trainer.steps=6", "optimizer.lr=5e-4")
-    cfg = config_lib.from_dict({**config_lib.to_dict(cfg),
-                                "checkpoint": {**config_lib.to_dict(cfg)["checkpoint"],
-                                               "dir": str(d / "ckpt")}})
-    with pytest.raises(config_lib.ConfigError, match="optimizer"):
+    cfg = tiny_config(d, "trainer.steps=6", "optimizer.lr=5e-4", "rollout.group_size=4")
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"optimizer.lr: the run has 0.001, now 0.0005; rollout.group_size: "
+                             r"the run has 2, now 4"):
         loop.Trainer(cfg, resume=True, progress=False).run()
 
 
 def test_eval_command(full_run, capsys):
     d, _, _ = full_run
-    assert cli.main(["eval", str(d / "ckpt"), "--tasks", "3"]) == 0
+    assert cli.main(["eval", str(d), "--tasks", "3"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["step"] == 4 and res["tasks"] == 3 and 0.0 <= res["success"] <= 1.0
 

@@ -27,8 +27,7 @@ SMALL = ["sampler=vllm", "sampler.kv_cache_mb=64", "rollout.tasks_per_step=2",
 
 def _cfg(d, *extra):
     return config_lib.load(None, SMALL + [
-        f"checkpoint.dir={d}/ckpt", f"metrics.dir={d}/metrics", f"model.builtin_dir={d}/base",
-        f"checkpoint.export_dir={d}/final", "checkpoint.warmup_dir=null", *extra])
+        f"run.dir={d}", "checkpoint.export_warmup=false", *extra])
 
 
 @needs_vllm
@@ -69,7 +68,7 @@ def test_default_config_trains_with_vllm_and_a_bad_sync_stops_it(tmp_path, monke
     assert calls == [0, 0, 0, 1]          # the versions held while syncing 0, 0, 1 and 2
     assert trainer.sampler.policy_version == 1      # the failed sync stamped nothing
     assert set(versions) == {0, 1}          # rollouts of step 1 at version 0, step 2 at 1
-    assert latest_step(cfg.checkpoint.dir) == 1
+    assert latest_step(tmp_path / "checkpoints") == 1
 
     # --resume with a healthy engine finishes the run.
     monkeypatch.setattr(VllmSampler, "probe", real_probe)
@@ -83,8 +82,7 @@ def test_default_config_trains_with_vllm_and_a_bad_sync_stops_it(tmp_path, monke
 def test_cli_says_how_to_install_vllm(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)     # `import vllm` raises ImportError
     argv = ["train", "--quiet"] + [f"--set={s}" for s in SMALL] + [
-        f"--set=checkpoint.dir={tmp_path}/ckpt", f"--set=metrics.dir={tmp_path}/m",
-        f"--set=model.builtin_dir={tmp_path}/base"]
+        f"--set=run.dir={tmp_path}/run"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "jaxrl-agent[vllm]" in err and "pip install" in err
@@ -96,8 +94,7 @@ def test_head_dim_vllm_cannot_run_is_a_config_error(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("the head-size restriction is vLLM's CPU attention")
     argv = ["train", "--quiet", "--set=sampler=vllm", "--set=model.head_dim=null",
-            f"--set=checkpoint.dir={tmp_path}/ckpt",
-            f"--set=metrics.dir={tmp_path}/m", f"--set=model.builtin_dir={tmp_path}/base"]
+            f"--set=run.dir={tmp_path}/run"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "head_dim 16" in err and "num_heads" in err

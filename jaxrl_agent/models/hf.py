@@ -228,34 +228,56 @@ def load_hf(folder: str, dtype: str | None = None, *, seed: int = 0,
       ValueError: unsupported architecture; a missing, unexpected or mis-shaped tensor (named,
         with both shapes).
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with open(os.path.join(folder, CONFIG_NAME)) as f:
-        hf_config = json.load(f)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(2, "no such model folder", folder)
+    cfg_path = os.path.join(folder, CONFIG_NAME)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cfg_path}: not a JSON model config ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{cfg_path}: not a JSON model config (top level is not an object)")
     vh_path = os.path.join(folder, VALUE_HEAD_NAME)
     vh_tensors = {}
     if os.path.exists(vh_path) and config_overrides.get("value_head", True):
-        with safe_open(vh_path, framework="np") as f:
-            meta = f.metadata() or {}
-            vh_tensors = {k: f.get_tensor(k) for k in f.keys()}
+        try:
+            with safe_open(vh_path, framework="np") as f:
+                meta = f.metadata() or {}
+                vh_tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except SafetensorError as e:
+            raise ValueError(f"{vh_path}: not a readable safetensors file ({e})") from None
         config_overrides.setdefault("value_head", True)
         if "value_stop_gradient" in meta:
             config_overrides.setdefault("value_stop_gradient",
                                         meta["value_stop_gradient"].lower() == "true")
     config = ModelConfig.from_hf(hf_config, dtype=dtype, **config_overrides)
 
-    handles, where, shapes = [], {}, {}
+    handles, where, shapes, files = [], {}, {}, {}
+
+    def tensor(name):
+        try:
+            return where[name].get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{files[name]}: tensor {name!r} cannot be read ({e}); the file "
+                             f"is truncated or damaged") from None
+
     try:
         for path in _shard_files(folder):
-            h = safe_open(path, framework="np")
+            try:
+                h = safe_open(path, framework="np")
+            except SafetensorError as e:
+                raise ValueError(f"{path}: not a readable safetensors file ({e}); the file is "
+                                 f"truncated or not a safetensors file") from None
             h = h.__enter__()
             handles.append(h)
             for name in h.keys():
-                where[name] = h
+                where[name], files[name] = h, path
                 shapes[name] = tuple(h.get_slice(name).get_shape())
         _check_names(config, shapes)
-        model = _build(config, lambda name: where[name].get_tensor(name), vh_tensors,
-                       seed=seed, place=place)
+        model = _build(config, tensor, vh_tensors, seed=seed, place=place)
     finally:
         for h in handles:
             h.__exit__(None, None, None)

@@ -156,6 +156,12 @@ def _read_chat_template(folder: str, tok_config: dict) -> str | None:
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
+#: the files of an HF folder that make up its tokenizer (copied beside converted or trained
+#: weights)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+                   "generation_config.json")
+
 
 def load_tokenizer(folder: str, backend: str | None = None) -> Tokenizer:
     """Loads the tokenizer of a local HF folder.

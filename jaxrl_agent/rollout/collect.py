@@ -87,6 +87,72 @@ class ByteCodec:
         data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.offset + 256)
         return data.decode("utf-8", errors="replace")
 
+    #: the special tokens' text in a saved tokenizer
+    SPECIALS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+    #: what the trainer shows the policy: BOS, the observation, a newline (``observation_template``)
+    CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] != 'assistant' %}"
+                     "{{ m['content'] }}\n{% else %}{{ m['content'] }}{{ eos_token }}"
+                     "{% endif %}{% endfor %}")
+
+    def save_pretrained(self, folder: str) -> None:
+        """Writes this codec as a Hugging Face tokenizer (``tokenizer.json``: byte-level BPE
+        without merges, one token per byte at ``byte + offset``; the specials; a chat template
+        that renders a user message as the training prompts do, BOS + text + newline), so
+        ``transformers.AutoTokenizer``, ``models.load_tokenizer`` and ``jaxrl-agent sample``
+        read a built-in model's folder. Written with the standard library only."""
+        import json
+        import os
+
+        os.makedirs(folder, exist_ok=True)
+        names = {self.pad_token_id: self.SPECIALS["pad_token"],
+                 self.bos_token_id: self.SPECIALS["bos_token"],
+                 self.eos_token_id: self.SPECIALS["eos_token"]}
+        for i in range(self.offset):  # ids below offset that are not specials: reserved
+            names.setdefault(i, f"<reserved_{i}>")
+        added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                  "normalized": False, "special": True} for i, t in sorted(names.items())]
+        chars = _byte_chars()
+        spec = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                              "trim_offsets": True, "use_regex": False},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                        "use_regex": False},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {**{t: i for i, t in names.items()},
+                                **{chars[b]: b + self.offset for b in range(256)}},
+                      "merges": []},
+        }
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces":
+                  False, "model_max_length": 1 << 30, **self.SPECIALS,
+                  "added_tokens_decoder": {str(a["id"]): {k: v for k, v in a.items() if k != "id"}
+                                           for a in added}}
+        for name, data in (("tokenizer.json", spec), ("tokenizer_config.json", config),
+                           ("special_tokens_map.json", dict(self.SPECIALS))):
+            with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
+        with open(os.path.join(folder, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(self.CHAT_TEMPLATE)
+
+
+def _byte_chars() -> list[str]:
+    """The printable character that byte-level BPE tokenizers (GPT-2's mapping) use for each
+    byte: printable Latin-1 bytes stand for themselves, the others for 256 + n."""
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
+            + list(range(ord("\xae"), ord("\xff") + 1)))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
 
 HISTORY_MODES = ("full", "last")
 

@@ -273,18 +273,24 @@ def _normalise_meta(meta: dict) -> dict:
 class Checkpointer:
     """Orbax-backed: every `every` steps and at exit, keeps the last `keep`."""
 
-    def __init__(self, directory: str | os.PathLike, *, every: int, keep: int):
+    def __init__(self, directory: str | os.PathLike, *, every: int, keep: int,
+                 read_only: bool = False):
+        """``read_only``: for readers (evaluation) of a directory a live run may be writing:
+        nothing is created or cleaned up (orbax would delete the run's in-flight save) and
+        ``save`` refuses."""
         every, keep = int(every), int(keep)
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (number of checkpoints to keep), got {keep}")
         self.directory = _abs_dir(directory)
         self.every = every
         self.keep = keep
+        self.read_only = bool(read_only)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
-            create=True,
+            create=not read_only,
+            read_only=read_only,
             enable_async_checkpointing=False,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=not read_only,
             save_interval_steps=1,  # the decision is ours (should_save / force)
             # orbax lists a step only if its directory holds the commit marker (the check it uses for
             # GCS); writing still goes through the default tmp-dir + atomic rename on local disks. This
@@ -307,8 +313,15 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     # -------------------------------------------------------------------- save
+    def reload(self) -> None:
+        """Re-reads the step list from disk (after step directories were moved aside)."""
+        self._check_open()
+        self._manager.reload()
+
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
         self._check_open()
+        if self.read_only:
+            raise RuntimeError(f"Checkpointer for {self.directory} is read-only")
         step = int(step)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")

@@ -57,27 +57,45 @@ from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
                                     make_optimizer, make_train_step)
 
-__all__ = ["Trainer", "build_sampler", "StaleBatchError", "refuse_stale", "step_seed", "build_model"]
+__all__ = ["Trainer", "build_sampler", "StaleBatchError", "RunLockedError", "refuse_stale",
+           "step_seed", "build_model", "find_run", "run_config", "evaluate_run"]
 
 
 class RunLockedError(ValueError):
-    """Another live process is training with the same ``checkpoint.dir``."""
+    """Another live process is training in the same run directory."""
 
 
 def _lock_run_dir(directory):
     """An exclusive advisory lock on ``directory/.lock`` held for the trainer's lifetime (the OS
-    drops it when the process dies), so two runs never write one checkpoint directory."""
+    drops it when the process dies), so two processes never write one run directory. Taken
+    before anything in the directory is opened, created or cleaned."""
     import fcntl
 
-    os.makedirs(directory, exist_ok=True)
-    f = open(os.path.join(directory, ".lock"), "a+")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        f = open(os.path.join(directory, ".lock"), "a+")
+    except OSError as e:
+        raise config_lib.ConfigError(f"cannot write the run directory {directory!r}: "
+                                     f"{e.strerror or e}; choose another run.dir or name") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise RunLockedError(f"another process is training with checkpoint.dir {directory!r}; "
-                             "wait for it, stop it, or use another checkpoint.dir") from None
+        raise RunLockedError(f"another process is training in {directory!r}; wait for it, stop "
+                             "it, or start another run (--set name=NEW)") from None
     return f
+
+
+def _existing_outputs(root: str) -> list[str]:
+    """What of a run lives in ``root`` (config, checkpoints, metrics, exported models)."""
+    return [n for n in config_lib.RunPaths.OUTPUTS if os.path.exists(os.path.join(root, n))]
+
+
+def _write_config(cfg, path: str) -> None:
+    """The resolved config as YAML, written atomically (a temporary file, then a rename)."""
+    tmp = f"{path}.tmp"
+    config_lib.dump_yaml(cfg, tmp)
+    os.replace(tmp, path)
 
 
 class StaleBatchError(ValueError):
@@ -103,8 +121,9 @@ def refuse_stale(records: list[dict], version: int, max_lag: int) -> tuple[list[
 
 def build_model(cfg: config_lib.RunConfig, seed: int):
     """``(model, codec, where)`` for the config: a local HF folder, or the tiny built-in model
-    with the byte codec (saved as an HF folder at ``model.builtin_dir`` on first use and loaded
-    from there afterwards)."""
+    with the byte codec (saved as an HF folder, with the codec as its tokenizer, at
+    ``model.builtin_dir`` or ``<run.dir>/base_model`` on first use and loaded from there
+    afterwards)."""
     m = cfg.model
     if m.hf_path is not None:
         from jaxrl_agent.models.hf import load_hf
@@ -122,7 +141,7 @@ def build_model(cfg: config_lib.RunConfig, seed: int):
                      value_stop_gradient=m.value_stop_gradient,
                      bos_token_id=codec.bos_token_id, eos_token_id=codec.eos_token_id,
                      pad_token_id=codec.pad_token_id)
-    folder = pathlib.Path(m.builtin_dir)
+    folder = pathlib.Path(config_lib.run_paths(cfg).base_model)
     if (folder / "config.json").exists():
         model, loaded = load_hf(str(folder), dtype=m.dtype, seed=seed, value_head=m.value_head,
                                 value_stop_gradient=m.value_stop_gradient)
@@ -137,6 +156,7 @@ def build_model(cfg: config_lib.RunConfig, seed: int):
     model = Transformer(mc, rngs=nnx.Rngs(seed))  # the same weights on every process (seeded)
     if multihost.is_main_process():
         save_hf(model, mc, str(folder))
+        codec.save_pretrained(str(folder))
     return model, codec, f"{folder} (built-in, created now)"
 
 
@@ -179,15 +199,98 @@ def _vllm_sampler(VllmSampler, cfg, model):
 
 
 class Trainer:
-    """Builds everything a run needs from a ``RunConfig`` and runs it (``run()``)."""
+    """Builds everything a run needs from a ``RunConfig`` and runs it (``run()``).
+
+    The run lives in one directory (``config.run_paths``). Unless ``read_only`` (evaluation),
+    the trainer first takes the directory's lock, before anything in it is opened, created or
+    cleaned; then a fresh run refuses a directory that holds another run (unless
+    ``overwrite``: its outputs are deleted) and writes its resolved config there, and a
+    ``resume`` checks the config against the run's own (``config.config_changes``: only
+    ``RESUMABLE_KEYS`` may differ; each change is printed). ``close()`` (``run()`` calls it)
+    releases the lock and the sampler.
+    """
 
     def __init__(self, cfg: config_lib.RunConfig, *, resume: bool = False, progress: bool = True,
-                 stream=None):
+                 stream=None, overwrite: bool = False, read_only: bool = False):
         config_lib.validate(cfg)
         config_lib.check_paths(cfg)
         self.cfg, self.resume = cfg, resume
+        self.paths = config_lib.run_paths(cfg)
         self.out = stream if stream is not None else sys.stderr
         self.progress = progress
+        self.read_only = read_only
+        self._lock = None
+        self.sampler = None
+        if not read_only:
+            self._take_run_dir(overwrite)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _take_run_dir(self, overwrite: bool) -> None:
+        """The lock, then the fresh-vs-resume decision about the run directory's contents."""
+        err = None
+        if multihost.is_main_process():
+            try:
+                self._lock = _lock_run_dir(self.paths.root)
+            except (RunLockedError, config_lib.ConfigError) as e:
+                err = (type(e).__name__, str(e))
+        err = multihost.agree(err)  # every process stops, not only process 0
+        if err is not None:
+            raise (RunLockedError if err[0] == "RunLockedError" else config_lib.ConfigError)(err[1])
+        try:
+            msg = multihost.agree(self._prepare_run_dir(overwrite)
+                                  if multihost.is_main_process() else None)
+        except BaseException:
+            self.close()
+            raise
+        if msg is not None:
+            self.close()
+            raise config_lib.ConfigError(msg)
+
+    def _prepare_run_dir(self, overwrite: bool) -> str | None:
+        """Process 0, holding the lock: an error message, or None when the run may go on."""
+        root, found = self.paths.root, _existing_outputs(self.paths.root)
+        if self.resume:
+            if os.path.exists(self.paths.config):
+                saved = config_lib.from_dict(config_lib.read_yaml(self.paths.config))
+                allowed, refused = config_lib.config_changes(saved, self.cfg)
+                if refused:
+                    return ("--resume: the run in " + root + " was started with other settings; "
+                            "resume with the same values, or start a new run (--set name=NEW). "
+                            "Different: " + "; ".join(f"{k}: the run has {a!r}, now {b!r}"
+                                                       for k, a, b in refused))
+                for k, a, b in allowed:
+                    self._say(f"--resume: {k} {a!r} -> {b!r}")
+                if allowed:
+                    _write_config(self.cfg, self.paths.config)
+            elif found:
+                return (f"--resume: {root} holds {', '.join(found)} but no config.yaml; it was "
+                        f"not written by this version's trainer")
+            else:
+                _write_config(self.cfg, self.paths.config)
+            return None
+        if found and not overwrite:
+            return (f"{root} already holds a run ({', '.join(found)}); continue it with "
+                    f"`jaxrl-agent train --resume {root}`, start another one with "
+                    f"`--set name=NEW`, or replace it with --overwrite")
+        if found:
+            import shutil
+            for n in found:
+                p = os.path.join(root, n)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+            self._say(f"--overwrite: removed {', '.join(found)} of the earlier run in {root}")
+        _write_config(self.cfg, self.paths.config)
+        return None
+
+    def _say(self, text: str) -> None:
+        if self.progress and multihost.is_main_process():
+            print(text, file=self.out, flush=True)
+
+    def _build(self) -> None:
+        cfg = self.cfg
         t = cfg.trainer
         self.mesh = self._make_mesh()
         self.data_shards = sharding.batch_shards(self.mesh)
@@ -242,16 +345,23 @@ class Trainer:
         self.train_step = make_train_step(self.model, self.optimizer, self.step_cfg,
                                           mesh=self.mesh, state_shardings=self.state_shardings)
         self.task_index: dict = {}
-        self.checkpointer = Checkpointer(cfg.checkpoint.dir, every=cfg.checkpoint.every,
-                                         keep=max(cfg.checkpoint.keep, 1))
+        self.checkpointer = Checkpointer(self.paths.checkpoints, every=cfg.checkpoint.every,
+                                         keep=max(cfg.checkpoint.keep, 1),
+                                         read_only=self.read_only)
         # Last: a vLLM sampler holds an engine (memory, maybe a GPU share) until close().
         self.sampler = build_sampler(cfg, self.model, batch_buckets=sorted(
             {bucket(self._n_train, 8), bucket(t.eval_tasks, 8)}))
 
     def close(self) -> None:
-        """Releases the sampler's engine (vLLM); ``run()`` calls it when it ends."""
-        if hasattr(self.sampler, "close"):
+        """Releases the sampler's engine (vLLM) and the run directory's lock; ``run()`` calls
+        it when it ends."""
+        if self.sampler is not None and hasattr(self.sampler, "close"):
             self.sampler.close()
+        if getattr(self, "checkpointer", None) is not None:
+            self.checkpointer.close()
+        if self._lock is not None:
+            self._lock.close()  # releases the lock
+            self._lock = None
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -377,10 +487,9 @@ class Trainer:
         losses = sft_lib.run_sft(self.model, records, steps=t.warmup_sft_steps,
                                  batch_size=t.sft_batch_size, lr=t.sft_lr, layout=t.layout,
                                  seed=step_seed(t.seed, -3, "sft"), on_step=on_step)
-        if self.cfg.checkpoint.warmup_dir and multihost.is_main_process():
-            from jaxrl_agent.models.hf import save_hf
-            save_hf(self.model, None, self.cfg.checkpoint.warmup_dir)
-            self._print(f"  warmed-up model saved to {self.cfg.checkpoint.warmup_dir} (HF format)")
+        if self.cfg.checkpoint.export_warmup and multihost.is_main_process():
+            self._export(self.paths.warmup_model)
+            self._print(f"  warmed-up model saved to {self.paths.warmup_model} (HF format)")
         # every process trained its own copy: take process 0's, so replicas can never disagree
         nnx.update(self.model, multihost.broadcast_from_main(
             jax.device_get(nnx.state(self.model, nnx.Param))))
@@ -417,21 +526,9 @@ class Trainer:
         return batch
 
     def run(self) -> Summary:
-        lock, err = None, None
-        if multihost.is_main_process():
-            try:
-                lock = _lock_run_dir(self.cfg.checkpoint.dir)
-            except RunLockedError as e:
-                err = str(e)
-        err = multihost.agree(err)  # every process stops, not only process 0
-        if err is not None:
-            self.close()
-            raise RunLockedError(err)
         try:
             return self._run()
         finally:
-            if lock is not None:
-                lock.close()  # releases the lock
             self.close()
 
     def _run(self) -> Summary:
@@ -440,21 +537,20 @@ class Trainer:
         self._print(config_lib.describe(cfg))
         self._print(f"model: {self.model_from}; {self.layout_summary()}")
         start, eval_before, eval_after_sft = 0, None, None
-        # decided by process 0 (file systems may lag on other hosts), acted on by all
-        latest = multihost.agree(self.checkpointer.latest_step() if self.resume else None)
-        if self.resume and latest is None:
-            self._print(f"--resume: no checkpoint in {cfg.checkpoint.dir}; starting fresh")
-        if latest is not None:
-            state, meta = self.checkpointer.restore(self._restore_target(), latest)
-            self._check_resume_config(meta)
+        restored = self._restore_newest_readable() if self.resume else None
+        latest = None
+        if self.resume and restored is None:
+            self._print(f"--resume: no checkpoint in {self.paths.checkpoints}; starting fresh")
+        if restored is not None:
+            latest, state, meta = restored
             self.task_index = {k: int(v) for k, v in meta.get("task_index", {}).items()}
             start = int(meta["step"])
             eval_before, eval_after_sft = meta.get("eval_before"), meta.get("eval_after_sft")
-            self._print(f"resumed from {cfg.checkpoint.dir} at step {start}")
+            self._print(f"resumed from {self.paths.checkpoints} at step {start}")
         elif multihost.agree(self.checkpointer.all_steps()):  # never overwrite another run's
             raise config_lib.ConfigError(
-                f"{cfg.checkpoint.dir} already holds checkpoints {self.checkpointer.all_steps()}: "
-                "pass --resume to continue that run, or use another checkpoint.dir")
+                f"{self.paths.checkpoints} already holds checkpoints "
+                f"{self.checkpointer.all_steps()}: pass --resume to continue that run")
         self.logger = None
         done, extra = None, {}
         try:
@@ -505,7 +601,8 @@ class Trainer:
             if isinstance(e, KeyboardInterrupt):
                 newest = self.checkpointer.latest_step()
                 self._print(f"interrupted; newest checkpoint: step {newest} in "
-                            f"{self.cfg.checkpoint.dir}; continue with --resume"
+                            f"{self.paths.checkpoints}; continue with `jaxrl-agent train "
+                            f"--resume {self.paths.root}`"
                             if newest is not None else "interrupted before the first step")
             raise
         finally:
@@ -513,11 +610,74 @@ class Trainer:
                 self.logger.close()
             self.checkpointer.close()
 
+    def _restore_newest_readable(self):
+        """``(step, state, meta)`` of the newest checkpoint that reads back, or None when there
+        is none. Newer ones that fail to read (a truncated file, deleted metadata) are said,
+        set aside as ``<step>.unreadable`` (never deleted) and skipped; none readable is an
+        error naming every step and why."""
+        steps = multihost.agree(self.checkpointer.all_steps())
+        failures = []
+        for step in reversed(steps):
+            try:
+                state, meta = self.checkpointer.restore(self._restore_target(), step)
+                self._check_resume_config(meta)
+                err = None
+            except config_lib.ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any unreadable file: try the previous step
+                err = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            errs = [x for x in multihost.allgather_objects(err)] if jax.process_count() > 1 \
+                else [err]
+            err = next((x for x in errs if x is not None), None)
+            if err is None:
+                if failures and not self.read_only:
+                    self._set_aside([f for f, _ in failures])
+                return step, state, meta
+            failures.append((step, err))
+            self._print(f"--resume: checkpoint step {step} cannot be read ({err}); trying the "
+                        f"previous one")
+        if failures:
+            raise config_lib.ConfigError(
+                f"--resume: no checkpoint in {self.paths.checkpoints} can be read: "
+                + "; ".join(f"step {st}: {e}" for st, e in failures))
+        return None
+
+    def _set_aside(self, steps) -> None:
+        """Renames unreadable step directories to ``<step>.unreadable[.n]`` (process 0), so the
+        resumed run can save those steps again and nothing is deleted."""
+        if multihost.is_main_process():
+            for step in steps:
+                src = os.path.join(self.paths.checkpoints, str(step))
+                dst, n = f"{src}.unreadable", 1
+                while os.path.exists(dst):
+                    dst, n = f"{src}.unreadable.{n}", n + 1
+                os.rename(src, dst)
+                self._print(f"--resume: set aside the unreadable step {step} as {dst}")
+        multihost.sync_hosts("set-aside")
+        self.checkpointer.reload()
+
+    def _export(self, folder: str) -> None:
+        """The current model as an HF folder, with its tokenizer: the byte codec's own files,
+        or the files of the HF folder it was loaded from, so ``jaxrl-agent sample FOLDER``
+        works on every model the trainer writes."""
+        from jaxrl_agent.models.hf import save_hf
+        save_hf(self.model, None, folder)
+        if hasattr(self.codec, "save_pretrained"):
+            self.codec.save_pretrained(folder)
+        elif self.cfg.model.hf_path is not None:
+            import shutil
+
+            from jaxrl_agent.models.tokenizer import TOKENIZER_FILES
+            for name in TOKENIZER_FILES:
+                src = os.path.join(self.cfg.model.hf_path, name)
+                if os.path.exists(src):
+                    shutil.copy2(src, os.path.join(folder, name))
+
     def _open_logger(self, resume_from_step):
         if not multihost.is_main_process():
             self.logger = _NullLogger()
             return
-        self.logger = MetricsLogger(self.cfg.metrics.dir, total_steps=self.cfg.trainer.steps,
+        self.logger = MetricsLogger(self.paths.metrics, total_steps=self.cfg.trainer.steps,
                                     tensorboard=self.cfg.metrics.tensorboard,
                                     progress=self.progress, stream=self.out,
                                     resume_from_step=resume_from_step)
@@ -526,15 +686,18 @@ class Trainer:
         self.sampler.sync_weights(self.model, version)
 
     def _check_resume_config(self, meta: dict):
-        saved = meta.get("config", {})
-        now = config_lib.to_dict(self.cfg)
-        keys = ("model", "env", "rollout", "estimator", "loss", "optimizer")
-        diff = [k for k in keys if saved.get(k) != now.get(k)]
-        if diff:
+        """The checkpoint's own copy of the config agrees with this one on every key that
+        changes what is learned (``config.config_changes``)."""
+        try:
+            saved = config_lib.from_dict(meta.get("config", {}))
+        except config_lib.ConfigError as e:
+            raise config_lib.ConfigError(f"--resume: the checkpoint's config cannot be read "
+                                         f"({e})") from None
+        _, refused = config_lib.config_changes(saved, self.cfg)
+        if refused:
             raise config_lib.ConfigError(
-                f"--resume: the checkpoint was written with different settings in section(s) "
-                f"{diff}; resume with the same config (only trainer.steps, eval and output "
-                f"settings may change)")
+                "--resume: the checkpoint was written with other settings: "
+                + "; ".join(f"{k}: the checkpoint has {a!r}, now {b!r}" for k, a, b in refused))
 
     def _one_step(self, state: TrainState, s: int):
         cfg, t, r = self.cfg, self.cfg.trainer, self.cfg.rollout
@@ -590,12 +753,12 @@ class Trainer:
         last_out = getattr(self, "_last_out", None)
         if last_out is not None and cfg.metrics.plots:
             last_out = (last_out[0], *multihost.host_gather(last_out[1:]))
-        params = multihost.host_gather(state.params) if cfg.checkpoint.export_dir else None
+        params = multihost.host_gather(state.params) if cfg.checkpoint.export else None
         main = multihost.is_main_process()
         if cfg.metrics.plots and main:
             from jaxrl_agent.train import plots as plots_lib
             rows = read_metrics(self.logger.path)
-            d = pathlib.Path(cfg.metrics.dir)
+            d = pathlib.Path(self.paths.metrics)
             plots.append(plots_lib.learning_curve(rows, d / "learning_curve.png",
                                                   title=f"{cfg.name}: {cfg.estimator.name} on "
                                                         f"{cfg.env.name}"))
@@ -605,11 +768,10 @@ class Trainer:
                                                       title=f"per-turn credit "
                                                             f"({cfg.estimator.name})"))
         export = None
-        if cfg.checkpoint.export_dir and main:
-            from jaxrl_agent.models.hf import save_hf
+        if cfg.checkpoint.export and main:
             nnx.update(self.model, params)
-            save_hf(self.model, None, cfg.checkpoint.export_dir)
-            export = cfg.checkpoint.export_dir
+            self._export(self.paths.final_model)
+            export = self.paths.final_model
         wall = time.time() - wall0
         lines = [f"done: {int(state.step)} steps in {wall / 60:.1f} min"]
         if eval_before is not None:
@@ -617,8 +779,10 @@ class Trainer:
                          + (f", {eval_after_sft:.2f} after warm-up"
                             if cfg.trainer.warmup_sft_steps and eval_after_sft is not None else "")
                          + (f", {last_eval:.2f} at the end" if last_eval is not None else ""))
-        lines.append(f"  checkpoints: {os.path.abspath(cfg.checkpoint.dir)}")
-        lines.append(f"  metrics:     {os.path.abspath(self.logger.path or cfg.metrics.dir)}"
+        lines.append(f"  run:         {os.path.abspath(self.paths.root)} (resume: "
+                     f"jaxrl-agent train --resume {self.paths.root})")
+        lines.append(f"  checkpoints: {os.path.abspath(self.paths.checkpoints)}")
+        lines.append(f"  metrics:     {os.path.abspath(self.logger.path or self.paths.metrics)}"
                      + (" (+ TensorBoard: tb/)" if cfg.metrics.tensorboard else ""))
         for p in plots:
             lines.append(f"  plot:        {os.path.abspath(p)}")
@@ -626,7 +790,7 @@ class Trainer:
             lines.append(f"  final model: {os.path.abspath(export)} (HF format)")
         self._print("\n".join(lines))
         return Summary(int(state.step), eval_before, eval_after_sft, last_eval, wall,
-                       cfg.checkpoint.dir, cfg.metrics.dir, [str(p) for p in plots])
+                       self.paths.checkpoints, self.paths.metrics, [str(p) for p in plots])
 
 
 class _NullLogger:
@@ -703,28 +867,62 @@ def credit_trajectories(records, batch, advantages, limit: int = 4) -> list[dict
     return out
 
 
-def evaluate_checkpoint(directory, *, step: int | None = None, num_tasks: int | None = None,
-                        split: str = "test", overrides=()) -> dict:
-    """Greedy evaluation of a checkpoint written by ``Trainer``: rebuilds the run from the
-    config stored in the checkpoint (``overrides`` as in ``--set``), restores the parameters
-    and rolls out ``num_tasks`` tasks of ``split`` (default: the run's held-out eval set)."""
-    from jaxrl_agent.train.checkpoint import latest_step, read_meta
+def find_run(run) -> str:
+    """The run directory that ``run`` names: a path to a run directory (one holding
+    ``config.yaml``), the ``checkpoints`` folder inside one, or a run name (``runs/<name>``).
+    ``ConfigError`` saying what was looked for otherwise."""
+    run = os.fspath(run)
+    candidates = [run]
+    if os.path.basename(os.path.normpath(run)) == "checkpoints":
+        candidates.append(os.path.dirname(os.path.normpath(run)))
+    if os.sep not in run and not os.path.exists(run):
+        candidates.append(os.path.join("runs", run))
+    for c in candidates:
+        if os.path.isfile(os.path.join(c, "config.yaml")):
+            return c
+    raise config_lib.ConfigError(
+        f"{run!r} is not a run: no config.yaml in {' or '.join(map(repr, candidates))} (give a "
+        f"run directory, e.g. runs/cpu_default, or a run name)")
 
-    directory = os.path.abspath(directory)
-    if latest_step(directory) is None:
-        raise FileNotFoundError(f"no complete checkpoint in {directory}")
-    meta = read_meta(directory, step)
-    d = dict(meta["config"])
+
+def run_config(run, overrides=()) -> config_lib.RunConfig:
+    """The config a run was started with (``<run>/config.yaml``), ``overrides`` applied, with
+    ``run.dir`` pointing at where the run is now."""
+    root = find_run(run)
+    d = config_lib.read_yaml(os.path.join(root, "config.yaml"))
+    d = config_lib.apply_overrides(d, overrides)
+    d["run"] = dict(d.get("run") or {}, dir=root)
+    return config_lib.from_dict(d)
+
+
+def evaluate_run(run, *, step: int | None = None, num_tasks: int | None = None,
+                 split: str = "test", overrides=()) -> dict:
+    """Held-out evaluation of a run's checkpoint (the newest readable one, or ``step``): the
+    run is rebuilt from its own config (``overrides`` as in ``--set``), nothing in it is
+    written or locked (a run that is still training can be evaluated), and ``num_tasks``
+    tasks of ``split`` (default: the run's held-out eval set) are rolled out at the run's
+    ``trainer.eval_temperature``."""
+    cfg = run_config(run, overrides)
     # evaluate on this machine's devices: one process, data-parallel (the run may have used a
     # bigger mesh or several hosts); overrides can still set them
-    d["mesh"] = {"data": -1, "fsdp": 1, "tensor": 1, "rules": d.get("mesh", {}).get("rules", {})}
+    d = config_lib.to_dict(cfg)
+    d["mesh"] = {"data": -1, "fsdp": 1, "tensor": 1, "rules": d["mesh"]["rules"]}
     d["distributed"] = {}
-    d = config_lib.apply_overrides(d, overrides)
-    d["checkpoint"] = dict(d["checkpoint"], dir=directory)
-    cfg = config_lib.from_dict(d)
-    trainer = Trainer(cfg, resume=True, progress=False)
+    cfg = config_lib.from_dict(config_lib.apply_overrides(d, overrides))
+    trainer = Trainer(cfg, resume=True, progress=False, read_only=True)
     try:
-        state, meta = trainer.checkpointer.restore(trainer._restore_target(), step)
+        if step is None:
+            found = trainer._restore_newest_readable()
+            if found is None:
+                raise config_lib.ConfigError(f"no complete checkpoint in "
+                                             f"{trainer.paths.checkpoints}")
+            _, state, meta = found
+        else:
+            if step not in trainer.checkpointer.all_steps():
+                raise config_lib.ConfigError(
+                    f"no complete checkpoint for step {step} in {trainer.paths.checkpoints} "
+                    f"(steps: {trainer.checkpointer.all_steps() or 'none'})")
+            state, meta = trainer.checkpointer.restore(trainer._restore_target(), step)
         trainer._sync(state)
         if num_tasks is not None or split != "test":
             n = num_tasks if num_tasks is not None else cfg.trainer.eval_tasks
@@ -733,7 +931,6 @@ def evaluate_checkpoint(directory, *, step: int | None = None, num_tasks: int | 
                 n, split)
         res = trainer.evaluate(int(meta["step"]))
     finally:
-        trainer.checkpointer.close()
         trainer.close()
     return {"step": int(meta["step"]), "split": split, "tasks": len(trainer.eval_tasks),
             **{k.split("/", 1)[1]: float(v) for k, v in res.items()}}
