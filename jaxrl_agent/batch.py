@@ -195,12 +195,78 @@ def _check_label(idx, rec, name, required):
     return v
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _check_float(idx, where, v):
     if not _is_number(v):
         raise RecordError(idx, f"{where} must be a number, got {type(v).__name__}")
     if not math.isfinite(float(v)):
         raise RecordError(idx, f"{where} must be finite, got {v}")
+    if abs(float(v)) > _F32_MAX:  # packed as float32: it would become inf there
+        raise RecordError(idx, f"{where} = {v} does not fit float32 (|x| <= {_F32_MAX:.3g}), "
+                               f"in which batches are packed; rescale it")
     return float(v)
+
+
+#: log-probs a little above 0 are rounding noise of a log-softmax; larger ones are not
+#: log-probabilities (probabilities or logits passed by mistake)
+LOGPROB_TOLERANCE = 1e-4
+
+
+def _check_logprobs(idx, where, v, length, length_name):
+    out = _check_floats(idx, where, v, length, length_name)
+    for j, x in enumerate(out):
+        if x > LOGPROB_TOLERANCE:
+            raise RecordError(idx, f"{where}[{j}] = {x} is not a log-probability (must be "
+                                   f"<= 0); pass log-probs, not probabilities or logits")
+    return out
+
+
+#: the fields a record and a turn may carry: what ``pack_records`` reads, and what the
+#: rollout collector writes besides (``rollout.collect_groups``); anything else is reported
+RECORD_FIELDS = ("group", "task", "outcome", "turns", "traj_extras", "edges",
+                 "success", "policy_version", "env_error", "invalid", "truncated",
+                 "context_truncated", "num_turns")
+TURN_FIELDS = ("observation", "action", "reward", "state_key", "logprobs", "value", "values",
+               "ref_logprobs", "turn_key", "action_key", "turn_extras", "token_extras",
+               "action_text", "finish_reason", "policy_version", "subgoal")
+
+
+class UnknownFieldWarning(UserWarning):
+    """A record or turn field that ``pack_records`` does not read (a misspelling?)."""
+
+
+def unknown_fields(records) -> list[tuple[int, str, str]]:
+    """``(record index, "field" or "turns[k].field", suggestion or "")`` for every field the
+    packer does not know, first occurrence of each name per level only. The suggestion is a
+    known field of that level whose name is close (``Outcome`` -> ``outcome``, ``rewards`` ->
+    ``reward``)."""
+    import difflib
+
+    def suggest(key, known):
+        low = {k.lower(): k for k in known}
+        if key.lower() in low:
+            return low[key.lower()]
+        hit = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        return hit[0] if hit else ""
+
+    seen, out = set(), []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, Mapping):
+            continue
+        for key in rec:
+            if key not in RECORD_FIELDS and ("rec", key) not in seen:
+                seen.add(("rec", key))
+                out.append((i, str(key), suggest(str(key), RECORD_FIELDS)))
+        turns = rec.get("turns")
+        for k, t in enumerate(turns if isinstance(turns, (list, tuple)) else ()):
+            if isinstance(t, Mapping):
+                for key in t:
+                    if key not in TURN_FIELDS and ("turn", key) not in seen:
+                        seen.add(("turn", key))
+                        out.append((i, f"turns[{k}].{key}", suggest(str(key), TURN_FIELDS)))
+    return out
 
 
 def _check_tokens(idx, where, v, allow_empty):
@@ -334,10 +400,10 @@ def _parse_record(idx: int, rec) -> _Traj:
         reward = _check_float(idx, f"{w}.reward", t["reward"]) if "reward" in t else 0.0
         state_key = (_check_key(idx, f"{w}.state_key", t["state_key"]) if "state_key" in t
                      else stable_key(obs))
-        lp = (_check_floats(idx, f"{w}.logprobs", t["logprobs"], len(act), f"{w}.action")
+        lp = (_check_logprobs(idx, f"{w}.logprobs", t["logprobs"], len(act), f"{w}.action")
               if "logprobs" in t else None)
-        ref = (_check_floats(idx, f"{w}.ref_logprobs", t["ref_logprobs"], len(act), f"{w}.action")
-               if "ref_logprobs" in t else None)
+        ref = (_check_logprobs(idx, f"{w}.ref_logprobs", t["ref_logprobs"], len(act),
+                               f"{w}.action") if "ref_logprobs" in t else None)
         values = (_check_floats(idx, f"{w}.values", t["values"], len(act), f"{w}.action")
                   if "values" in t else None)
         value = _check_float(idx, f"{w}.value", t["value"]) if "value" in t else None
@@ -448,7 +514,7 @@ def assign_shards(group_sizes: list, num_shards: int) -> list:
 
 
 def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_to=None,
-                 num_shards: int = 1, task_index: dict | None = None):
+                 num_shards: int = 1, task_index: dict | None = None, strict: bool = False):
     """Validates rollout records and packs them into a ``TrajectoryBatch``.
 
     A record (also one JSONL line) is::
@@ -470,6 +536,11 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
     every turn of every record or on none (half-known log-probs would silently train on zeros).
     ``state_key`` defaults to a hash of the turn's observation.
 
+    Values must fit float32 (the batch's dtype); ``logprobs`` and ``ref_logprobs`` must be
+    <= 0 (``LOGPROB_TOLERANCE`` of rounding noise allowed). A field that is neither read here
+    nor written by the rollout collector (``RECORD_FIELDS``, ``TURN_FIELDS``) gives an
+    ``UnknownFieldWarning`` with the closest known name (``strict=True``: a ``RecordError``).
+
     Per-shard sizes are padded to powers of two (``bucket``) unless ``pad_to`` (a dict with keys
     ``num_traj``, ``num_turns``, ``num_rows``, ``row_len``) fixes them. With ``num_shards`` = D
     the trajectories are split into D equal blocks keeping every group whole in one block.
@@ -482,6 +553,14 @@ def pack_records(records: Iterable[Mapping], layout: str = "concatenated", pad_t
     if not _is_int(num_shards) or num_shards < 1:
         raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
     pads = _parse_pad_to(pad_to)
+    records = list(records)
+    for i, key, hint in unknown_fields(records):
+        msg = f"unknown field {key!r}" + (f" (did you mean {hint!r}?)" if hint else "") + \
+            "; it is not read"
+        if strict:
+            raise RecordError(i, msg)
+        import warnings
+        warnings.warn(UnknownFieldWarning(f"record {i}: {msg}"), stacklevel=2)
     trajs = [_parse_record(i, r) for i, r in enumerate(records)]
     if not trajs:
         raise ValueError("records: no rollout records given")

@@ -178,8 +178,19 @@ def cmd_credit(args) -> int:
         raise CliError(str(e)) from None
     check_output_path(args.out, [args.rollouts])
     records, lines = read_records(args.rollouts)
+    import warnings
+
+    from jaxrl_agent.batch import UnknownFieldWarning, unknown_fields
+    for i, key, hint in unknown_fields(records):  # said with the file's line numbers
+        msg = (f"{args.rollouts}:{lines[i]}: unknown field {key!r}"
+               + (f" (did you mean {hint!r}?)" if hint else "") + "; it is not read")
+        if args.strict:
+            raise CliError(msg + " (--strict)")
+        print(f"warning: {msg}", file=sys.stderr)
     try:
-        batch, index = pack_records(records, layout=args.layout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnknownFieldWarning)  # said above
+            batch, index = pack_records(records, layout=args.layout)
     except RecordError as e:
         raise CliError(f"{args.rollouts}:{lines[e.index]}: {e.detail}") from None
     except ValueError as e:
@@ -481,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "STAGE.KEY=VALUE for a --shaping/--then stage (repeatable)")
     c.add_argument("--layout", choices=("concatenated", "per_step"), default="concatenated")
     c.add_argument("--out", required=True, metavar="OUT.jsonl")
+    c.add_argument("--strict", action="store_true",
+                   help="an unknown record or turn field is an error (default: a warning)")
     c.set_defaults(func=cmd_credit)
     e = sub.add_parser("estimators", help="list the registered estimators")
     e.set_defaults(func=cmd_estimators)

@@ -615,39 +615,114 @@ def stages(section: "EstimatorSection", which: str) -> tuple:
     return tuple(out)
 
 
-def _check_stages(cfg: "RunConfig") -> None:
-    """Shaping and transform stages: known names of the right kind, known params, and inputs
-    that the training loop can supply (traced once on a tiny batch; nothing is compiled)."""
+def _dry_batch(cfg: "RunConfig", group_size: int = 2):
+    """A tiny batch shaped like the loop's (``trainer.layout``; 2 tasks, 2 turns each), with
+    the inputs the train step supplies for this estimator (values, hidden states)."""
+    import jax.numpy as jnp
+
+    from jaxrl_agent.batch import pack_records
+    from jaxrl_agent.train.step import StepConfig
+
+    turn = {"observation": [1, 5], "action": [2, 3], "logprobs": [-1.0, -0.5]}
+    outcomes = [0.0, 1.0, 0.5, 2.0][: 2 * group_size] if group_size > 1 else [0.0, 1.0]
+    recs = [{"group": i // group_size, "outcome": o, "turns": [turn, turn]}
+            for i, o in enumerate(outcomes)]
+    batch, _ = pack_records(recs, layout=cfg.trainer.layout)
+    step = StepConfig(estimator=cfg.estimator.name,
+                      estimator_params=tuple(sorted(cfg.estimator.params.items())))
+    extras = dict(batch.extras)
+    n, k = batch.turn_mask.shape
+    if step.needs_values:  # as train.step._attach_values gives them
+        ramp = jnp.arange(n * k, dtype=jnp.float32).reshape(n, k) / (n * k)
+        extras.update(token_values=jnp.where(batch.action_mask, 0.3, 0.0), turn_values=ramp)
+        if cfg.estimator.name == "hae":
+            extras.update(high_values=ramp, switch=jnp.zeros((n, k), jnp.float32))
+    if step.needs_hidden:
+        h = jnp.linspace(-1.0, 1.0, n * k * 4, dtype=jnp.float32).reshape(n, k, 4)
+        extras.update(hidden=h, state_features=h)
+    return batch.replace(extras=extras)
+
+
+def _check_methods(cfg: "RunConfig") -> None:
+    """The estimator, its shaping and transform stages and the policy loss, checked before
+    anything is compiled: known names of the right kind, hyper-parameter names and value types
+    (``estimators.check_hyper_params``), then one trace (``jax.eval_shape``, seconds) on a tiny
+    batch like the loop's, so the ranges and choices each function checks itself, and the
+    inputs it reads, fail here with the key named instead of inside the first jitted step."""
     import jax
 
-    from jaxrl_agent import estimators
-    from jaxrl_agent.batch import pack_records
+    from jaxrl_agent import estimators, losses
+    from jaxrl_agent.estimators.registry import type_error
 
     est = cfg.estimator
+    try:
+        estimators.check_hyper_params(est.name, est.params)
+    except ValueError as e:
+        raise ConfigError(f"estimator.params: {e}") from None
     for which, kind in (("shaping", "shaping"), ("then", "transform")):
         for i, (name, params) in enumerate(stages(est, which)):
             key = f"estimator.{which}[{i}]"
             try:
                 estimators.spec(name, kind)
+                estimators.check_hyper_params(name, dict(params))
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None
-            _check_params(dict(params), list(estimators.spec(name).hyper_params),
-                          f"{key}.params", f"{kind} {name!r}")
-    if not (est.shaping or est.then):
-        return
-    turn = {"observation": [1], "action": [2, 3], "logprobs": [-1.0, -1.0]}
-    recs = [{"group": 0, "outcome": float(o), "turns": [turn, turn]} for o in (0, 1)]
-    batch, _ = pack_records(recs, layout=cfg.trainer.layout)
-    pipe = estimators.Pipeline(("grpo", ()), stages(est, "shaping"), stages(est, "then"))
+    spec = estimators.spec(est.name)
+    pipe = estimators.Pipeline((est.name, tuple(sorted(est.params.items()))),
+                               stages(est, "shaping"), stages(est, "then"))
+    batch = _dry_batch(cfg)
     try:
-        jax.eval_shape(pipe, batch)
+        if spec.stateful:
+            jax.eval_shape(lambda b, st: pipe(b, state=st), batch, spec.init_state(8))
+        else:
+            jax.eval_shape(pipe, batch)
     except (ValueError, TypeError) as e:
         msg = str(e).splitlines()[0]
+        where = "estimator.params" if len(pipe.names) == 1 else f"estimator {list(pipe.names)}"
         if "needs extras" in msg:
-            raise ConfigError(f"estimator stages {list(pipe.names)}: {msg}. The training loop "
-                              f"supplies no such input; use these stages with `jaxrl-agent "
-                              f"credit` on records that carry it") from None
-        raise ConfigError(f"estimator stages {list(pipe.names)}: {msg}") from None
+            raise ConfigError(f"{where}: {msg}. The training loop supplies no such input; use "
+                              f"it with `jaxrl-agent credit` on records that carry it") from None
+        raise ConfigError(f"{where}: {msg}") from None
+
+    lo = cfg.loss
+    fn = losses.get(lo.policy)
+    sig = inspect.signature(fn).parameters
+    for k, v in lo.params.items():
+        want = type_error(sig[k].default, v) if k in sig else None
+        if want:
+            raise ConfigError(f"loss.params.{k} must be {want} (default {sig[k].default!r}), "
+                              f"got {v!r}")
+    import jax.numpy as jnp
+    try:
+        jax.eval_shape(lambda b: fn(b.old_logprobs, b, jnp.zeros(b.tokens.shape), agg=lo.agg,
+                                    **lo.params), batch)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"loss.params: {str(e).splitlines()[0]}") from None
+
+
+def _check_group_size(cfg: "RunConfig") -> None:
+    """An estimator that compares the rollouts of one task gives every trajectory 0 credit
+    when each task has one rollout: found by running it (eagerly, on a tiny batch of singleton
+    groups with different outcomes), not by a list of names."""
+    r = cfg.rollout
+    if r.group_size > 1 or (r.branch_turns and r.branch_factor > 1):
+        return
+    import numpy as np
+
+    from jaxrl_agent import estimators
+    est = cfg.estimator
+    spec = estimators.spec(est.name)
+    pipe = estimators.Pipeline((est.name, tuple(sorted(est.params.items()))),
+                               stages(est, "shaping"), stages(est, "then"))
+    batch = _dry_batch(cfg, group_size=1)
+    out = pipe(batch, state=spec.init_state(8)) if spec.stateful else pipe(batch)
+    adv = out[0] if spec.stateful else out
+    if not np.any(np.asarray(adv.token)[np.asarray(batch.action_mask)]):
+        raise ConfigError(
+            f"rollout.group_size = 1: estimator {est.name!r} compares the rollouts of a task, "
+            f"so with one rollout per task every advantage is 0 and nothing is learned; use "
+            f"rollout.group_size >= 2, or an estimator with its own baseline (a value head: "
+            f"gae, turn_gae; or reinforce_pp)")
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -719,12 +794,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     from jaxrl_agent.train.step import CRITIC_ESTIMATORS
     if est.name in CRITIC_ESTIMATORS and not cfg.model.value_head:
         raise ConfigError(f"estimator {est.name!r} reads a critic: set model.value_head: true")
-    if est.name == "step_group" and est.params.get("key") == "turn_key":
-        raise ConfigError("estimator step_group with key 'turn_key' reads extras['turn_keys'], "
-                          "which the training loop does not produce; use it with "
-                          "`jaxrl-agent credit` on records that carry a 'turn_key'")
-
-    _check_stages(cfg)
 
     lo = cfg.loss
     loss_names = [n for n in POLICY_LOSSES if n in losses.names()]
@@ -814,6 +883,8 @@ def validate(cfg: RunConfig) -> RunConfig:
             0 <= d.process_id < (d.num_processes or d.process_id + 1)):
         raise ConfigError(f"distributed.process_id must be in [0, num_processes); got "
                           f"{d.process_id}")
+    _check_methods(cfg)  # last: it packs a batch in trainer.layout, checked above
+    _check_group_size(cfg)
     return cfg
 
 

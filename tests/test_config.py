@@ -287,11 +287,43 @@ def test_semantic_errors(override, match):
 
 
 def test_every_registered_estimator_and_its_params_validate():
+    """Every estimator with its defaults validates, or is refused because it reads an input
+    that only records can carry (teacher log-probs, multi-agent values, potentials)."""
+    refused = []
     for name in estimators.names():
         params = dict(estimators.spec(name).hyper_params)
         cfg = C.from_dict({"estimator": {"name": name, "params": params},
                            "model": {"value_head": True}})
-        C.validate(cfg)
+        try:
+            C.validate(cfg)
+        except C.ConfigError as e:
+            assert "The training loop supplies no such input" in str(e), (name, str(e))
+            refused.append(name)
+    assert set(refused) == {"ccpo", "credit", "opd", "pica", "sharp"}
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["estimator.params.eps=abc"], r"estimator.params: estimator 'grpo': eps must be a finite "
+                                   r"number \(default 1e-06\), got 'abc'"),
+    (["estimator.params.singleton=bogus"], r"estimator.params: singleton must be one of"),
+    (["estimator.params.eps=-1"], r"estimator.params: eps must be > 0"),
+    (["estimator.params.ddof=0.5"], r"ddof must be an integer"),
+    (["estimator.then=[{name: reallocate, params: {seed: x}}]"],
+     r"estimator.then\[0\]: transform 'reallocate': seed must be an integer"),
+    (["loss.params.clip_low=abc"], r"loss.params.clip_low must be a finite number"),
+    (["rollout.group_size=1"], r"rollout.group_size = 1: estimator 'grpo' compares the rollouts"),
+    (["rollout.group_size=1", "estimator.name=rloo"], r"estimator 'rloo' compares"),
+    (["estimator.name=lambda_returns", "estimator.params.level=tok"],
+     r"level must be one of"),
+])
+def test_hyper_parameter_values_are_checked_at_config_time(sets, match):
+    with pytest.raises(C.ConfigError, match=match):
+        C.load(None, sets + ["model.value_head=true"])
+
+
+def test_group_size_one_is_fine_for_estimators_with_their_own_baseline():
+    for name in ("turn_gae", "reinforce_pp", "sapo"):
+        C.load(None, ["rollout.group_size=1", f"estimator.name={name}", "model.value_head=true"])
 
 
 def test_config_error_is_value_error():

@@ -241,3 +241,60 @@ def test_truncated_model_file_is_named(finished, tmp_path, capsys):
     for argv in (["sample", model, "--prompt", "x", "--raw"], ["convert", model, tmp_path / "o"]):
         rc, _, err = _cli(argv, capsys)
         assert rc == 2 and "model.safetensors" in err and "truncated" in err, err
+
+
+def _write_records(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_records_are_checked_with_their_line(tmp_path, capsys):
+    ok = {"group": "g", "outcome": 1.0,
+          "turns": [{"observation": [3], "action": [4, 5], "logprobs": [-0.5, -1.0]}]}
+    other = dict(ok, outcome=0.0)
+    out = tmp_path / "credit.jsonl"
+    cases = [
+        (dict(ok, turns=[dict(ok["turns"][0], logprobs=[0.3, -1.0])]),
+         "turns[0].logprobs[0] = 0.3 is not a log-probability"),
+        (dict(ok, outcome=1e39), "does not fit float32"),
+    ]
+    for bad, msg in cases:
+        path = _write_records(tmp_path / "bad.jsonl", [other, bad])
+        rc, _, err = _cli(["credit", path, "--estimator", "grpo", "--out", out], capsys)
+        assert rc == 2 and f"{path}:2:" in err and msg in err, err
+    # misspelt fields: a warning naming the line and the likely field; --strict refuses
+    typo = {"group": "g", "Outcome": 1.0,
+            "turns": [dict(ok["turns"][0], reward=1.0, rewards=1.0)]}
+    path = _write_records(tmp_path / "typo.jsonl", [dict(ok), typo])
+    rc, _, err = _cli(["credit", path, "--estimator", "grpo", "--out", out], capsys)
+    assert rc == 0, err
+    assert f"{path}:2: unknown field 'Outcome' (did you mean 'outcome'?)" in err
+    assert "unknown field 'turns[0].rewards' (did you mean 'reward'?)" in err
+    rc, _, err = _cli(["credit", path, "--estimator", "grpo", "--out", out, "--strict"], capsys)
+    assert rc == 2 and "--strict" in err
+    # the collector's own fields are known: no warning on the example rollouts
+    rc, _, err = _cli(["credit", REPO / "examples" / "rollouts.jsonl", "--estimator", "grpo",
+                       "--out", out], capsys)
+    assert rc == 0 and "unknown field" not in err
+
+
+def test_credit_hyper_parameter_errors_name_the_key(capsys, tmp_path):
+    rc, _, err = _cli(["credit", REPO / "examples" / "rollouts.jsonl", "--estimator", "grpo",
+                       "--set", "eps=abc", "--out", tmp_path / "o.jsonl"], capsys)
+    assert rc == 2 and "eps must be a finite number" in err, err
+
+
+def test_a_run_that_cannot_learn_says_so(tmp_path):
+    """An untrained tiny policy fails every task: every advantage is 0, every update is
+    skipped as idle, and after a few steps the run says why nothing is learned."""
+    import io
+    out = io.StringIO()
+    cfg = tiny_config(tmp_path / "run", "trainer.steps=3", "trainer.eval_every=0",
+                      "checkpoint.every=0")
+    loop.Trainer(cfg, progress=True, stream=out).run()
+    text = out.getvalue()
+    assert "steps 1-3: every advantage was 0, so nothing was learned" in text, text
+    assert "rollout.group_size" in text
+    rows = read_metrics(tmp_path / "run" / "metrics")
+    assert all(r["train/updates"] == 0 and r["train/updates_idle"] == 1 for r in rows
+               if "train/updates" in r)

@@ -87,13 +87,44 @@ def get(name: str) -> Callable:
     return spec(name).fn
 
 
+def type_error(default, value) -> str | None:
+    """What ``value`` should be, judged by the type of the parameter's ``default`` (a bool for a
+    bool, an int for an int, a finite number for a float, a string for a string; anything for
+    a ``None`` default), or None when it fits."""
+    import math
+    import numbers
+
+    if default is None or isinstance(default, (tuple, list, dict)):
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, numbers.Integral):
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return None if ok else "an integer"
+    if isinstance(default, numbers.Real):
+        ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+              and math.isfinite(float(value)))
+        return None if ok else "a finite number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
 def check_hyper_params(name: str, params: dict) -> None:
-    """Raises ValueError for keyword arguments the estimator does not take."""
-    allowed = spec(name).hyper_params
+    """Raises ValueError for keyword arguments the function does not take, and for values
+    whose type does not fit the parameter's default (``type_error``); ranges and choices are
+    checked by the function itself when it is traced."""
+    s = spec(name)
+    allowed = s.hyper_params
     bad = sorted(set(params) - set(allowed))
     if bad:
-        raise ValueError(f"estimator {name!r} has no hyper-parameter(s) {bad}; it takes: "
+        raise ValueError(f"{s.kind} {name!r} has no hyper-parameter(s) {bad}; it takes: "
                          f"{', '.join(f'{k}={v!r}' for k, v in allowed.items())}")
+    for k, v in params.items():
+        want = type_error(allowed[k], v)
+        if want:
+            raise ValueError(f"{s.kind} {name!r}: {k} must be {want} (default "
+                             f"{allowed[k]!r}), got {v!r}")
 
 
 @functools.lru_cache(maxsize=None)

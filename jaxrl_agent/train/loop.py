@@ -729,6 +729,7 @@ class Trainer:
             self._print(f"step {s + 1}: non-finite loss or gradient in {int(m['update_skipped'])} "
                         f"update(s), skipped ({int(state.skipped)} so far)")
         n = max(stats["trajectories"], 1)
+        self._last_success = stats["success_rate"]
         metrics = {
             "train/reward": stats["mean_reward"], "train/success": stats["success_rate"],
             "train/turns": stats["turns"] / n, "train/invalid": stats["invalid_actions"] / n,
@@ -742,7 +743,30 @@ class Trainer:
         probe = getattr(self.sampler, "last_sync", {}).get("probe_error")
         if probe is not None:
             metrics["sampler/probe_error"] = probe
+        self._watch_signal(s + 1, m)
         return state, metrics, (records, batch, out["advantages"])
+
+    #: consecutive steps without any learning signal before the run says so (once)
+    NO_SIGNAL_STEPS = 3
+
+    def _watch_signal(self, step: int, m: dict) -> None:
+        """Says once when ``NO_SIGNAL_STEPS`` steps in a row had every advantage 0 (every
+        update skipped as idle): the run is not learning, and the likely causes."""
+        if m["adv_zero_frac"] < 1.0 or m["updates"] > 0:
+            self._no_signal_since = None
+            return
+        since = getattr(self, "_no_signal_since", None) or step
+        self._no_signal_since = since
+        if step - since + 1 == self.NO_SIGNAL_STEPS and not getattr(self, "_said_no_signal",
+                                                                     False):
+            self._said_no_signal = True
+            self._print(
+                f"steps {since}-{step}: every advantage was 0, so nothing was learned (the "
+                f"rollouts of every task scored alike: train/group_zero_frac "
+                f"{m['group_zero_frac']:.2f}, train/success {self._last_success:.2f}). Likely "
+                f"causes: the tasks are all too easy or too hard for the policy, "
+                f"rollout.group_size is too small to see a difference, or the reward does not "
+                f"vary (its scale, the env's reward); docs/training.md, 'Diagnostics'")
 
     # ------------------------------------------------------------------ the end
 

@@ -59,10 +59,8 @@ from jaxrl_agent.losses.kl import entropy_from_logits
 from jaxrl_agent.rollout.tree import TREE_KEYS
 from jaxrl_agent.sampling.jax_sampler import process_logits
 
-# What critic estimators read from the value head.
-TOKEN_VALUE_ESTIMATORS = ("gae", "lambda_returns")
-TURN_VALUE_ESTIMATORS = ("turn_gae", "sapo", "hae")
-CRITIC_ESTIMATORS = TOKEN_VALUE_ESTIMATORS + TURN_VALUE_ESTIMATORS
+# Estimators that read the value head (token_values / turn_values, see _attach_values).
+CRITIC_ESTIMATORS = ("gae", "lambda_returns", "turn_gae", "sapo", "hae")
 
 
 def needs_hidden(estimator: str, params: dict) -> bool:
@@ -363,20 +361,23 @@ def _row_extras(extras: dict, num_rows: int) -> dict:
 
 
 def _attach_values(batch: TrajectoryBatch, values, cfg: StepConfig) -> TrajectoryBatch:
+    """The value head's outputs as the estimators read them: ``token_values`` [R, T] (the value
+    before each action token) and ``turn_values`` [N, K] (the value before each turn's first
+    action token, V(s_k)); both are given, since some estimators read either by a
+    hyper-parameter (``lambda_returns``' ``level``)."""
     values = jax.lax.stop_gradient(values)
     extras = dict(batch.extras)
-    if cfg.estimator in TOKEN_VALUE_ESTIMATORS:
-        extras["token_values"] = jnp.where(batch.action_mask, values, 0.0)
-    else:  # before_token values at the first action token = V(s_k) ("before_action")
-        at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
-        extras["turn_values"] = segments.turn_values_from_tokens(at_token, batch, "before_action")
-        if cfg.estimator == "hae":
-            # One value head serves both levels (HiPER with a single head does the same).
-            # Subgoal boundaries come from envs that report info["subgoal"] (the collector
-            # turns changes into extras['switch']); without them every episode is one
-            # segment, and HAE is turn-level GAE with a one-step SMDP high stream.
-            extras.setdefault("high_values", extras["turn_values"])
-            extras.setdefault("switch", jnp.zeros(batch.turn_mask.shape, jnp.float32))
+    extras["token_values"] = jnp.where(batch.action_mask, values, 0.0)
+    # before_token values at the first action token = V(s_k) ("before_action")
+    at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    extras["turn_values"] = segments.turn_values_from_tokens(at_token, batch, "before_action")
+    if cfg.estimator == "hae":
+        # One value head serves both levels (HiPER with a single head does the same).
+        # Subgoal boundaries come from envs that report info["subgoal"] (the collector
+        # turns changes into extras['switch']); without them every episode is one
+        # segment, and HAE is turn-level GAE with a one-step SMDP high stream.
+        extras.setdefault("high_values", extras["turn_values"])
+        extras.setdefault("switch", jnp.zeros(batch.turn_mask.shape, jnp.float32))
     return batch.replace(extras=extras)
 
 
