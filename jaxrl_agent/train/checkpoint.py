@@ -103,9 +103,11 @@ class _QuietOrbax(logging.Filter):
     """Drops orbax's absl records below WARNING; leaves every other record alone."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        path = (record.pathname or "").replace("\\", "/")
+        if "/orbax/" in path and "is read only" in str(record.msg):
+            return False  # what read_only=True asked for (evaluation), not a problem
         if record.levelno >= logging.WARNING:
             return True
-        path = (record.pathname or "").replace("\\", "/")
         return "/orbax/" not in path
 
 
@@ -286,12 +288,12 @@ class Checkpointer:
         self.keep = keep
         self.read_only = bool(read_only)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None if read_only else keep,
             create=not read_only,
             read_only=read_only,
             enable_async_checkpointing=False,
             cleanup_tmp_directories=not read_only,
-            save_interval_steps=1,  # the decision is ours (should_save / force)
+            save_interval_steps=0 if read_only else 1,  # the decision is ours (should_save / force)
             # orbax lists a step only if its directory holds the commit marker (the check it uses for
             # GCS); writing still goes through the default tmp-dir + atomic rename on local disks. This
             # keeps orbax's step list (max_to_keep, "step exists") equal to `_complete_steps`.
