@@ -8,11 +8,11 @@ with 95% intervals and paired differences.
         [--set key=value ...] [--jobs 2]
 
 1. One supervised warm-up (the config after ``--set``, seed 0) is run once and saved as an HF
-   folder (``OUT_DIR/warm_start``), with the held-out evaluation before RL.
+   folder (``OUT_DIR/_warmup/warmup_model``).
 2. Every (variant, seed) runs ``jaxrl-agent train`` from that folder
-   (``model.builtin_dir=OUT_DIR/warm_start``, ``trainer.warmup_sft_steps=0``,
-   ``trainer.seed=SEED``) in its own directory ``OUT_DIR/<variant>/seed<SEED>``; a finished run
-   (its ``metrics.jsonl`` reaches ``trainer.steps``) is not run again.
+   (``model.builtin_dir=...``, ``trainer.warmup_sft_steps=0``, ``trainer.seed=SEED``) as its
+   own run ``OUT_DIR/<variant>/seed<SEED>``; a finished run (its ``metrics.jsonl`` reaches
+   ``trainer.steps``) is not run again, an unfinished one is resumed.
 3. ``OUT_DIR/summary.json``, ``OUT_DIR/curves.png`` and ``OUT_DIR/summary.md``: per variant
    and evaluation step, the mean held-out success over seeds with a 95% t-interval; the lift
    over the step-0 evaluation; and the paired difference to the first variant (same seed =
@@ -71,15 +71,15 @@ def _eval_curve(metrics_path: pathlib.Path) -> dict[int, dict]:
 
 
 def _cli(args: list[str], log: pathlib.Path) -> int:
-    cmd = [sys.executable, "-m", "jaxrl_agent.cli", *args]
+    cmd = [sys.executable, "-m", "jaxrl_agent.cli", *map(str, args)]
     with open(log, "w") as f:
         return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
 
 
-def _run_args(out: pathlib.Path, sets: list[str], warmup_dir: str = "null") -> list[str]:
+def _run_args(out: pathlib.Path, sets: list[str], warmup_export: bool = False) -> list[str]:
     args = ["train", "--quiet"]
-    for s in sets + [f"checkpoint.dir={out}/ckpt", f"metrics.dir={out}/metrics",
-                     "checkpoint.export_dir=null", f"checkpoint.warmup_dir={warmup_dir}",
+    for s in sets + [f"run.dir={out}", "checkpoint.export=false",
+                     f"checkpoint.export_warmup={str(warmup_export).lower()}",
                      "metrics.tensorboard=false", "checkpoint.every=0"]:
         args += ["--set", s]
     return args
@@ -87,12 +87,14 @@ def _run_args(out: pathlib.Path, sets: list[str], warmup_dir: str = "null") -> l
 
 def warm_start(root: pathlib.Path, sets: list[str]) -> pathlib.Path:
     """The warmed-up model (HF folder), made once by a one-step run of the base config."""
-    folder = root / "warm_start"
+    folder = root / "_warmup" / "warmup_model"
     if (folder / "config.json").exists():
         return folder
     out = root / "_warmup"
-    rc = _cli(_run_args(out, sets + [f"model.builtin_dir={out}/base_model", "trainer.steps=1",
-                                     "trainer.seed=0"], warmup_dir=str(folder)),
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    rc = _cli(_run_args(out, sets + ["trainer.steps=1", "trainer.seed=0"], warmup_export=True),
               root / "warmup.log")
     if rc != 0 or not (folder / "config.json").exists():
         raise SystemExit(f"the warm-up run failed (exit {rc}); see {root / 'warmup.log'}")
@@ -105,13 +107,13 @@ def run_one(root, warm, variant, vsets, seed, base_sets, steps) -> pathlib.Path:
     curve = _eval_curve(metrics)
     if curve and max(curve) >= steps:
         return out
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     sets = base_sets + vsets + [f"model.builtin_dir={warm}", "trainer.warmup_sft_steps=0",
                                 f"trainer.seed={seed}"]
-    rc = _cli(_run_args(out, sets), out / "log.txt")
+    args = _run_args(out, sets)
+    if (out / "config.yaml").exists():  # an unfinished run of an earlier invocation: go on
+        args.append("--resume")
+    rc = _cli(args, out / "log.txt")
     if rc != 0:
         print(f"  {variant} seed {seed}: exit {rc}, see {out / 'log.txt'}", file=sys.stderr)
     return out

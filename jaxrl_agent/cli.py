@@ -376,36 +376,36 @@ def cmd_sample(args) -> int:
 
 
 def _train_config(args):
-    """The run's config: CONFIG (or the defaults) + --set; with --resume and no CONFIG, the
-    run's own saved config + --set (a value left out keeps the run's, not the default)."""
+    """The run's config, not yet validated (validation traces JAX functions, which must wait
+    for the multi-process start): CONFIG (or the defaults) + --set; with --resume and no
+    CONFIG, the run's own saved config + --set (a value left out keeps the run's, not the
+    default)."""
     from jaxrl_agent import config as config_lib
     from jaxrl_agent.train.loop import find_run, run_config
 
     if args.resume is None:
-        return config_lib.load(args.config, args.set or ())
+        return config_lib.load(args.config, args.set or (), validate=False)
     if args.resume is not True:  # --resume RUN
         root = find_run(args.resume)
     else:  # the run the config names (default: runs/cpu_default)
         named = config_lib.load(args.config, args.set or (), validate=False)
         root = config_lib.run_dir(named)
         if not os.path.isfile(os.path.join(root, "config.yaml")):
-            return config_lib.validate(named)  # nothing to resume there: starts fresh
+            return named  # nothing to resume there: starts fresh
     if args.config is not None:  # the file states the values; the run keeps its location
         d = config_lib.apply_overrides(config_lib.read_yaml(args.config), args.set or (),
                                        defaults=config_lib.to_dict(config_lib.RunConfig()))
         d["run"] = dict(d.get("run") or {}, dir=root)
-        return config_lib.validate(config_lib.from_dict(d))
-    return config_lib.validate(run_config(root, args.set or ()))
+        return config_lib.from_dict(d)
+    return run_config(root, args.set or ())
 
 
 def cmd_train(args) -> int:
     from jaxrl_agent import config as config_lib
 
     cfg = _train_config(args)
-    from jaxrl_agent.train.loop import Trainer
-
     if args.print_config:
-        print(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
+        print(yaml.safe_dump(config_lib.to_dict(config_lib.validate(cfg)), sort_keys=False))
         return 0
     from jaxrl_agent.sharding import multihost
 
@@ -413,8 +413,10 @@ def cmd_train(args) -> int:
         multihost.initialize(**dataclasses.asdict(cfg.distributed))
     except ValueError as e:
         raise CliError(str(e)) from None
+    from jaxrl_agent.train.loop import Trainer
+
     trainer = Trainer(cfg, resume=args.resume is not None, progress=not args.quiet,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite)  # validates the config first
     import signal
 
     def on_term(signum, frame):  # a scheduler's SIGTERM: stop like Ctrl-C (checkpoint kept)

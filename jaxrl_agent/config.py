@@ -97,7 +97,8 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class EnvSection:
     name: str = "gridworld"
-    kwargs: dict = dataclasses.field(default_factory=lambda: {"max_turns": 12})
+    kwargs: dict = dataclasses.field(
+        default_factory=lambda: {"max_turns": 12, "action_names": "letters"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ class RolloutSection:
     trajectories, times up to ``branch_factor ** len(branch_turns)`` with tree rollouts (every
     live trajectory forks into ``branch_factor`` copies at the start of each turn in
     ``branch_turns``; docs/training.md)."""
-    tasks_per_step: int = 4
+    tasks_per_step: int = 8
     group_size: int = 8
     max_turns: int = 12
     max_new_tokens: int = 8
@@ -123,7 +124,7 @@ class RolloutSection:
 
 @dataclasses.dataclass(frozen=True)
 class EstimatorSection:
-    name: str = "grpo"
+    name: str = "gigpo"
     params: dict = dataclasses.field(default_factory=dict)
     shaping: list = dataclasses.field(default_factory=list)  # [{name, params}] before `name`
     then: list = dataclasses.field(default_factory=list)  # [{name, params}] after `name`
@@ -142,7 +143,7 @@ class LossSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-    lr: float = 1e-4
+    lr: float = 1e-3
     warmup_steps: int = 10
     decay: str = "cosine"
     weight_decay: float = 0.0
@@ -154,7 +155,7 @@ class OptimizerSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerSection:
-    steps: int = 100
+    steps: int = 160
     ppo_epochs: int = 1                # passes over each step's rollouts
     mini_batches: int = 1              # optimizer updates per pass (1/mini_batches of the rows)
     micro_batches: int = 1             # gradient accumulation within one update
@@ -163,10 +164,10 @@ class TrainerSection:
     warmup_sft_steps: int = 800
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
-    sft_tasks: int = 2000
-    sft_noise: float = 0.0             # demonstrator takes a random action with this probability
-    eval_every: int = 10
-    eval_tasks: int = 128
+    sft_tasks: int = 4000
+    sft_noise: float = 0.25            # demonstrator takes a random action with this probability
+    eval_every: int = 20
+    eval_tasks: int = 256
     eval_temperature: float = 1.0
     layout: str = "per_step"
     task_capacity: int = 65536
@@ -664,6 +665,11 @@ def _check_methods(cfg: "RunConfig") -> None:
             key = f"estimator.{which}[{i}]"
             try:
                 estimators.spec(name, kind)
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
+            _check_params(dict(params), list(estimators.spec(name).hyper_params),
+                          f"{key}.params", f"{kind} {name!r}")
+            try:
                 estimators.check_hyper_params(name, dict(params))
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None

@@ -29,7 +29,7 @@ def add_signals(rng, rec):
     for j, t in enumerate(turns):
         n = len(t["action"])
         lp = t.setdefault("logprobs", [float(-abs(x)) for x in rng.normal(size=n)])
-        t.setdefault("ref_logprobs", [float(x + rng.normal(0, 0.2)) for x in lp])
+        t.setdefault("ref_logprobs", [float(min(x + rng.normal(0, 0.2), 0.0)) for x in lp])
         t["turn_extras"] = {
             "weights": float(rng.random()), "potential": float(potential[j]),
             "step_potential": float(1.5 * acc[j] * conf[j] + 0.5 * acc[j] - conf[j]),

@@ -114,7 +114,8 @@ def test_mapping_key_override_merges_into_the_defaults(tmp_path):
 
 
 def test_list_and_mapping_overrides():
-    cfg = C.load(None, ["env.kwargs={size: 4, extra_walls: 0}", "estimator.params={eps: 0.5}"])
+    cfg = C.load(None, ["env.kwargs={size: 4, extra_walls: 0}", "estimator.params={eps: 0.5}",
+                        "estimator.name=grpo"])
     assert cfg.env.kwargs == {"size": 4, "extra_walls": 0}
     assert cfg.estimator.params == {"eps": 0.5}
     d = C.apply_overrides({}, ["env.kwargs.layout=[1, 2, 3]"])
@@ -226,8 +227,8 @@ def test_empty_sections_and_files(tmp_path):
 
 @pytest.mark.parametrize("override, match", [
     ("estimator.name=nope", r"unknown estimator 'nope' \(known: bipace, ccpo"),
-    ("estimator.params.gamma=0.9", r"unknown key 'estimator.params.gamma' for estimator 'grpo'; "
-                                   r"valid keys: eps, ddof, singleton"),
+    ("estimator.params.gama=0.9", r"unknown key 'estimator.params.gama' for estimator 'gigpo'; "
+                                  r"valid keys: gamma, step_weight"),
     ("loss.policy=ppo2", r"unknown policy loss 'ppo2'; known: ppo, gspo"),
     ("loss.params.clip=0.2", r"unknown key 'loss.params.clip' for loss 'ppo'.*clip_low"),
     ("loss.agg=mean", r"loss.agg must be one of token_mean"),
@@ -260,7 +261,7 @@ def test_empty_sections_and_files(tmp_path):
     ("optimizer.b2=1", r"optimizer.b2 must be in \[0, 1\)"),
     ("trainer.layout=flat", r"trainer.layout must be one of concatenated, per_step"),
     ("trainer.steps=0", r"trainer.steps must be > 0"),
-    ("trainer.micro_batches=3", r"micro_batches \(3\) must divide .* = 32"),
+    ("trainer.micro_batches=3", r"micro_batches \(3\) must divide .* = 64"),
     ("trainer.mini_batches=3", r"mini_batches \(3\) must divide rollout.tasks_per_step"),
     ("trainer.ppo_epochs=0", r"trainer.ppo_epochs must be > 0"),
     ("trainer.sft_noise=1.5", r"trainer.sft_noise must be in \[0, 1\]"),
@@ -303,15 +304,18 @@ def test_every_registered_estimator_and_its_params_validate():
 
 
 @pytest.mark.parametrize("sets,match", [
-    (["estimator.params.eps=abc"], r"estimator.params: estimator 'grpo': eps must be a finite "
+    (["estimator.name=grpo", "estimator.params.eps=abc"],
+     r"estimator.params: estimator 'grpo': eps must be a finite "
                                    r"number \(default 1e-06\), got 'abc'"),
-    (["estimator.params.singleton=bogus"], r"estimator.params: singleton must be one of"),
-    (["estimator.params.eps=-1"], r"estimator.params: eps must be > 0"),
-    (["estimator.params.ddof=0.5"], r"ddof must be an integer"),
+    (["estimator.name=grpo", "estimator.params.singleton=bogus"],
+     r"estimator.params: singleton must be one of"),
+    (["estimator.name=grpo", "estimator.params.eps=-1"], r"estimator.params: eps must be > 0"),
+    (["estimator.name=grpo", "estimator.params.ddof=0.5"], r"ddof must be an integer"),
     (["estimator.then=[{name: reallocate, params: {seed: x}}]"],
      r"estimator.then\[0\]: transform 'reallocate': seed must be an integer"),
     (["loss.params.clip_low=abc"], r"loss.params.clip_low must be a finite number"),
-    (["rollout.group_size=1"], r"rollout.group_size = 1: estimator 'grpo' compares the rollouts"),
+    (["rollout.group_size=1", "estimator.name=grpo"],
+     r"rollout.group_size = 1: estimator 'grpo' compares the rollouts"),
     (["rollout.group_size=1", "estimator.name=rloo"], r"estimator 'rloo' compares"),
     (["estimator.name=lambda_returns", "estimator.params.level=tok"],
      r"level must be one of"),

@@ -266,7 +266,7 @@ def test_config_override_sets_stages():
     cfg = C.load(None, ["estimator.then=[{name: shuffled_control, params: {weights: w}}]"],
                   validate=False)
     assert C.stages(cfg.estimator, "then") == (("shuffled_control", (("weights", "w"),)),)
-    assert "grpo -> shuffled_control" in C.describe(cfg)
+    assert f"{cfg.estimator.name} -> shuffled_control" in C.describe(cfg)
 
 
 # ----------------------------------------------------------------------------- train step

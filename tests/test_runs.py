@@ -290,7 +290,7 @@ def test_a_run_that_cannot_learn_says_so(tmp_path):
     import io
     out = io.StringIO()
     cfg = tiny_config(tmp_path / "run", "trainer.steps=3", "trainer.eval_every=0",
-                      "checkpoint.every=0")
+                      "checkpoint.every=0", "env.kwargs.invalid_penalty=0")  # rewards all 0
     loop.Trainer(cfg, progress=True, stream=out).run()
     text = out.getvalue()
     assert "steps 1-3: every advantage was 0, so nothing was learned" in text, text

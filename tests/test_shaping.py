@@ -158,8 +158,8 @@ def fill_extras(rng, rec):
             "zero_oracle": 0.0, "belief_state": u(), "belief_task": u(), "belief_pred": u(),
             "belief_format": u()}
         t["token_extras"] = {"prm_logprobs": q(n), "prefix_scores": q(n)}
-        t["ref_logprobs"] = q(n)
-        t["logprobs"] = q(n)
+        t["ref_logprobs"] = [-abs(x) for x in q(n)]  # log-probs are <= 0
+        t["logprobs"] = [-abs(x) for x in q(n)]
         turns.append(t)
     rec["turns"] = turns
     ends = [int(x) for x in rng.integers(-1, 7, size=J)]

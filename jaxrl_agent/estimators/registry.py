@@ -90,11 +90,12 @@ def get(name: str) -> Callable:
 def type_error(default, value) -> str | None:
     """What ``value`` should be, judged by the type of the parameter's ``default`` (a bool for a
     bool, an int for an int, a finite number for a float, a string for a string; anything for
-    a ``None`` default), or None when it fits."""
+    a ``None`` default), or None when it fits. ``None`` always passes here (some parameters
+    take it as "off"; the function's own check decides)."""
     import math
     import numbers
 
-    if default is None or isinstance(default, (tuple, list, dict)):
+    if default is None or value is None or isinstance(default, (tuple, list, dict)):
         return None
     if isinstance(default, bool):
         return None if isinstance(value, bool) else "true or false"
