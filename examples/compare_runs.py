@@ -8,7 +8,8 @@ with 95% intervals and paired differences.
         [--set key=value ...] [--jobs 2]
 
 1. One supervised warm-up (the config after ``--set``, seed 0) is run once and saved as an HF
-   folder (``OUT_DIR/_warmup/warmup_model``).
+   folder (``OUT_DIR/_warmup/warmup_model``), or ``--warm-start HF_DIR`` gives one (e.g. the
+   default run's ``runs/cpu_default/warmup_model``).
 2. Every (variant, seed) runs ``jaxrl-agent train`` from that folder
    (``model.builtin_dir=...``, ``trainer.warmup_sft_steps=0``, ``trainer.seed=SEED``) as its
    own run ``OUT_DIR/<variant>/seed<SEED>``; a finished run (its ``metrics.jsonl`` reaches
@@ -37,9 +38,18 @@ import sys
 import numpy as np
 
 
+# two-sided 95% quantiles of Student's t for 1..10 degrees of freedom; 1.96 beyond 30
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
 def _t95(n: int) -> float:
-    from scipy import stats
-    return float(stats.t.ppf(0.975, n - 1)) if n > 1 else float("nan")
+    """The 97.5% quantile of Student's t with n - 1 degrees of freedom (nan for n < 2)."""
+    df = n - 1
+    if df < 1:
+        return float("nan")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    return 2.042 if df <= 30 else 1.96  # conservative between 11 and 30
 
 
 def _ci(values) -> tuple[float, float]:
@@ -193,13 +203,18 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], dest="sets",
                    help="override for every run (and the warm-up)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (each uses every core)")
+    p.add_argument("--warm-start", default=None, metavar="HF_DIR",
+                   help="start every run from this model (e.g. runs/cpu_default/warmup_model) "
+                        "instead of running a warm-up here")
     a = p.parse_args(argv)
     root = pathlib.Path(a.out).absolute()
     root.mkdir(parents=True, exist_ok=True)
     variants = [_parse_variant(v) for v in a.variant]
     from jaxrl_agent import config as config_lib
     cfg = config_lib.load(None, a.sets)
-    warm = warm_start(root, a.sets)
+    warm = pathlib.Path(a.warm_start).absolute() if a.warm_start else warm_start(root, a.sets)
+    if not (warm / "config.json").exists():
+        raise SystemExit(f"--warm-start {warm}: no config.json (not an HF model folder)")
     print(f"warm start: {warm}", flush=True)
     jobs = [(v, vs, s) for s in a.seeds for v, vs in variants]
     with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
