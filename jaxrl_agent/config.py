@@ -163,8 +163,8 @@ class TrainerSection:
     seed: int = 0
     warmup_sft_steps: int = 800
     sft_batch_size: int = 64
-    sft_lr: float = 3e-3
-    sft_tasks: int = 4000
+    sft_lr: float = 1e-3               # 3e-3 left 2 of 3 seeds stuck (docs/training.md)
+    sft_tasks: int = 8000
     sft_noise: float = 0.25            # demonstrator takes a random action with this probability
     eval_every: int = 20
     eval_tasks: int = 256

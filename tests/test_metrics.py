@@ -307,3 +307,12 @@ def test_credit_picture_png(tmp_path):
     _assert_png(path, 20000)
     _assert_png(credit_picture([trajectory] * 9, tmp_path / "many.png"))  # shows 6
     _assert_png(credit_picture([], tmp_path / "none.png"))
+
+
+def test_success_standard_error():
+    """sqrt(p (1 - p) / n): 0.5 on 256 tasks is 1/32; certain outcomes and no tasks give 0."""
+    from jaxrl_agent.train.loop import success_se
+    assert success_se(0.5, 256) == pytest.approx(1 / 32)
+    assert success_se(0.8, 100) == pytest.approx(0.04)
+    assert success_se(1.0, 10) == 0.0 and success_se(0.0, 10) == 0.0
+    assert success_se(0.3, 0) == 0.0

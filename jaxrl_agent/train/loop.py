@@ -102,6 +102,12 @@ class StaleBatchError(ValueError):
     """Every trajectory of a step was sampled by a policy older than ``max_policy_lag``."""
 
 
+def success_se(success: float, n: int) -> float:
+    """Binomial standard error of a success rate measured on ``n`` independent episodes:
+    ``sqrt(p (1 - p) / n)`` (0 for ``n = 0``)."""
+    return math.sqrt(max(success * (1.0 - success), 0.0) / n) if n > 0 else 0.0
+
+
 def step_seed(seed: int, step: int, what: str) -> int:
     """A 63-bit seed for one purpose at one step (stable across processes and resumes)."""
     h = hashlib.blake2b(f"{seed}:{step}:{what}".encode(), digest_size=8).digest()
@@ -445,12 +451,20 @@ class Trainer:
         return records, _merge_stats([st for _, st in parts if st is not None])
 
     def evaluate(self, step: int) -> dict:
-        """Greedy rollouts on the held-out tasks: ``{"eval/success", "eval/reward", ...}``."""
+        """One rollout per held-out task at ``trainer.eval_temperature``: ``{"eval/success",
+        "eval/success_se" (binomial standard error), "eval/reward", ...}``."""
         _, stats = self._collect(self.eval_tasks, self.eval_cfg,
                                  step_seed(self.cfg.trainer.seed, step, "eval"))
-        return {"eval/success": stats["success_rate"], "eval/reward": stats["mean_reward"],
+        n = max(stats["trajectories"], 1)
+        return {"eval/success": stats["success_rate"],
+                "eval/success_se": success_se(stats["success_rate"], n),
+                "eval/reward": stats["mean_reward"],
                 "eval/turns": stats["turns"] / max(stats["trajectories"], 1),
                 "eval/invalid": stats["invalid_actions"] / max(stats["trajectories"], 1)}
+
+    def _with_se(self, success: float) -> str:
+        n = self.cfg.trainer.eval_tasks
+        return f"{success:.2f} +- {success_se(success, n):.2f} (standard error, {n} tasks)"
 
     def _sync(self, state: TrainState):
         params = state.params
@@ -559,7 +573,8 @@ class Trainer:
                 eval_before = self.evaluate(-1)["eval/success"] if t.eval_every else None
                 if t.warmup_sft_steps:
                     if eval_before is not None:
-                        self._print(f"held-out success before warm-up: {eval_before:.2f}")
+                        self._print(f"held-out success before warm-up: "
+                                    f"{self._with_se(eval_before)}")
                     self._warmup()
                 state = self._fresh_state()
                 self._sync(state)
@@ -570,7 +585,7 @@ class Trainer:
                     self.logger.log(0, ev)
                     self._print(f"held-out success at step 0"
                                 f"{' (after warm-up)' if t.warmup_sft_steps else ''}: "
-                                f"{eval_after_sft:.2f}")
+                                f"{self._with_se(eval_after_sft)}")
             else:
                 self._sync(state)
                 self._open_logger(start)
@@ -802,7 +817,9 @@ class Trainer:
             lines.append(f"  held-out success: {eval_before:.2f} at start"
                          + (f", {eval_after_sft:.2f} after warm-up"
                             if cfg.trainer.warmup_sft_steps and eval_after_sft is not None else "")
-                         + (f", {last_eval:.2f} at the end" if last_eval is not None else ""))
+                         + (f", {last_eval:.2f} at the end" if last_eval is not None else "")
+                         + f" (standard error <= {success_se(0.5, cfg.trainer.eval_tasks):.2f} "
+                           f"each, {cfg.trainer.eval_tasks} tasks)")
         lines.append(f"  run:         {os.path.abspath(self.paths.root)} (resume: "
                      f"jaxrl-agent train --resume {self.paths.root})")
         lines.append(f"  checkpoints: {os.path.abspath(self.paths.checkpoints)}")
