@@ -14,9 +14,10 @@ not end the episode, so the episode length leaks nothing); success means every s
 Rewards: a revealed step pays ``step_reward`` (default ``1/C``) when correct and 0 otherwise; an
 unrevealed step pays 0; the last step additionally pays ``outcome_reward`` (default 1.0) on
 success. So ``V_d = k/C`` is the fraction of the causal chain whose correctness the verifier
-exposes (METHODS d1). ``info`` carries ``step_correct`` (bool) and ``revealed`` (bool) for every
-valid step and ``num_correct`` and ``revealed_steps`` on the last one. An unknown word is an
-invalid action (no step is consumed, ``invalid_penalty``); ``max_turns`` defaults to ``C + 2``.
+exposes (the verifier-information-density setting). ``info`` carries ``step_correct`` (bool) and
+``revealed`` (bool) for every valid step and ``num_correct`` and ``revealed_steps`` on the last
+one. An unknown word is an invalid action (no step is consumed, ``invalid_penalty``);
+``max_turns`` defaults to ``C + 2``.
 ``state_key = "chain:<clues>|<revealed bits>|<step>|<prefix correctness bits>"``.
 """
 

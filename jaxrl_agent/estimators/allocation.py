@@ -7,8 +7,8 @@ Advantages``. It takes the advantages of a base estimator (``grpo(batch)``, ``gi
     A'_t = A_t w'_t,   w'_t >= 0,   sum_{t in s} m_t w'_t = sum_{t in s} m_t   for each segment s
 
 (the token-weighted mean of w' is 1 on every trajectory, turn or group: ``level``). For a
-trajectory-constant base advantage this conserves advantage mass exactly (P8) and never flips
-a sign (P9). The primitive is ``reallocate``; the named methods only compute raw weights.
+trajectory-constant base advantage this conserves advantage mass exactly (mass conservation) and
+never flips a sign. The primitive is ``reallocate``; the named methods only compute raw weights.
 
 Composition: ``reallocate(grpo(batch), batch, weights="w")`` in code, ``estimator.then`` in a
 config, ``jaxrl-agent credit --estimator grpo --then trial`` on the command line.
@@ -98,7 +98,8 @@ def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: 
 
     total = segs.sum(mu)
     mass = segs.sum(mu * w)
-    # equal weights give exactly 1 (a division would round): P10 holds bit for bit
+    # equal weights give exactly 1 (a division would round): reduction to the base estimator
+    # holds bit for bit
     uniform = segs.gather((mass <= 0.0) | (segs.max(w) == segs.min(w)))
     w_hat = w * segs.gather(total / jnp.where(mass > 0, mass, 1.0))
     out = floor + (1.0 - floor) * w_hat if floor else w_hat
@@ -290,8 +291,9 @@ def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weigh
     the matched-concentration shuffled control of the verifier-density paper (d1), which any
     targeting claim must beat.
 
-    Properties: sum_t m A'_t = A_i sum_t m per trajectory for trajectory-constant A (P8);
-    sign(A'_t) in {sign(A_t), 0} (P9); constant weights give A' = A exactly (P10).
+    Properties: sum_t m A'_t = A_i sum_t m per trajectory for trajectory-constant A (mass
+    conservation); sign(A'_t) in {sign(A_t), 0} (sign preservation); constant weights give A' =
+    A exactly (reduction to the base estimator).
     """
     _check_bounds(clip_min, clip_max)
     b = segments.local_view(batch, axis_name)
@@ -311,7 +313,7 @@ def shuffled_control(adv: Advantages, batch: TrajectoryBatch, *, weights: str = 
                      clip_min: float | None = None, clip_max: float | None = None,
                      seed: int = 0, axis_name=None) -> Advantages:
     """``reallocate`` with the raw weights randomly permuted within each trajectory (or turn):
-    the matched-concentration shuffled control (d1). [X] formula of METHODS.md d1
+    the matched-concentration shuffled control. [X] our formula
     (verifier-information-density paper): same multiset of weights, random placement."""
     return reallocate(adv, batch, weights=weights, level=level, floor=floor, clip_min=clip_min,
                       clip_max=clip_max, shuffle=True, seed=seed, axis_name=axis_name)
@@ -323,7 +325,7 @@ def shuffled_control(adv: Advantages, batch: TrajectoryBatch, *, weights: str = 
 # Each method below computes raw weights (or a dense add-on) from its signal and hands them to
 # the primitive. Log-prob contrasts take two field-name hyper-parameters, ``teacher`` and
 # ``student``: the name of an [R, T] extra, or ``"old_logprobs"`` for ``batch.old_logprobs``.
-# Every signal is read through ``lax.stop_gradient`` (P15). The teacher scoring (hindsight,
+# Every signal is read through ``lax.stop_gradient``. The teacher scoring (hindsight,
 # rubric, evidence, answer-conditioned contexts) runs outside: these functions consume its
 # log-probs as arrays.
 
@@ -456,8 +458,8 @@ def _signed_turn_credit(adv, batch, b, x, *, alpha, w_min, w_max, eps, mode, shu
 def trial(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
           student: str = "old_logprobs", lam: float = 0.1, shuffle: bool = False,
           seed: int = 0, axis_name=None) -> Advantages:
-    """TRIAL (trajectory-relative hindsight distillation) as an advantage add-on. [X] formula
-    of METHODS.md e1 (TRIAL paper, consistent with its abstract).
+    """TRIAL (trajectory-relative hindsight distillation) as an advantage add-on. [X] our formula
+    (TRIAL paper, consistent with its abstract).
 
         g_t = lp_hind_t - lp_ord_t                 (``teacher`` - ``student``, detached)
         M_k = mean_{t in k} |g_t|,  mu_k = M_k / (sum_k n_k M_k / sum_k n_k)
@@ -487,16 +489,17 @@ def stepopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher
              student: str = "old_logprobs", lambda_mix: float = 0.5, alpha_clip: float = 0.5,
              eps: float = 1e-6, token_dist: bool = False, shuffle: bool = False, seed: int = 0,
              axis_name=None) -> Advantages:
-    """StepOPSD: step-aware sign-preserving shaping with a per-step credit budget. [X] formula
-    of METHODS.md e2 (StepOPSD paper).
+    """StepOPSD: step-aware sign-preserving shaping with a per-step credit budget. [X] our formula
+    (StepOPSD paper).
 
         s_k = mean_{t in k} (lp_T - lp_S),  s~_k = s_k / (std_k s + eps)   (per trajectory)
         m_k = clip(1 + lambda_mix sign(A_k) s~_k, 1 - alpha_clip, 1 + alpha_clip)
         m <- m renormalised to token mass 1 per trajectory, kept inside the same bounds
         A'_t = A_t m_{k(t)} [ * w_t,  w_t ∝ softplus(sign(A_t) g_t), mean 1 per step ]
 
-    P8 per trajectory, P9 (m > 0 for alpha_clip < 1), P17 (m in [1 - alpha_clip,
-    1 + alpha_clip] when feasible), P10 (lambda_mix = 0 gives A bit for bit, token_dist off).
+    Mass conservation per trajectory, sign preservation (m > 0 for alpha_clip < 1), bounds (m in
+    [1 - alpha_clip, 1 + alpha_clip] when feasible), reduction to the base estimator (lambda_mix
+    = 0 gives A bit for bit, token_dist off).
     """
     check_unit("alpha_clip", alpha_clip)
     _check_nonneg("lambda_mix", lambda_mix)
@@ -521,7 +524,7 @@ def cort(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
          student: str = "old_logprobs", kappa: float = 0.5, tau: float = 1.0,
          w_min: float = 0.2, w_max: float = 2.0, absolute: bool = False, shuffle: bool = False,
          seed: int = 0, axis_name=None) -> Advantages:
-    """CoRT: counterfactual-replay rubric token weights. [X] formula of METHODS.md e4 (CoRT
+    """CoRT: counterfactual-replay rubric token weights. [X] our formula (CoRT
     paper).
 
         c_t = lp_rubric_t - lp_free_t   (``teacher`` - ``student``; when the rubric is in the
@@ -529,8 +532,8 @@ def cort(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
         w_t = clip(1 + kappa tanh(c_t / tau), w_min, w_max)   (|c_t| with ``absolute``)
         w   <- mean 1 per response, kept inside [w_min, w_max];  A'_t = A_t w_t
 
-    P8 per response, P9 (w_min > 0), P17, P10 (kappa = 0 gives A bit for bit); the weights
-    are monotone in c.
+    Mass conservation per response, sign preservation (w_min > 0), bounds, reduction to the base
+    estimator (kappa = 0 gives A bit for bit); the weights are monotone in c.
     """
     _check_nonneg("kappa", kappa)
     check_positive("tau", tau)
@@ -569,7 +572,7 @@ def rvco(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
          student: str = "old_logprobs", tau: float = 1.0, beta: float = 0.1,
          absolute: bool = True, eps: float = 1e-6, shuffle: bool = False, seed: int = 0,
          axis_name=None) -> Advantages:
-    """RVCO: residual visual credit as a budgeted entropic router. [X] formula of METHODS.md e6
+    """RVCO: residual visual credit as a budgeted entropic router. [X] our formula
     (Residual Visual Credit Optimization paper).
 
         e_t = |lp(y_t | image) - lp(y_t | corrupted image)|   (|``teacher`` - ``student``|;
@@ -578,9 +581,9 @@ def rvco(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
         p_t = softmax_t(z_t / tau),  w_t = (1 - beta) N p_t + beta   (N valid tokens)
         A'_t = A_t w_t
 
-    The mean of w is exactly 1 (``token_weights`` with ``floor=beta``). P8, P9
-    (w >= beta), P17 (w <= (1 - beta) N + beta), invariant to e -> a e + c (a > 0);
-    tau -> 0 is hard selection of the argmax, tau -> inf uniform.
+    The mean of w is exactly 1 (``token_weights`` with ``floor=beta``). Mass conservation, sign
+    preservation (w >= beta), bounds (w <= (1 - beta) N + beta), invariant to e -> a e + c (a >
+    0); tau -> 0 is hard selection of the argmax, tau -> inf uniform.
     """
     check_positive("tau", tau)
     check_unit("beta", beta)
@@ -628,7 +631,7 @@ def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
               mode: str = "reweight", shuffle: bool = False, seed: int = 0,
               axis_name=None) -> Advantages:
     """AgentOPSD: a recursive Bayesian belief over turns from teacher-student evidence. [X]
-    formula of METHODS.md e9 (AgentOPSD paper).
+    our formula (AgentOPSD paper).
 
         e_k = sum_{t in k} (lp_T - lp_S)             (turn log-likelihood ratio)
         l_0 = logit(p0),  l_k = l_0 + rho (l_{k-1} - l_0) + e_k,
@@ -639,9 +642,10 @@ def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
 
     ``p0=None`` takes the group success rate, mean_g clip(outcome, 0, 1), clipped to
     [1e-3, 1 - 1e-3]. The damping ``rho`` < 1 decays the belief toward the prior, not toward
-    0 (our reading of METHODS.md's "l_k = rho l_{k-1} + e_k", which would revise the belief
-    with no evidence when p0 != 0.5). Sum_k Delta_k telescopes (P11); e = 0 (teacher =
-    student) gives A bit for bit (P10); P8/P9 in ``reweight`` mode.
+    0 (our reading of a recursion "l_k = rho l_{k-1} + e_k", which would revise the belief
+    with no evidence when p0 != 0.5). Sum_k Delta_k telescopes; e = 0 (teacher =
+    student) gives A bit for bit (reduction to the base estimator); mass conservation/sign
+    preservation in ``reweight`` mode.
     """
     check_choice("mode", mode, ("reweight", "additive"))
     if p0 is not None and not 0.0 < p0 < 1.0:
@@ -672,8 +676,8 @@ def pbsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
          student: str = "old_logprobs", alpha: float = 0.5, w_min: float = 0.2,
          w_max: float = 3.0, eps: float = 1e-6, mode: str = "reweight", shuffle: bool = False,
          seed: int = 0, axis_name=None) -> Advantages:
-    """PBSD: privileged Bayesian self-distillation turn credit (METHODS.md e10, S: the Bayes
-    decomposition of the PBSD abstract; the weight map w(s) is [X], as e9 without recursion).
+    """PBSD: privileged Bayesian self-distillation turn credit (the Bayes
+    decomposition of the PBSD abstract; the weight map w(s) is [X], as AgentOPSD without recursion).
 
         s_k = sum_{t in k} (lp(y_t | x, a*, y<t) - lp(y_t | x, y<t)),   sum_k s_k = S
         reweight: w_k = clip(1 + alpha sign(A_k) s_k / (std_k s + eps), w_min, w_max),
@@ -699,7 +703,7 @@ def pbsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
 def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
          student: str = "old_logprobs", probe: str = "probe", q_init: float = 0.5,
          lam: float = 0.1, temperature: float = 1.0, axis_name=None) -> Advantages:
-    """DCSD: decoupled credit direction and magnitude. [X] formula of METHODS.md e12 (DCSD
+    """DCSD: decoupled credit direction and magnitude. [X] our formula (DCSD
     paper).
 
         d_k   = sign(q_k - q_{k-1})   (q = ``extras[probe]`` [N, K], the probed probability of
@@ -710,7 +714,7 @@ def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
         A'_t  = A_t + lam d_{k(t)} mag_{k(t)} w_t
 
     The direction never depends on the teacher; an unchanged probe gives no credit; lam = 0
-    gives A bit for bit. Sign-changing by design (an add-on, not P9).
+    gives A bit for bit. Sign-changing by design (an add-on, not sign preservation).
     """
     _check_nonneg("lam", lam)
     check_positive("temperature", temperature)
@@ -739,15 +743,15 @@ def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
 def verpo(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
           student: str = "old_logprobs", eta: float = 0.1, lam: float = 1.0,
           axis_name=None) -> Advantages:
-    """VERPO: accepted, cost-shrunk evidence corrections. [X] formula of METHODS.md e13 (VERPO
+    """VERPO: accepted, cost-shrunk evidence corrections. [X] our formula (VERPO
     paper).
 
         c_t = lp(y_t | x, evidence) - lp(y_t | x)     (``teacher`` - ``student``)
         accept_t = c_t A_t > 0,  s_t = |c_t| / (1 + lam c_t^2)
         A'_t = A_t + eta sign(A_t) s_t 1[accept_t]
 
-    Only magnitudes grow, in A's direction (P9); eta = 0 gives A bit for bit. The Fisher
-    evidence contrast projection needs hidden states: pass an already corrected c as the
+    Only magnitudes grow, in A's direction (sign preservation); eta = 0 gives A bit for bit. The
+    Fisher evidence contrast projection needs hidden states: pass an already corrected c as the
     teacher field.
     """
     _check_nonneg("eta", eta)
@@ -795,14 +799,15 @@ def taco(adv: Advantages, batch: TrajectoryBatch, *, logprobs: str = "old_logpro
 
 def eapo(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy", a: float = 1.0,
          shuffle: bool = False, seed: int = 0, axis_name=None) -> Advantages:
-    """EAPO: entropic advantage re-allocation. [X] formula of METHODS.md e20 (EAPO paper).
+    """EAPO: entropic advantage re-allocation. [X] our formula (EAPO paper).
 
         h~_t = (H_t - min H) / (max H - min H)   (per response; 0 when H is constant)
         w_t  = 1 + a h~_t        where A_t > 0   (surprising successes reinforced more)
              = 1 + a (1 - h~_t)  elsewhere       (confident failures penalised more)
         w <- mean 1 per response;  A'_t = A_t w_t
 
-    P8 (per response), P9, P10 (a = 0 gives A bit for bit).
+    Mass conservation (per response), sign preservation, reduction to the base estimator (a = 0
+    gives A bit for bit).
     """
     _check_nonneg("a", a)
     b = segments.local_view(batch, axis_name)
@@ -825,7 +830,7 @@ def eapo(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy", a
 def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprobs",
          gamma: float = 0.99, alpha: float = 0.5, clip: float = 1.0, kl: str = "k1",
          eps: float = 1e-8, axis_name=None) -> Advantages:
-    """FIPO: future-KL influenced token weights. [X] formula of METHODS.md e21 (FIPO paper).
+    """FIPO: future-KL influenced token weights. [X] our formula (FIPO paper).
 
         kl_j = lp_theta(y_j) - lp_old(y_j)   (``current`` - ``batch.old_logprobs``; k3:
                exp(-kl) - 1 + kl)
@@ -835,7 +840,8 @@ def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprob
     ``current`` names the current policy's log-probs of the sampled tokens (detached); with
     the default ``"old_logprobs"`` (the first PPO epoch) F = 0 and this is the base estimator
     bit for bit. s is a batch-wide statistic (psum over ``axis_name``). The weight lies in
-    [1 - alpha clip, 1 + alpha clip]; alpha clip <= 1 keeps signs (P9). Not mass-conserving.
+    [1 - alpha clip, 1 + alpha clip]; alpha clip <= 1 keeps signs (sign preservation). Not
+    mass-conserving.
     """
     check_choice("kl", kl, ("k1", "k3"))
     check_unit("gamma", gamma)
@@ -862,8 +868,8 @@ def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprob
 def craft_cti(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
               student: str = "old_logprobs", temperature: float = 1.0, lam: float = 0.1,
               anchor: str = "state", scale: str = "sign", axis_name=None) -> Advantages:
-    """CRAFT pillar 1 (counterfactual token importance) as an allocation add-on. [X] formula of
-    METHODS.md e22b / f8 (CRAFT paper; the SNIS bootstrap after gitrxh/ADRS-arxiv
+    """CRAFT pillar 1 (counterfactual token importance) as an allocation add-on. [X] our formula
+    (CRAFT paper; the SNIS bootstrap after gitrxh/ADRS-arxiv
     ``cce_utils.py``).
 
         delta_m = sum_{t in step of m} (lp_T - lp_S)            (per turn of member m)
@@ -876,8 +882,9 @@ def craft_cti(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
     anchors; at the first step usually the whole prompt group), ``"step"`` = turns of one task
     group with equal turn index (note: ``distill.craft_credit(level="step")`` means the
     ``"state"`` anchor here, and its ``credit="relative"`` divides by the trajectory's max
-    |g| where ``scale="relative"`` here divides by the turn's). Sign-changing by design (not P9). Equal delta in a group gives
-    CTI = 0 exactly (A bit for bit); SNIS is invariant to a constant added to a group's delta.
+    |g| where ``scale="relative"`` here divides by the turn's). Sign-changing by design (not
+    sign preservation). Equal delta in a group gives CTI = 0 exactly (A bit for bit); SNIS is
+    invariant to a constant added to a group's delta.
     """
     check_positive("temperature", temperature)
     _check_nonneg("lam", lam)
@@ -1077,8 +1084,9 @@ def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", t
         A_i = s_i on every action token (``step_norm``: divided by the number of turns)
 
     ``r_max=None`` disables the success cap. ``r_max`` must be the largest possible reward
-    (an R_i >= r_max below its group mean would be set to +1). P9 holds; P1 fails by design: positive mass is
-    amplified by alpha (sum_{A>0} A / sum_{A<0} |A| grows by alpha when no R_i reaches r_max).
+    (an R_i >= r_max below its group mean would be set to +1). Sign preservation holds; zero sum
+    fails by design: positive mass is amplified by alpha (sum_{A>0} A / sum_{A<0} |A| grows by
+    alpha when no R_i reaches r_max).
     The reflect-then-retry pivot mask of the paper is a loss mask of the rollout, not here.
     """
     from jaxrl_agent.estimators.outcome import traj_advantages

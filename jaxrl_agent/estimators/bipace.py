@@ -1,6 +1,6 @@
 """BiPACE = BiGPO + PACE: hidden-state clusters with action-conditioned peer baselines.
 
-METHODS.md family (b), entry b2. Status S (abstract and summary) / X: the concrete formulas
+A step-level group estimator, read from the paper's abstract and summary: the concrete formulas
 below are **[X] our definition**, not a reproduction of released code.
 
 (i) BiGPO: peers of a turn are not the turns with the same hashed observation (which leaves
@@ -116,7 +116,7 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
            eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
     """BiPACE: BiGPO hidden-state clusters + PACE action-conditioned peer baselines.
 
-    [X] our definition (METHODS.md b2; the abstracts give the idea, not the formulas):
+    [X] our definition (the abstracts give the idea, not the formulas):
       A[i, k] = A_ep(i) + w A_PACE(i, k), broadcast onto turn k's action tokens, where
       A_ep   = GiGPO's / GRPO's episode term (``step_group.episode_advantage`` with ``mode``,
                ``episode_weighting``, ``eps``, ``singleton``);
@@ -138,7 +138,7 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
 
     Degenerate cases: singleton clusters, clusters with one action, and zero-variance
     clusters give A_PACE = 0 exactly; singleton task groups give A_ep = 0 (``singleton="raw"``:
-    R); missing turns and padding give 0. No gradient flows into extras['hidden'] (P15).
+    R); missing turns and padding give 0. No gradient flows into extras['hidden'].
 
     Reductions: tau > 1 (every cluster a singleton) gives A = A_ep, i.e. GiGPO with all anchors
     distinct (= GRPO for mode mean_std_norm, Dr.GRPO for mean_norm): GiGPO's step term is 0 for

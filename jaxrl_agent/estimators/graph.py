@@ -1,4 +1,4 @@
-"""State-graph estimators: G2PO, GraphGPO and GAGPO (METHODS.md b4, b5, b7).
+"""State-graph estimators: G2PO, GraphGPO and GAGPO.
 
 All three merge the turns of one task group that saw the same observation (equal
 ``state_keys``) into one node of a state-transition graph: turn k of trajectory i is the edge
@@ -124,7 +124,8 @@ def _distances_to_target(src, dst, edge_ok, is_target, max_iters):
 def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group",
          episode_weight: float = 0.0, episode_weighting: str = "trajectory",
          eps: float = 1e-6, axis_name=None) -> Advantages:
-    """G2PO: Group-Graph Policy Optimization (METHODS.md b4; Status S / X).
+    """G2PO: Group-Graph Policy Optimization (read from the abstract; the concrete formulas are
+    [X] ours).
 
     Identical observations of a task group are merged into one node of a state-transition
     graph; every turn is an edge s_{i,k} -> s'_{i,k} = s_{i,k+1} (TERMINAL after the last turn).
@@ -142,7 +143,7 @@ def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group"
     Properties: A_td has zero mean over each group's edges (batch with ``"batch"``). With no
     merging (every state distinct) V(s_{i,k}) = G[i, k], so delta = r + gamma G[i,k+1] - G[i,k]
     = 0 on every edge and A = 0 whatever the rewards (with terminal-only rewards and gamma = 1
-    this is the METHODS reduction test). Degenerate: a group with one edge or equal deltas
+    this is the reduction test). Degenerate: a group with one edge or equal deltas
     gives 0; padding gives 0.
     """
     check_unit("gamma", gamma)
@@ -206,7 +207,7 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
              episode_weight: float = 1.0, graph_weight: float = 1.0,
              episode_weighting: str = "trajectory", max_iters: int | None = None,
              eps: float = 1e-6, axis_name=None) -> Advantages:
-    """GraphGPO (METHODS.md b5; the GraphGPO reference kernel ``graph_credit.py``, paper code
+    """GraphGPO (the GraphGPO reference kernel ``graph_credit.py``, paper code
     verl-agent ``recipe/GraphGPO``).
 
     Per task group, a graph of all sampled transitions s_{i,k} -> s_{i,k+1} (unit costs); the
@@ -266,7 +267,8 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
 
 def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
           normalize: str = "group", eps: float = 1e-6, axis_name=None) -> Advantages:
-    """GAGPO: Generalized Advantage Grouped Policy Optimization (METHODS.md b7; Status S / X).
+    """GAGPO: Generalized Advantage Grouped Policy Optimization (read from the abstract; the
+    concrete formulas are [X] ours).
 
     Rollouts are grouped by identical states; the grouped value proxy replaces a critic:
       V_hat(s)  = mean of G[j, l] over all visits (j, l) of s in the task group,
@@ -283,7 +285,7 @@ def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
 
     Limits: lam = 1 gives A_raw = G[i, k] - V_hat(s_{i,k}) (GiGPO's step residual, mean_norm);
     lam = 0 gives delta. With every state distinct V_hat = G and A_raw = 0. Zero mean per
-    group after ``"group"`` normalisation (P1).
+    group after ``"group"`` normalisation (zero sum).
     """
     check_unit("gamma", gamma)
     check_unit("lam", lam)

@@ -1,6 +1,6 @@
 """HiPER's hierarchical advantage estimation (HAE): planner and executor credit over subgoals.
 
-HiPER (METHODS.md c3; reference code JonP07/HiPER-agent ``hier_gae/core_hgae.py``) lets the
+HiPER (reference code JonP07/HiPER-agent ``hier_gae/core_hgae.py``) lets the
 policy write, at some turns, a new subgoal (``<switch>SWITCH</switch><subgoal>...</subgoal>``)
 and at the others keep the current one. A *boundary* turn starts a new subgoal; the maximal
 runs of turns between boundaries are *segments*. Two (optionally three) advantage streams
@@ -164,7 +164,7 @@ def _standardise(x, b, tokens, norm_adv, eps, axis_name):
 def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
         lam_seg: float = 0.95, switch_stream: str = "auto", norm_adv: str = "none",
         eps: float = 1e-8, axis_name=None) -> Advantages:
-    """HAE: hierarchical advantage estimation (HiPER, METHODS.md c3; JonP07/HiPER-agent).
+    """HAE: hierarchical advantage estimation (HiPER; JonP07/HiPER-agent).
 
     Segments: boundary turns are the first turn and every turn with switch > 0.5; segment j
     runs from boundary s_j to the turn before s_{j+1} (or the last turn), d_j turns long.

@@ -1,4 +1,4 @@
-"""Family (e), label-, citation- and graph-driven credit routing (METHODS.md e3-e23).
+"""Label-, citation- and graph-driven credit routing.
 
 Each rule reads per-turn (or per-token) labels that a host-side parser, verifier or judge
 produced (citations, influence edges, segment roles, environment relevance, proof atoms,
@@ -10,9 +10,10 @@ Kinds:
 
 * re-allocation transforms ``f(adv, batch, *, ..., axis_name=None) -> Advantages``:
   A'_t = A_t w'_t with raw weights w >= 0 normalised by ``allocation.token_weights`` to
-  token-weighted mean 1 per trajectory (P8 for a trajectory-constant base, P9), constant
-  weights giving the base bit for bit (P10). ``shuffle=True`` permutes the raw weights
-  within each trajectory first (``allocation.shuffle_weights``, the matched-concentration
+  token-weighted mean 1 per trajectory (mass conservation for a trajectory-constant base, sign
+  preservation), constant weights giving the base bit for bit (reduction to the base estimator).
+  ``shuffle=True`` permutes the raw weights within each trajectory first
+  (``allocation.shuffle_weights``, the matched-concentration
   control): ``stamp``, ``iapo``, ``self_credit``, ``serl``, ``vict``, ``echo``, ``proas``.
 * masking / additive transforms: ``triage`` (A_i + c_role), ``skillgate`` (two disjoint
   token channels), ``neos`` and ``ggpo`` (sign-consistent masks).
@@ -24,7 +25,7 @@ Kinds:
 of ``adv.token`` over the trajectory's action tokens (exactly the base value's sign for a
 trajectory-level base such as GRPO); weights then multiply the base per token, so a
 turn-level base keeps its shape inside each weight. Success/failure of a rollout means
-A_i > 0 / A_i < 0. Every label is wrapped in ``stop_gradient`` (P15).
+A_i > 0 / A_i < 0. Every label is wrapped in ``stop_gradient``.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def _with_token(adv, tok, b):
 def stamp(adv: Advantages, batch: TrajectoryBatch, *, citations: str = "supported_citations",
           alpha: float = 1.0, shuffle: bool = False, seed: int = 0,
           axis_name=None) -> Advantages:
-    """STAMP provenance-based step credit (METHODS e3) [X]: STAMP, sign-preserving
+    """STAMP provenance-based step credit [X]: STAMP, sign-preserving
     modulation by supported citations.
 
     c_k = ``extras[citations]`` [N, K]: the number of supported cited documents whose first
@@ -156,9 +157,9 @@ def stamp(adv: Advantages, batch: TrajectoryBatch, *, citations: str = "supporte
         c~_k = c_k / max(1, sum_k c_k),   m_k = 1 + alpha c~_k,
         A'_t = A_t m'_k(t),  m' = m at token-weighted mean 1 per trajectory.
 
-    The trajectory mean is kept (P8), so the ranking of trajectory means within a group is
-    that of A_i; m > 0 (P9); no supported citation (or alpha = 0) gives the base exactly
-    (P10).
+    The trajectory mean is kept (mass conservation), so the ranking of trajectory means within a
+    group is that of A_i; m > 0 (sign preservation); no supported citation (or alpha = 0) gives
+    the base exactly (reduction to the base estimator).
     """
     _check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -206,7 +207,7 @@ def influence_degrees(edges, b: TrajectoryBatch, *, num_types: int = 2, dedup: b
 def iapo(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges", alpha: float = 1.0,
          beta: float = 1.0, dedup: bool = True, shuffle: bool = False, seed: int = 0,
          axis_name=None) -> Advantages:
-    """IAPO, Influence-Aware Policy Optimization (METHODS e5) [X]: routing over a typed
+    """IAPO, Influence-Aware Policy Optimization [X]: routing over a typed
     influence graph of the trajectory's actions.
 
     ``extras[edges]`` [N, E, 3] = (src_turn, dst_turn, type) from a parser or judge, type 0 =
@@ -219,8 +220,9 @@ def iapo(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges", alpha
 
     Duplicate edges: with ``dedup=True`` (default) a repeated (src, dst, type) counts once,
     so the weights are invariant to duplicated edges; ``dedup=False`` counts multiplicity
-    (a judge that repeats an edge means it more). P8, P9; a failed trajectory without edges,
-    and a successful one without edges when beta = 0, gets the base exactly (P10).
+    (a judge that repeats an edge means it more). Mass conservation, sign preservation; a failed
+    trajectory without edges, and a successful one without edges when beta = 0, gets the base
+    exactly (reduction to the base estimator).
     """
     _check_nonneg("alpha", alpha)
     _check_nonneg("beta", beta)
@@ -274,7 +276,7 @@ def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
                 alpha: float = 1.0, alpha_fail: float = 0.5, w_min: float = 0.1,
                 variant: str = "reweight", shuffle: bool = False, seed: int = 0,
                 axis_name=None) -> Advantages:
-    """Self-Credit, self-generated citations with intra-group rescaling (METHODS e7) [X].
+    """Self-Credit, self-generated citations with intra-group rescaling [X].
 
     ``extras[cite]`` [N, K] (> 0.5: the policy's summary cites turn k); cited turns are
     matched across the rollouts of a group by ``action_keys`` (e.g. the canonical search
@@ -286,8 +288,9 @@ def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
         A'_t = A_t w_k(t)        (variant "reweight", the default: cited turns change)
         A'_t = A_t w'_k(t)       (variant "conserve": w' at token mean 1 per trajectory)
 
-    P9 (w >= w_min > 0 or w_min = 0); no citation gives the base exactly (P10). Symmetry: a
-    key cited at equal rates by both sides (s_a = f_a) keeps w = 1 in successful rollouts.
+    sign preservation (w >= w_min > 0 or w_min = 0); no citation gives the base exactly
+    (reduction to the base estimator). Symmetry: a key cited at equal rates by both sides (s_a =
+    f_a) keeps w = 1 in successful rollouts.
     """
     _check_nonneg("alpha", alpha)
     _check_nonneg("alpha_fail", alpha_fail)
@@ -322,7 +325,7 @@ def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound
            c_progress: float = 1.0, c_exploration: float = 0.5,
            c_infrastructure: float = 0.0, c_regression: float = -1.0,
            sign_consistent: bool = False, axis_name=None) -> Advantages:
-    """TRIAGE role-typed credit (METHODS e8) [X]: bounded segment rewards from role labels.
+    """TRIAGE role-typed credit [X]: bounded segment rewards from role labels.
 
     ``extras[role]`` [N, K] in {0: decisive progress P, 1: useful exploration E, 2:
     no-progress infrastructure I, 3: regression R} (a structured judge's labels; any other
@@ -332,11 +335,11 @@ def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound
                                                   c_infrastructure, c_regression)
 
     defaults c = (+1, +1/2, 0, -1) (the paper's (+b, +b/2, 0, -b)), each in [-1, 1], so
-    |A' - A| <= bound (P17). ``sign_consistent=True`` keeps the verifier's direction: A' is
+    |A' - A| <= bound (bounds). ``sign_consistent=True`` keeps the verifier's direction: A' is
     clipped to [0, inf) when A_i > 0 and to (-inf, 0] when A_i < 0 (and set to 0 when
     A_i = 0), so no step of a successful trajectory turns negative nor of a failed one
-    positive (P9). All-infrastructure labels give the base exactly (P10). The data-driven
-    constants are ``triage_constants``.
+    positive (sign preservation). All-infrastructure labels give the base exactly (reduction to
+    the base estimator). The data-driven constants are ``triage_constants``.
     """
     _check_nonneg("bound", bound)
     for name, v in (("c_progress", c_progress), ("c_exploration", c_exploration),
@@ -357,7 +360,7 @@ def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound
 
 def triage_constants(target, base, batch: TrajectoryBatch, *, role: str = "role",
                      axis_name=None):
-    """TRIAGE's data-driven constants (METHODS e8, the projection form) [X].
+    """TRIAGE's data-driven constants (the projection form) [X].
 
         c_rho = mean over valid turns with role rho of (A*_k - A_k)
 
@@ -388,7 +391,7 @@ def triage_constants(target, base, batch: TrajectoryBatch, *, role: str = "role"
 def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance",
          alpha: float = 1.0, shuffle: bool = False, seed: int = 0,
          axis_name=None) -> Advantages:
-    """SERL selective environment-reweighted learning (METHODS e14) [S]: the task reward sets
+    """SERL selective environment-reweighted learning [S]: the task reward sets
     the direction, environment feedback the placement.
 
     ``extras[relevance]`` [N, K] or [R, T] >= 0 (e.g. an error right after the action, or
@@ -396,7 +399,8 @@ def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance
 
         w = max(0, 1 + alpha relevance),  A'_t = A_t w'_t,  w' at token mean 1 per trajectory.
 
-    P8, P9; constant relevance or alpha = 0 gives the base exactly (P10).
+    Mass conservation, sign preservation; constant relevance or alpha = 0 gives the base exactly
+    (reduction to the base estimator).
     """
     _check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -409,7 +413,7 @@ def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance
 def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
          complete: str | None = "trace_complete", alpha: float = 1.0, shuffle: bool = False,
          seed: int = 0, axis_name=None) -> Advantages:
-    """VICT, Verifier-Instrumented Credit Tracing (METHODS e15) [X].
+    """VICT, Verifier-Instrumented Credit Tracing [X].
 
     ``extras[atoms]`` [N, K]: the number of verifier atoms traced to turn k along
     dependency-valid proof edges (the tracing runs on the host); ``extras[complete]`` [N]:
@@ -419,7 +423,8 @@ def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
         complete:  w_k = 1 + alpha #atoms_k,  A'_t = A_t w'_k(t)  (w' at token mean 1)
         abstain:   A' = A (uniform credit, the base bit for bit)
 
-    P8, P9, P10 (abstain, no atoms or alpha = 0 give the base exactly).
+    Mass conservation, sign preservation, reduction to the base estimator (abstain, no atoms or
+    alpha = 0 give the base exactly).
     """
     _check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -437,7 +442,7 @@ def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
 def echo(adv: Advantages, batch: TrajectoryBatch, *, selected: str = "selected",
          eta: float = 1.0, renormalize: bool = False, shuffle: bool = False, seed: int = 0,
          axis_name=None) -> Advantages:
-    """ECHO source-indexed credit routing (METHODS e16) [X].
+    """ECHO source-indexed credit routing [X].
 
     ``extras[selected]`` [N, K] (> 0.5: turn k is a memory source selected into the rebuilt
     context, or a selection action, of a successful answer).
@@ -445,7 +450,7 @@ def echo(adv: Advantages, batch: TrajectoryBatch, *, selected: str = "selected",
         A_i > 0:  w_k = 1 + eta [k selected];  A_i <= 0: w_k = 1
         A'_t = A_t w_k(t)   (``renormalize=True``: w at token mean 1 per trajectory)
 
-    P9; failed trajectories are unchanged bit for bit.
+    sign preservation; failed trajectories are unchanged bit for bit.
     """
     _check_nonneg("eta", eta)
     b = segments.local_view(batch, axis_name)
@@ -463,7 +468,7 @@ def echo(adv: Advantages, batch: TrajectoryBatch, *, selected: str = "selected",
 def skillgate(adv: Advantages, batch: TrajectoryBatch, *, skill_mask: str = "skill_mask",
               read_correct: str = "read_correct", normalize: str = "group",
               eps: float = 1e-6, axis_name=None) -> Advantages:
-    """SkillGate, two disjoint credit channels (METHODS e17) [S].
+    """SkillGate, two disjoint credit channels [S].
 
     ``extras[skill_mask]`` [R, T] (true on the skill-naming tokens), ``extras[read_correct]``
     [N] (+1 a single read of the correct skill, -1 a wrong read, 0 multiple or no reads).
@@ -507,7 +512,7 @@ def skillgate_channels(batch: TrajectoryBatch, *, skill_mask: str = "skill_mask"
 def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasonable",
           deviation: str = "deviation", alpha: float = 1.0, beta: float = 0.5,
           shuffle: bool = False, seed: int = 0, axis_name=None) -> Advantages:
-    """ProAS progress-aware advantage shaping with an Agentic Reference Graph (METHODS e18)
+    """ProAS progress-aware advantage shaping with an Agentic Reference Graph
     [X]. The reference-graph verdicts are host-side labels: ``extras[reasonable]`` [N, K]
     (> 0.5: the transition lies on a reasonable reference path) and ``extras[deviation]``
     [N, K] >= 0 (downstream deviations caused by the action; > 0 marks a deviating action).
@@ -517,7 +522,7 @@ def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasona
                         deviating), 1 (otherwise);  A'_t = A_t w'_k(t), w' at token mean 1
         A_i = 0: unchanged.
 
-    MUI only removes positive mass; APR keeps the trajectory's mass (P8) and signs (P9,
+    MUI only removes positive mass; APR keeps the trajectory's mass and signs (sign preservation,
     beta <= 1). ``shuffle`` permutes the APR weights.
     """
     _check_nonneg("alpha", alpha)
@@ -542,7 +547,7 @@ def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasona
 
 def neos(adv: Advantages, batch: TrajectoryBatch, *, divergence: str = "divergence_step",
          after: str = "keep", axis_name=None) -> Advantages:
-    """Neos reference-guided credit (METHODS e22) [X]. ``extras[divergence]`` [N]: the first
+    """Neos reference-guided credit [X]. ``extras[divergence]`` [N]: the first
     critical divergence step of a failed search from an aligned verified successful
     trajectory of the same task (the alignment runs on the host); < 0 (or past the last
     turn) when there is none.
@@ -552,7 +557,7 @@ def neos(adv: Advantages, batch: TrajectoryBatch, *, divergence: str = "divergen
         k = d:  A'_k = A_k                (the divergence step takes the full penalty)
         k > d:  A'_k = A_k (``after="keep"``) or 0 (``after="zero"``)
     Successful trajectories and failed ones without a divergence are unchanged. Only zeroes
-    entries, so signs are kept (P9).
+    entries, so signs are kept (sign preservation).
     """
     check_choice("after", after, ("keep", "zero"))
     b = segments.local_view(batch, axis_name)
@@ -569,13 +574,13 @@ def neos(adv: Advantages, batch: TrajectoryBatch, *, divergence: str = "divergen
 
 def ggpo(adv: Advantages, batch: TrajectoryBatch, *, redundant: str = "redundant",
          axis_name=None) -> Advantages:
-    """VimRAG graph-guided policy optimization's pruning rule (METHODS e22) [X].
+    """VimRAG graph-guided policy optimization's pruning rule [X].
     ``extras[redundant]`` [N, K] or [R, T] (> 0.5: the memory-graph node of the turn or
     token was pruned as redundant):
 
         A'_t = min(A_t, 0) on redundant tokens, A_t elsewhere
 
-    (no positive credit for redundant steps; penalties are kept). P9.
+    (no positive credit for redundant steps; penalties are kept). Sign preservation.
     """
     b = segments.local_view(batch, axis_name)
     red = _turn_signal(b, redundant, "ggpo", "1 on pruned redundant turns [N, K] or tokens "
@@ -623,7 +628,7 @@ def _agent_advantages(turn, b):
 def ccpo(batch: TrajectoryBatch, *, agent: str = "agent",
          counterfactual: str = "counterfactual_outcome", lam: float = 1.0, eps: float = 1e-6,
          ddof: int = 1, axis_name=None) -> Advantages:
-    """CCPO counterfactual credit for multi-agent teams (METHODS e23) [X]; an estimator.
+    """CCPO counterfactual credit for multi-agent teams [X]; an estimator.
 
     ``extras[agent]`` [N, K]: the agent acting at turn k (0..A-1); ``extras[counterfactual]``
     [N, A]: R(team without agent a), from re-executing the pipeline without it (or with a
@@ -685,7 +690,7 @@ def sharp(batch: TrajectoryBatch, *, agent: str = "agent",
           coalition_values: str = "coalition_values", beta: float = 1.0,
           tool_rewards: str | None = None, delta: float = 0.0, eps: float = 1e-6,
           ddof: int = 1, axis_name=None) -> Advantages:
-    """SHARP Shapley credit for multi-agent teams (METHODS e23) [X]; an estimator.
+    """SHARP Shapley credit for multi-agent teams [X]; an estimator.
 
     ``extras[agent]`` [N, K] (acting agent per turn, 0..n-1); ``extras[coalition_values]``
     [N, 2^n] (v(S) per coalition bitmask S, from re-executions on the host);
@@ -718,7 +723,7 @@ def sharp(batch: TrajectoryBatch, *, agent: str = "agent",
 
 
 def grse_credit(batch: TrajectoryBatch, *, active: str = "pair_active", axis_name=None):
-    """GRSE (agent, skill) pair credit (METHODS e23) [X]; a function, no weight update.
+    """GRSE (agent, skill) pair credit [X]; a function, no weight update.
 
     ``extras[active]`` [N, P] (> 0.5: pair p was active in the execution); over the repeated
     executions of one question (a group):

@@ -20,17 +20,18 @@ require it). The shaping term of turn k is
 
     F_k = gamma Phi_{k+1} - Phi_k,   Phi_{K_i} = final_potential,
 
-so sum_k gamma^k F_k = gamma^{K_i} Phi_{K_i} - Phi_0 (P11, telescoping). Progress-based
+so sum_k gamma^k F_k = gamma^{K_i} Phi_{K_i} - Phi_0 (telescoping). Progress-based
 methods (VTCA, ProCredit) use the same layout: ``progress`` [N, K] = p_k before action k and
 ``final_progress`` [N] = p_{K_i}.
 
-Every signal read from the batch is wrapped in ``jax.lax.stop_gradient`` (P15). Outputs are 0
+Every signal read from the batch is wrapped in ``jax.lax.stop_gradient``. Outputs are 0
 outside ``action_mask`` / valid turns. Group and cohort statistics are local (groups are whole
 per shard); batch-wide statistics (CAST's RMS, ``normalize="batch"``) psum over ``axis_name``.
 Where a method needs an LLM judge, a solver or a reward model at run time, the function
 consumes its outputs (labels, scores, log-probs) as arrays.
 
-[X] marks formulas that METHODS.md proposes (the abstract is vague); the paper is named.
+[X] marks formulas that are our own concrete reading (the paper's abstract gives the idea in
+words, not the formula); the paper is named.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def potential_differences(phi, final, valid, gamma=1.0):
     """F_k = gamma Phi_{k+1} - Phi_k over valid turns, with Phi_{K_i} = ``final`` [N].
 
     ``phi`` [N, K]: Phi before action k. Valid turns must be a prefix of each row (the batch
-    layout). 0 on invalid turns. sum_k gamma^k F_k = gamma^{K_i} final - Phi_0 (P11).
+    layout). 0 on invalid turns. sum_k gamma^k F_k = gamma^{K_i} final - Phi_0 (telescoping).
     """
     nxt_valid = segments.next_turn(valid, False)
     nxt = jnp.where(nxt_valid, segments.next_turn(phi), final[:, None])
@@ -276,9 +277,9 @@ def uniform(batch: TrajectoryBatch, *, score: str = "outcome", replace: bool = T
     """Uniform redistribution (verifier-information-density paper, d1) [X].
 
     r[i, k] = S_i / K_i on every valid turn, from the continuous trajectory score
-    S = ``extras[score]`` [N] (default the outcome). The turn rewards sum to S_i (P8). With
-    ``replace=False`` the term is added to the existing turn rewards. Follow it with a
-    turn-return reader (``returns``, ``step_group``, ``turn_gae``) for the dense arm;
+    S = ``extras[score]`` [N] (default the outcome). The turn rewards sum to S_i (mass
+    conservation). With ``replace=False`` the term is added to the existing turn rewards. Follow
+    it with a turn-return reader (``returns``, ``step_group``, ``turn_gae``) for the dense arm;
     trajectory-level GRPO on the outcome is unchanged by it.
     """
     b = segments.local_view(batch, axis_name)
@@ -342,7 +343,7 @@ def trace_rewards(batch: TrajectoryBatch, *, potential: str = "potential",
     lp_gold[k] = log p_ref(gold answer | x, h_{<k}) is ``extras[potential]`` [N, K] (the
     state before action k; k = 0 is the prompt alone) and lp_gold[K_i] is
     ``extras[final_potential]`` [N] (required). V_k = lp_gold[k] - lp_gold[0], so
-    sum_k r_k = lp_gold[K_i] - lp_gold[0] (P11) and a constant shift of a trajectory's
+    sum_k r_k = lp_gold[K_i] - lp_gold[0] (telescoping) and a constant shift of a trajectory's
     lp_gold leaves r unchanged. ``length`` names an [N] field (the gold answer's token
     count) for the per-token-normalised variant (lp_gold / length).
     """
@@ -476,7 +477,7 @@ def spae(adv: Advantages, batch: TrajectoryBatch, *, potential: str | None = "st
     Phi_k > ``saturation`` reaches the solution and every later step gets s = ``c_sat``
     (s = 1 up to and including it). A'_t = A_t s(k(t)) + alpha DeltaPhi_{k(t)}: potential
     gains amplified, drops penalised, post-saturation checking damped. alpha = 0 and
-    c_sat = 1 give the base exactly (P10).
+    c_sat = 1 give the base exactly (reduction to the base estimator).
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -505,7 +506,7 @@ def efca_weights(batch: TrajectoryBatch, *, feedback: str = "feedback", fb_coef:
     """EFCA's per-turn return weights [N, K] (d5) [X].
 
     h_k = 1[(state_key_k, action_key_k) occurred at one of the last ``window`` turns
-    k - window .. k - 1, i.e. W turns; METHODS.md's open window (k-W, k) is one shorter]
+    k - window .. k - 1, i.e. W turns; an open window (k-W, k) would be one shorter]
     + 1[state_key_{k+1} == state_key_k] (no state change; 0 on the last
     turn); w_k = clip(1 + fb_coef fb_k - loop_coef h_k, w_min, w_max) with fb =
     ``extras[feedback]`` in {-1, 0, 1} (parsed environment feedback). 0 off valid turns.
@@ -544,8 +545,10 @@ def efca(adv: Advantages, batch: TrajectoryBatch, *, feedback: str = "feedback",
     ``efca_weights`` (short-term feedback and medium-term loop/stall signals). For a
     trajectory-level base A_i = A(R_i) this is the advantage of the reweighted return
     w_k G_k up to the baseline (our reading). ``renormalize=True`` rescales w to token mean 1
-    per trajectory first (``allocation.token_weights``): an allocation, so P8 and P9 hold.
-    fb_coef = loop_coef = 0 gives the base exactly (P10) when w_min <= 1 <= w_max.
+    per trajectory first (``allocation.token_weights``): an allocation, so mass conservation and
+    sign preservation hold.
+    fb_coef = loop_coef = 0 gives the base exactly (reduction to the base estimator) when w_min
+    <= 1 <= w_max.
     """
     b = segments.local_view(batch, axis_name)
     w = _efca_weights(b, feedback, fb_coef, loop_coef, window, w_min, w_max)
@@ -612,7 +615,8 @@ def vtca(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progress",
     A'[i, k] = A[i, k] + eta c~_k with c = ``vtca_credit`` (deterministic workspace-progress
     checks after every turn, a bounded share rho of positive progress passed to prerequisite
     turns) and c~ = ``normalize_turns(c, by=normalize)`` (default ``"none"``: c itself;
-    ``"cohort"`` for the cohort-normalised option). eta = 0 gives the base (P10).
+    ``"cohort"`` for the cohort-normalised option). eta = 0 gives the base (reduction to the
+    base estimator).
     """
     _check_norm(normalize)
     check_positive("eps", eps)
@@ -729,8 +733,8 @@ def cast(adv: Advantages, batch: TrajectoryBatch, *, oracle: str = "oracle_advan
     ``"identity"``, ``"signed_log"``); RMS = sqrt(mean of g^2 over every valid turn of the
     batch, zeros included; psum over ``axis_name``); A'[i, k] = A_i + alpha g / (RMS + eps)
     (``norm="none"``: alpha g). The reference base is GRPO with groups of std < 1e-6 set to
-    0 (compose with ``grpo``). a = 0 gives the base (P10); the batch RMS of the term is
-    alpha; sign flips where |A_i| is small are allowed.
+    0 (compose with ``grpo``). a = 0 gives the base (reduction to the base estimator); the batch
+    RMS of the term is alpha; sign flips where |A_i| is small are allowed.
     """
     check_choice("transform", transform, ("asinh", "identity", "signed_log"))
     check_choice("norm", norm, ("rms", "none"))
@@ -889,7 +893,8 @@ def oprl(adv: Advantages, batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
     Step rewards r = ``implicit_step_rewards`` (the implicit PRM pi_phi, trained by
     trajectory-level DPO elsewhere, consumed as log-probs), normalised within step groups
     (``cohort``: ``"cohort"`` = same task and turn index, ``"state"`` = same state key;
-    unbiased std, singleton 0): A = A_ep + weight A_step. weight = 0 gives the base (P10).
+    unbiased std, singleton 0): A = A_ep + weight A_step. weight = 0 gives the base (reduction
+    to the base estimator).
     """
     check_choice("cohort", cohort, ("cohort", "state"))
     check_positive("eps", eps)
@@ -909,7 +914,7 @@ def prefix_score_rewards(batch: TrajectoryBatch, *, scores: str = "prefix_scores
     ``extras[scores]`` [R, T]: the reward model's score of the prefix ending at each action
     token; the previous prefix of a turn's first token is the last token of the previous
     turn (any layout), and before the first action token ``extras[initial_score]`` [N]
-    (RM(x, empty); absent -> 0). sum_t r_t = RM(x, y) - RM(x, empty) (P11).
+    (RM(x, empty); absent -> 0). sum_t r_t = RM(x, y) - RM(x, empty) (telescoping).
     """
     b = segments.local_view(batch, axis_name)
     return _prefix_score_rewards(b, scores, initial_score)

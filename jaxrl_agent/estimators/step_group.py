@@ -4,7 +4,7 @@ A turn (i, k) is compared with the other turns of its task group that share its 
 anchor state (GiGPO), the same whole history (exact-prefix groups), the same action signature,
 the same turn index (a cohort), or any caller-supplied key. One function, ``step_group``,
 covers that family; ``gigpo`` and ``matchtir`` are its two published configurations, and the
-key variants of METHODS.md (A2Agent, A^3, DiDPO, ReBel, ASPO) are settings of it (see
+key variants of the literature (A2Agent, A^3, DiDPO, ReBel, ASPO) are settings of it (see
 ``step_group``).
 
 Keys are always scoped by ``group_ids``: turns of different tasks are never peers. Under
@@ -143,7 +143,7 @@ def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "ret
                episode_reward: str = "outcome", combine_as: str = "sum", eps: float = 1e-6,
                singleton: str = "zero", step_singleton: str = "zero",
                axis_name=None) -> Advantages:
-    """The configurable step-level group estimator (METHODS.md family (b), section 3 core).
+    """The configurable step-level group estimator (the common core of the step-level family).
 
     A[i, k] = we A_ep(i) + ws A_step(i, k)   (``combine_as="mean"``: divided by we + ws), with
       A_ep  = ``episode_advantage`` (GRPO over the task group, ``mode``, ``episode_weighting``,

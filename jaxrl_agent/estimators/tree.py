@@ -22,7 +22,7 @@ outcomes of the environment are averaged inside one child (in a deterministic en
 two coincide except for ended vs continued trajectories).
 
 Either way every trajectory through a node takes exactly one child, so with N(.) the number of
-trajectories through a node and V(.) = the mean of their outcomes (P13):
+trajectories through a node and V(.) = the mean of their outcomes (tree consistency):
   N(p) = sum_c N(c),  V(p) = sum_c N(c) V(c) / N(p),  sum_c N(c) (V(c) - V(p)) = 0.
 
 All statistics are scoped by task group; groups are whole on one shard, so everything here is
@@ -176,7 +176,7 @@ def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "histor
          mode: str = "mean_std_norm", episode_weighting: str = "trajectory", eps: float = 1e-6,
          singleton: str = "zero", axis_name=None) -> Advantages:
     """RTMC: Rollout-Tree Monte Carlo advantages with prior-smoothed node values
-    (METHODS.md b6; Status S, the smoothing is [X] our definition).
+    (read from the abstract; the smoothing is [X] our definition).
 
     Nodes s = the turn's state signature: ``signature="history"`` (default) the exact history
     node H(i, k) of the rollout tree (module doc); ``"state"`` the plain ``state_keys`` (a
@@ -200,8 +200,9 @@ def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "histor
     off by default, as in the paper).
 
     Limits: kappa = 0 gives the raw first-visit MC estimate Q_hat - V_hat (whose count-weighted
-    sum over the actions of a history node is 0, P13); kappa -> inf gives A -> 0; repeating a
-    loop of (s, a) pairs inside one trajectory leaves the statistics unchanged (first visit).
+    sum over the actions of a history node is 0, tree consistency); kappa -> inf gives A -> 0;
+    repeating a loop of (s, a) pairs inside one trajectory leaves the statistics unchanged
+    (first visit).
     A singleton node with kappa > 0 gives kappa (G - V_prior) / (1 + kappa)^2 (shrunk toward
     its parent, not 0). All-equal returns give exactly 0. ``kappa`` >= 0 and finite.
     """
@@ -256,13 +257,13 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
       A[i, k] = episode_weight A_ep(i) + step_weight A_proc(i, k), broadcast onto turn k's
         action tokens, A_ep = GRPO (``episode_advantage``: ``mode`` ``"mean_std_norm"`` GRPO,
         ``"mean_norm"`` Dr.GRPO; ``episode_weighting``, ``singleton``).
-    Properties: P13 (V(p) is the leaf-count weighted mean of its children, so the step terms of
-    a node sum to 0 over its trajectories for ``"parent"``); a depth-1 tree (one shared root,
-    distinct actions, single-turn trajectories) gives A_proc = R_i - mean_g R (Dr.GRPO);
-    step_weight = 0 gives GRPO exactly; for ``"parent"`` A_proc telescopes along a trajectory
-    to V(its leaf) - V(its root) (= R_i - V(root) unless another trajectory ends in the same
-    leaf; gated terms are 0 by the formula anyway). Singleton groups and equal outcomes give
-    A_proc = 0.
+    Properties: tree consistency (V(p) is the leaf-count weighted mean of its children, so the
+    step terms of a node sum to 0 over its trajectories for ``"parent"``); a depth-1 tree (one
+    shared root, distinct actions, single-turn trajectories) gives A_proc = R_i - mean_g R
+    (Dr.GRPO); step_weight = 0 gives GRPO exactly; for ``"parent"`` A_proc telescopes along a
+    trajectory to V(its leaf) - V(its root) (= R_i - V(root) unless another trajectory ends in
+    the same leaf; gated terms are 0 by the formula anyway). Singleton groups and equal outcomes
+    give A_proc = 0.
     """
     check_choice("baseline", baseline, BASELINES)
     check_choice("child", child, CHILDREN)
@@ -318,8 +319,8 @@ def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float =
            terminal: str = "outcome", mode: str = "mean_std_norm",
            prefix_mode: str = "mean_norm", episode_weighting: str = "trajectory",
            eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
-    """ProGPO: Progress- and Reliability-Oriented Group PO (METHODS.md b3; Status S, the
-    formulas are [X] our definition).
+    """ProGPO: Progress- and Reliability-Oriented Group PO (read from the
+    abstract; the formulas are [X] our definition).
 
     G[i, k] = sum_{j >= k} gamma^(j-k) r[i, j]; keys scoped by task group.
       Exact-prefix term: A_pre(i, k) = G[i, k] - mean{G[j, l]: H(j, l) = H(i, k)} over the
@@ -334,7 +335,7 @@ def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float =
         Phi(s) = sum_d w_d Phi_d / sum_d w_d  (a convex combination of the depth means).
       Transition credit: C(i, k) = gamma Phi(s_{i,k+1}) - Phi(s_{i,k}) with Phi(terminal) = R_i
         (``terminal="outcome"``), so sum_k gamma^k C(i, k) = gamma^{K_i} R_i - Phi(s_{i,0})
-        (gamma = 1: R_i - Phi(s_{i,0}), P11); or the TD form (``terminal="td"``)
+        (gamma = 1: R_i - Phi(s_{i,0}), telescoping); or the TD form (``terminal="td"``)
         C = r[i, k] + gamma Phi(s_{i,k+1}) - Phi(s_{i,k}) with Phi(terminal) = 0, which
         telescopes to G[i, 0] - Phi(s_{i,0}).
       A[i, k] = A_ep(i) + w1 A_pre(i, k) + w2 C(i, k)   (w1 = ``prefix_weight``,

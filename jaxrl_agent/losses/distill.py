@@ -11,8 +11,8 @@ means ``batch.old_logprobs``, ``"outcome"`` means ``batch.outcome``. Per-turn / 
 signals (weights, gaps, gates) may be given as [R, T], [N, K] or [N] arrays.
 
 Every teacher, behaviour, reward and weight input is wrapped in ``jax.lax.stop_gradient``
-(P15); padding is selected away (``jnp.where``) before any arithmetic, so NaN or inf in padded
-entries changes nothing, neither the value nor the gradient (P5).
+(stop-gradient); padding is selected away (``jnp.where``) before any arithmetic, so NaN or inf
+in padded entries changes nothing, neither the value nor the gradient (padding invariance).
 
 Three kinds of functions (the lead registers them):
 
@@ -25,7 +25,7 @@ Three kinds of functions (the lead registers them):
   ``ucob`` (f5), ``icsd`` (f6), ``craft`` (f8), ``treeopsd`` (f9), ``t_reg`` (f12),
   ``weighted_sft`` (f13: ASPO / InT / ABC-SFT).
 
-Status (METHODS.md): P = follows a public implementation (the file is named), X = our proposed
+Status: P = follows a public implementation (the file is named), X = our proposed
 definition of a formula the paper gives only in words (marked [X] with the paper).
 """
 
@@ -402,8 +402,8 @@ def edge_admitted(batch: TrajectoryBatch, *, view: str = "view", score: str = "o
 def edge(logprobs, batch: TrajectoryBatch, *, view: str = "view", score: str = "outcome",
          teacher: str = "old_logprobs", above_f_mean: bool = False, teacher_logprobs=None,
          agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """EDGE experience distillation for guided exploration (f4). [X] formula of METHODS.md f4
-    (EDGE paper: "experience-distillation for guided exploration"; Status S / X).
+    """EDGE experience distillation for guided exploration. [X] our formula
+    (EDGE paper: "experience-distillation for guided exploration", read from its abstract).
 
     Each group mixes experience-conditioned (E, extras[``view``] = 1) and experience-free (F)
     rollouts. Delta_g = mean_E R - mean_F R (R = ``score``, default the outcome); only when
@@ -439,7 +439,7 @@ def ucob(logprobs, batch: TrajectoryBatch, *, other: str = "other_logprobs",
     """UCOB credit-aware bidirectional self-distillation (f5). Status P-partial: the gated
     term follows TU2021/UCOB ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss`` (target
     view with gradient, detached reference view); the direction rule (b21) and the |gap|
-    weight are [X] (METHODS.md f5, UCOB paper).
+    weight are [X] (our reading of the UCOB paper).
 
     Two views (prompt contexts) of the same task and anchor state score the same tokens:
     lp_a = ``logprobs`` (this row's view, differentiable) and lp_b = ``other`` (the other
@@ -485,7 +485,7 @@ def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
                  teacher_logprobs=None, axis_name=None):
     """ICSD's influence-calibrated weights w [R, T] and trust allocation c [R, T] (detached).
 
-    [X] formula of METHODS.md f6 (ICSD: "Influence Calibration for Self-Distillation"):
+    [X] our formula (ICSD: "Influence Calibration for Self-Distillation"):
       g_t = lp_T - lp_S;  g_bar_k = token mean of g over turn k (the E_pi[g] term);
       u_t = rho_t A_t (g_t - g_bar_k(t)),  rho_t = exp(lp_S - lp_old) (1 at the first epoch);
       w_t = clip(1 + tanh(u_t / (std_batch(u) + eps)), w_min, 2);
@@ -493,8 +493,8 @@ def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
     with c = the SDAR gate sigmoid(gate_beta g_t) (``trust="sdar"``) or 1 (``"sdl"``).
     std_batch is the population std over all action tokens (psum over ``axis_name``).
 
-    Props: per turn, sum c w = sum c (P8); u < 0 gives w < 1 before the mass step; A = 0
-    everywhere gives w = 1 (P10).
+    Props: per turn, sum c w = sum c (mass conservation); u < 0 gives w < 1 before the mass
+    step; A = 0 everywhere gives w = 1 (reduction to the base estimator).
     """
     _check_choice("trust", trust, ICSD_TRUST)
     _check_unit("w_min", w_min)
@@ -531,7 +531,7 @@ def icsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
     """ICSD distillation loss (f6): sum_t c_t w_t l_t with (w, c) from ``icsd_weights``
     (detached, batch-adaptive, per-turn mass of c w preserved) and l_t the SDAR term
     lp_T - lp_S (``trust="sdar"``, c = the SDAR gate) or the SDL term rho k3 (``"sdl"``,
-    c = 1). [X] formula of METHODS.md f6 (ICSD paper). Needs the base advantages A
+    c = 1). [X] our formula (ICSD paper). Needs the base advantages A
     (``advantages=``: an [R, T] array or ``Advantages``; else extras[``advantage_field``]).
     The batch std of u is psummed over ``axis_name`` (shard-invariant).
     """
@@ -593,7 +593,7 @@ def craft_credit(logprobs, batch: TrajectoryBatch, *, advantages=None,
                  teacher_logprobs=None, axis_name=None):
     """CRAFT Pillar 1, counterfactual token importance: signed credit c [R, T] (detached).
 
-    [X] formula of METHODS.md f8 (CRAFT paper; the estimator is modelled on the SNIS bootstrap
+    [X] our formula (CRAFT paper; the estimator is modelled on the SNIS bootstrap
     of gitrxh/ADRS-arxiv ``cce_utils.py``). Anchor groups S: the task group of trajectories
     (``level="group"``) or, per step, the turns of one group with equal ``state_keys``
     (``level="step"``; ``allocation.craft_cti`` calls this anchor ``"state"``). Each member m
@@ -659,7 +659,7 @@ def craft_credit(logprobs, batch: TrajectoryBatch, *, advantages=None,
 def forward_kl_sampled(lp, lt):
     """Sampled-token estimator of the forward KL(pi_T || pi_S) on tokens drawn from pi_S:
     r log r - (r - 1), r = exp(d), d = clip(lt - lp, -20, 20), value capped at 10 (as
-    ``kl_k3``). The teacher-weighted r log r of METHODS.md f8 plus the zero-mean control
+    ``kl_k3``). The teacher-weighted r log r of our CRAFT formula plus the zero-mean control
     variate -(r - 1) (E_{pi_S}[r - 1] = 0): >= 0, and value and gradient are 0 at lp = lt."""
     d = jnp.clip(lt - lp, -LOG_CLAMP, LOG_CLAMP)
     r = jnp.exp(d)
@@ -672,8 +672,8 @@ def craft(logprobs, batch: TrajectoryBatch, *, advantages=None,
           level: str = "group", temperature: float = 1.0, credit: str = "sign",
           controller_state: CraftState | None = None, teacher_logprobs=None,
           agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """CRAFT counterfactual, sign-aware self-distillation (f8). [X] formula of METHODS.md f8
-    (CRAFT paper; Status S / X).
+    """CRAFT counterfactual, sign-aware self-distillation. [X] our formula
+    (CRAFT paper, read from its abstract).
 
     Baseline (every pillar off): plain reverse-KL self-distillation ``kl_k3(lp_S, lp_T)`` per
     token, the same numbers as ``losses.k3(logprobs, batch, ref_logprobs=lp_T)``.
@@ -726,8 +726,8 @@ def treeopsd_target(credit, *, beta: float = 1.0, delta: float = 1.0):
 def treeopsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
              credit: str = "tree_credit", behavior: str = "old_logprobs", beta: float = 1.0,
              delta: float = 1.0, agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """TreeOPSD tree-aware posterior self-distillation (f9). [X] formula of METHODS.md f9
-    (TreeOPSD paper; Status S / X).
+    """TreeOPSD tree-aware posterior self-distillation. [X] our formula
+    (TreeOPSD paper, read from its abstract).
 
     Turn credit c_k = V(child) - V(node) from tree Monte-Carlo backups (b8; pass the tree
     estimator's ``advantages=`` or give extras[``credit``] as [N, K] / [N] / [R, T]); the
@@ -762,7 +762,7 @@ def _logmeanexp(x, axis):
 def contrastive_rewards(teacher_lp, negatives, batch: TrajectoryBatch, *, level: str = "token",
                         variant: str = "logmeanexp"):
     """CREDIT's contrastive reward [R, T] (``level="token"``) or per trajectory [N]
-    (``"sequence"``). [X] formula of METHODS.md f11 (CREDIT paper).
+    (``"sequence"``). [X] our formula (CREDIT paper).
 
     token:    r_t = lp_T(y_t | x_i) - log mean_{j in {i} + negatives} exp(lp_T(y_t | x_j))
     sequence: r_i = S_i - log mean_j exp(S_ij),  S = sum over the trajectory's action tokens
@@ -796,8 +796,8 @@ def contrastive_rewards(teacher_lp, negatives, batch: TrajectoryBatch, *, level:
 def credit(batch: TrajectoryBatch, *, beta: float = 1.0, teacher: str = "teacher_logprobs",
            negatives: str = "negative_logprobs", level: str = "token",
            variant: str = "logmeanexp", axis_name=None) -> Advantages:
-    """CREDIT contrastive reward from distillation as an advantage (f11). [X] formula of
-    METHODS.md f11 (CREDIT paper; Status S / X): A_t = beta r_t with r from
+    """CREDIT contrastive reward from distillation as an advantage. [X] our formula
+    (CREDIT paper, read from its abstract): A_t = beta r_t with r from
     ``contrastive_rewards`` (token level), or A_t = beta r_i on every token of trajectory i
     (sequence level: the trajectory's pointwise mutual information with an InfoNCE batch
     baseline). Reads extras[``teacher``] [R, T] (the feedback-conditioned teacher) and
@@ -845,7 +845,7 @@ def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
           bad: str = "contrast_logprobs", reference="ref_logprobs", sign: str = "outcome",
           temperature: float = 1.0, agg: str = "token_mean", agg_constant=None,
           axis_name=None):
-    """T-REG token-level reward regulariser (f12). [X] formula (METHODS.md f12 gives it in
+    """T-REG token-level reward regulariser. [X] our formula (the paper gives it in
     words; Zhou et al. 2025, "T-REG: Preference Optimization with Token-Level Reward
     Regularization", arXiv 2412.02685):
 

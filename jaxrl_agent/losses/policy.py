@@ -12,7 +12,7 @@ Every loss is ``f(logprobs, batch, advantages, *, hyper-params, agg, agg_constan
   GSPO's ``level="turn"``). Divide only after summing pairs over micro-batches and devices.
 
 Only ``logprobs`` carries gradient: advantages, old/proximal log-probs and IS weights are
-wrapped in ``jax.lax.stop_gradient`` (P15). Entries outside ``action_mask`` are replaced by 0
+wrapped in ``jax.lax.stop_gradient``. Entries outside ``action_mask`` are replaced by 0
 before any arithmetic, so padding never produces NaN, in the value or in the gradient.
 
 Notation: lp = ``logprobs``, lp_old = the log-probs the ratio is taken against (default

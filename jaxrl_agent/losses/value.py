@@ -20,7 +20,7 @@ def value(values, returns, mask, *, old_values=None, clip=None):
 
     Works at any level as long as the arrays and the mask match: token level
     (``values``/``returns`` [R, T] with ``batch.action_mask``) or turn level ([N, K] with
-    ``batch.turn_mask``). Only ``values`` carries gradient (P15). Entries outside ``mask``
+    ``batch.turn_mask``). Only ``values`` carries gradient. Entries outside ``mask``
     are selected away, so they may hold anything; an empty mask gives (0, 0).
 
     Args:
@@ -57,7 +57,7 @@ def sarsa(q_values, batch, *, gamma: float = 1.0):
     (values, batch, "last_action")``), [N, K]. Target y_k = r_k + gamma sg(Q_{k+1}), with
     Q past the trajectory's last turn = 0 (terminal), so a one-turn episode regresses Q on r.
     l = 0.5 (Q_k - y_k)^2; sum over valid turns, denominator = number of valid turns. Only
-    Q_k carries gradient (the target is stop-gradient, P15).
+    Q_k carries gradient (the target is stop-gradient).
     """
     n, k = batch.turn_mask.shape
     if jnp.shape(q_values) != (n, k):

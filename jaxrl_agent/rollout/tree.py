@@ -1,5 +1,5 @@
 """Shared-prefix trees of token sequences, packed into rows so that each shared token is
-computed once (HARTS-style prefix sharing, METHODS.md h1).
+computed once (HARTS-style prefix sharing).
 
 The rollouts of a task share their prompt, and tree rollouts share whole turns. Training every
 row separately recomputes those prefixes. Here the rows of a batch are merged into prefix
