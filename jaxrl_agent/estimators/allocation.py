@@ -197,7 +197,7 @@ def _token_rand(batch, seed, axis_name):
 
 def shuffle_weights(w, batch: TrajectoryBatch, *, level: str = "trajectory", seed: int = 0,
                     axis_name=None, per: str | None = None):
-    """The matched-concentration shuffled control of a weight array (d1): the weights of every
+    """The matched-concentration shuffled control of a weight array: the weights of every
     trajectory (``level="trajectory"``/``"group"``) or turn (``"turn"``) are randomly permuted
     over its valid turns ([N, K] weights) or action tokens ([R, T] weights). Same multiset
     (same entropy and Gini), random placement; deterministic for a ``seed`` and the same
@@ -288,7 +288,7 @@ def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weigh
     mean 1 over the action tokens of every trajectory / turn / group (``level``), optional
     residual ``floor`` and exact-mass clipping to [``clip_min``, ``clip_max``]. With
     ``shuffle=True`` the raw weights are first permuted within each trajectory (or turn):
-    the matched-concentration shuffled control of the verifier-density paper (d1), which any
+    the matched-concentration shuffled control of the verifier-density paper, which any
     targeting claim must beat.
 
     Properties: sum_t m A'_t = A_i sum_t m per trajectory for trajectory-constant A (mass

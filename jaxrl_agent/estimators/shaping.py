@@ -290,7 +290,7 @@ def uniform(batch: TrajectoryBatch, *, score: str = "outcome", replace: bool = T
 
 def reward_to_go(batch: TrajectoryBatch, *, score: str = "outcome", baseline: str = "cohort",
                  scale_std: bool = False, eps: float = 1e-6, axis_name=None) -> Advantages:
-    """The reward-to-go arm of the verifier-density paper (d1) [X].
+    """The reward-to-go arm of the verifier-density paper [X].
 
     G[i, k] = sum_{j >= k} S_i / K_i = S_i (K_i - k) / K_i (uniform redistribution of the
     score S = ``extras[score]``, default the outcome). Advantage:
@@ -322,7 +322,7 @@ def reward_to_go(batch: TrajectoryBatch, *, score: str = "outcome", baseline: st
 def verifier_density(exposed, valid=None):
     """V_d = (# steps of the C-step causal chain whose correctness the verifier exposes) / C.
 
-    A diagnostic (d1), not an estimator: ``exposed`` [..., C] bool/0-1 per chain step;
+    A diagnostic, not an estimator: ``exposed`` [..., C] bool/0-1 per chain step;
     ``valid`` [..., C] marks the chain's real steps (default all). Returns [...]; 0 for an
     empty chain.
     """
@@ -338,7 +338,7 @@ def verifier_density(exposed, valid=None):
 def trace_rewards(batch: TrajectoryBatch, *, potential: str = "potential",
                   final_potential: str = "final_potential", length: str | None = None,
                   axis_name=None):
-    """TRACE's log-ratio TD rewards [N, K] (d2) [X]: r_k = lp_gold[k+1] - lp_gold[k].
+    """TRACE's log-ratio TD rewards [N, K] [X]: r_k = lp_gold[k+1] - lp_gold[k].
 
     lp_gold[k] = log p_ref(gold answer | x, h_{<k}) is ``extras[potential]`` [N, K] (the
     state before action k; k = 0 is the prompt alone) and lp_gold[K_i] is
@@ -398,7 +398,7 @@ def _pica_stats(x, gid, valid, n):
 def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: float = 1.0,
          norm: str = "separate", scale_std: bool = True, f1_weight: float = 1.0,
          ig_weight: float = 1.0, eps: float = 1e-6, axis_name=None) -> Advantages:
-    """PiCA: pivot-based credit assignment with PBRS (d3). P: novdream/PiCA
+    """PiCA: pivot-based credit assignment with PBRS. P: novdream/PiCA
     ``Search-R1/verl/trainer/ppo/core_algos.py`` (``compute_grpo_outcome_advantage``).
 
     Rewards: the info gain IG_k = Phi_{k+1} - Phi_k of every intermediate turn
@@ -469,7 +469,7 @@ def spae_potential(acc, conf):
 def spae(adv: Advantages, batch: TrajectoryBatch, *, potential: str | None = "step_potential",
          acc: str = "acc", conf: str = "conf", alpha: float = 0.1, c_sat: float = 1.0,
          saturation: float = 0.9, axis_name=None) -> Advantages:
-    """SPAE: Step Potential Advantage Estimation (d4) [X advantage; P potential].
+    """SPAE: Step Potential Advantage Estimation [X advantage; P potential].
 
     Phi_k = the probe potential measured *after* step k: ``extras[potential]`` [N, K], or
     with ``potential=None`` ``spae_potential(extras[acc], extras[conf])``.
@@ -503,7 +503,7 @@ def spae(adv: Advantages, batch: TrajectoryBatch, *, potential: str | None = "st
 def efca_weights(batch: TrajectoryBatch, *, feedback: str = "feedback", fb_coef: float = 0.5,
                  loop_coef: float = 0.5, window: int = 3, w_min: float = 0.0,
                  w_max: float = 2.0, axis_name=None):
-    """EFCA's per-turn return weights [N, K] (d5) [X].
+    """EFCA's per-turn return weights [N, K] [X].
 
     h_k = 1[(state_key_k, action_key_k) occurred at one of the last ``window`` turns
     k - window .. k - 1, i.e. W turns; an open window (k-W, k) would be one shorter]
@@ -539,7 +539,7 @@ def _efca_weights(b, feedback, fb_coef, loop_coef, window, w_min, w_max):
 def efca(adv: Advantages, batch: TrajectoryBatch, *, feedback: str = "feedback",
          fb_coef: float = 0.5, loop_coef: float = 0.5, window: int = 3, w_min: float = 0.0,
          w_max: float = 2.0, renormalize: bool = False, axis_name=None) -> Advantages:
-    """EFCA: Environmental-Feedback Credit Assignment, multi-timescale (d5) [X].
+    """EFCA: Environmental-Feedback Credit Assignment, multi-timescale [X].
 
     Return reweighting applied to the base advantage: A'[i, k] = w_k A[i, k] with w from
     ``efca_weights`` (short-term feedback and medium-term loop/stall signals). For a
@@ -634,7 +634,7 @@ def procredit(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progr
               final_progress: str = "final_progress", weight: float = 1.0,
               cohort: str = "cohort", scale_std: bool = True, eps: float = 1e-6,
               axis_name=None) -> Advantages:
-    """ProCredit (d7) [X]: progress rewards across attempts and turns.
+    """ProCredit [X]: progress rewards across attempts and turns.
 
     r_k = p_{k+1} - p_k (acceptance checks re-run after every turn; ``progress`` before
     action k, ``final_progress`` = p_{K_i} required); G_k = sum_{j >= k} r_j = p_K - p_k;
@@ -674,7 +674,7 @@ def _a2tgpo_ig(b, potential, final_potential, eps):
 def a2tgpo(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potential",
            final_potential: str = "final_potential", gamma: float = 1.0,
            weight: float = 1.0, eps: float = 1e-6, axis_name=None) -> Advantages:
-    """A2TGPO: Agentic Turn-Group PO (d8) [S; X constants].
+    """A2TGPO: Agentic Turn-Group PO [S; X constants].
 
     IG_k = log pi(gt | h_k) - log pi(gt | h_{k-1}): the policy's own gold-answer log-prob at
     each state, ``extras[potential]`` [N, K] before action k, ``final_potential`` after the
@@ -725,7 +725,7 @@ def _odd_transform(a, transform):
 def cast(adv: Advantages, batch: TrajectoryBatch, *, oracle: str = "oracle_advantage",
          alpha: float = 0.3, transform: str = "asinh", norm: str = "rms", eps: float = 1e-8,
          axis_name=None) -> Advantages:
-    """CAST: credit from solver teachers (d9). P: Wloner0809/CAST
+    """CAST: credit from solver teachers. P: Wloner0809/CAST
     ``rllm/trainer/verl/oracle_advantage_mapping.py`` (``mapping_cast``, ``_ablate``).
 
     a_k = ``extras[oracle]`` [N, K], the solver's per-turn oracle advantage (Sokoban:
@@ -758,7 +758,7 @@ def cast(adv: Advantages, batch: TrajectoryBatch, *, oracle: str = "oracle_advan
 def spa(batch: TrajectoryBatch, *, contribution: str = "contribution",
         grounded: str = "grounded", bonus: float = 0.5, replace: bool = True,
         axis_name=None) -> TrajectoryBatch:
-    """SPA: Stepwise Progress Attribution (d10). P: WangHanLinHenry/SPA-RL-Agent
+    """SPA: Stepwise Progress Attribution. P: WangHanLinHenry/SPA-RL-Agent
     ``prm/rl_data_org.py``.
 
     r_k = c_k + bonus 1[action k grounded/valid] and the final turn gets another + bonus,
@@ -800,7 +800,7 @@ def decay_weight(step, *, total_steps: int, schedule: str = "linear", start: flo
     (end - start) p; ``"cosine"``: end + (start - end) (1 + cos(pi p)) / 2; ``"exp"``:
     start (end / start)^p (start, end > 0); ``"constant"``: start. Monotone between start
     and end, ``start`` during warm-up. ``step`` may be traced (a jnp scalar). Used for
-    ReBel's component weights and the decaying process-reward weight (d15).
+    ReBel's component weights and the decaying process-reward weight.
     """
     check_choice("schedule", schedule, SCHEDULES)
     if total_steps <= warmup:
@@ -820,7 +820,7 @@ def decay_weight(step, *, total_steps: int, schedule: str = "linear", start: flo
 def rebel_component_weights(step, *, total_steps: int, schedule: str = "linear",
                             min_weight: float = 0.1, warmup: int = 0,
                             consistency_exp: float = 1.0, progress_exp: float = 1.0):
-    """ReBel's decaying component weights (cw_state, cw_task, cw_pred, cw_format) (d11).
+    """ReBel's decaying component weights (cw_state, cw_task, cw_pred, cw_format).
 
     d = ``decay_weight(step, schedule, start=1, end=min_weight)``; consistency terms (state
     and prediction) get d^consistency_exp, task progress d^progress_exp, format d [X:
@@ -846,7 +846,7 @@ def rebel(batch: TrajectoryBatch, *, state: str = "belief_state", task: str = "b
           w_task: float = 0.4, w_pred: float = 0.3, w_format: float = 0.1,
           cw_state: float = 1.0, cw_task: float = 1.0, cw_pred: float = 1.0,
           cw_format: float = 1.0, replace: bool = False, axis_name=None) -> TrajectoryBatch:
-    """ReBel belief-consistency reward (d11). P: Fateyetian/Rebel ``belief_tracker.py``.
+    """ReBel belief-consistency reward. P: Fateyetian/Rebel ``belief_tracker.py``.
 
     r_int[i, k] = w_state r_state cw_state + w_task r_task cw_task + w_pred r_pred cw_pred +
     w_format r_format cw_format from four per-turn component scores [N, K] in [0, 1] (state
@@ -870,7 +870,7 @@ def rebel(batch: TrajectoryBatch, *, state: str = "belief_state", task: str = "b
 
 def implicit_step_rewards(batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
                           ref: str = "ref_logprobs", beta: float = 0.1, axis_name=None):
-    """OPRL's implicit PRM step rewards [N, K] (d12): r_k = beta sum_{t in k} (log
+    """OPRL's implicit PRM step rewards [N, K]: r_k = beta sum_{t in k} (log
     pi_phi(y_t) - log pi_ref(y_t)) over turn k's action tokens; sum_k r_k = beta times the
     trajectory log-ratio. ``prm``/``ref``: [R, T] log-prob fields (``"old_logprobs"`` =
     the batch's behaviour log-probs)."""
@@ -888,7 +888,7 @@ def oprl(adv: Advantages, batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
          ref: str = "ref_logprobs", beta: float = 0.1, weight: float = 1.0,
          cohort: str = "cohort", scale_std: bool = True, eps: float = 1e-6,
          axis_name=None) -> Advantages:
-    """OPRL: Online Process Reward Learning (d12) [S].
+    """OPRL: Online Process Reward Learning [S].
 
     Step rewards r = ``implicit_step_rewards`` (the implicit PRM pi_phi, trained by
     trajectory-level DPO elsewhere, consumed as log-probs), normalised within step groups
@@ -909,7 +909,7 @@ def oprl(adv: Advantages, batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
 
 def prefix_score_rewards(batch: TrajectoryBatch, *, scores: str = "prefix_scores",
                          initial_score: str = "initial_score", axis_name=None):
-    """RED's token rewards [R, T] (d13): r_t = RM(x, y_{<=t}) - RM(x, y_{<t}).
+    """RED's token rewards [R, T]: r_t = RM(x, y_{<=t}) - RM(x, y_{<t}).
 
     ``extras[scores]`` [R, T]: the reward model's score of the prefix ending at each action
     token; the previous prefix of a turn's first token is the last token of the previous
@@ -934,7 +934,7 @@ def _prefix_score_rewards(b, scores, initial_score):
 def red(batch: TrajectoryBatch, *, scores: str = "prefix_scores",
         initial_score: str = "initial_score", scale: float = 1.0,
         axis_name=None) -> TrajectoryBatch:
-    """RED: token reward redistribution (d13) [S]: adds scale ``prefix_score_rewards`` to
+    """RED: token reward redistribution [S]: adds scale ``prefix_score_rewards`` to
     ``extras['token_rewards']`` (token-level PBRS with Phi = the off-the-shelf reward
     model's prefix score; read by ``reinforce_pp``, ``gae`` via ``segments.token_rewards``).
     Also covers Grad2Reward-style token rewards when the caller supplies the scores."""
@@ -1034,7 +1034,7 @@ def ups(adv: Advantages, batch: TrajectoryBatch, *, align: str = "alignment",
 def capo(adv: Advantages, batch: TrajectoryBatch, *, verdict: str = "step_verdict",
          kappa: float = 0.5, reward_correct: bool = False, fail_below: float = 0.5,
          axis_name=None) -> Advantages:
-    """CAPO-GenPRM (d15) [X]: A'_t = A_t - kappa 1[step k(t) flagged wrong] (+ kappa for
+    """CAPO-GenPRM [X]: A'_t = A_t - kappa 1[step k(t) flagged wrong] (+ kappa for
     steps flagged correct in failed responses, R_i < ``fail_below``, with
     ``reward_correct``). ``extras[verdict]`` [N, K]: the majority vote of N generated step
     critiques, -1 wrong, +1 correct, 0 no verdict. kappa = 0 gives the base."""
@@ -1069,7 +1069,7 @@ def _action_ordinals(b):
 def v_rubrics(batch: TrajectoryBatch, *, scores: str = "rubric_scores",
               starts: str = "rubric_start", ends: str = "rubric_end", mode: str = "span",
               scale: float = 1.0, axis_name=None) -> TrajectoryBatch:
-    """V-Rubrics prefix-localised rubric credit (d15) [X], as token rewards.
+    """V-Rubrics prefix-localised rubric credit [X], as token rewards.
 
     Rubric item j of trajectory i has score ``extras[scores]`` [N, J] and an evidence span of
     action-token positions (``action_ordinals``) [``extras[starts]``, ``extras[ends]``]

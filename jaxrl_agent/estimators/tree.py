@@ -243,8 +243,8 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
                baseline: str = "parent", child: str = "history", mode: str = "mean_std_norm",
                episode_weighting: str = "trajectory", eps: float = 1e-6,
                singleton: str = "zero", axis_name=None) -> Advantages:
-    """Tree-node value differences: TreePS-RAG (b8), Segment-PO tree (b10), TEMPO / P2T at turn
-    granularity (b9), TreeMem (b25). Status S; the combination with GRPO is [X] our definition.
+    """Tree-node value differences: TreePS-RAG, Segment-PO tree, TEMPO / P2T at turn
+    granularity, TreeMem. Status S; the combination with GRPO is [X] our definition.
 
     On the rollout tree of each task group (module doc; ``child`` picks the child node):
       V(u) = mean of the outcome R over the trajectories passing through node u;

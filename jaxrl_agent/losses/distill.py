@@ -16,13 +16,13 @@ in padded entries changes nothing, neither the value nor the gradient (padding i
 
 Three kinds of functions (the lead registers them):
 
-* estimators ``f(batch, *, hp, axis_name=None) -> Advantages``: ``opd`` (f1), ``credit`` (f11);
+* estimators ``f(batch, *, hp, axis_name=None) -> Advantages``: ``opd``, ``credit``;
 * transforms ``f(adv, batch, *, hp, axis_name=None) -> Advantages``: ``seed`` (f7, the dense
   add-on A_t += lam (lp_T - lp_S,ctx)) and ``cny`` (f10, the same on a token mask);
 * losses ``f(logprobs, batch, *, hp, agg="token_mean", agg_constant=None, axis_name=None)
   -> (sum, denominator)`` aggregated by ``aggregation.aggregate`` (add the pairs over
-  micro-batches and devices, divide once): ``sdl`` (f2), ``sdar`` (f3), ``edge`` (f4),
-  ``ucob`` (f5), ``icsd`` (f6), ``craft`` (f8), ``treeopsd`` (f9), ``t_reg`` (f12),
+  micro-batches and devices, divide once): ``sdl``, ``sdar``, ``edge``,
+  ``ucob``, ``icsd``, ``craft``, ``treeopsd``, ``t_reg``,
   ``weighted_sft`` (f13: ASPO / InT / ABC-SFT).
 
 Status: P = follows a public implementation (the file is named), X = our proposed
@@ -203,7 +203,7 @@ def _finish(per_token, batch, agg, agg_constant, axis_name, mask=None):
 
 def opd(batch: TrajectoryBatch, *, beta: float = 1.0, teacher: str = "teacher_logprobs",
         behavior: str = "old_logprobs", mask=None, clip=None, axis_name=None) -> Advantages:
-    """On-policy distillation as an advantage (f1): A_t = beta (lp_T(y_t) - lp_old(y_t)).
+    """On-policy distillation as an advantage: A_t = beta (lp_T(y_t) - lp_old(y_t)).
 
     The per-token negative reverse-KL sample -beta (lp_old - lp_T): no group baseline, no
     whitening, no discount. Fed to a PG/PPO loss it is the standard on-policy estimator of
@@ -286,7 +286,7 @@ def sdl_tokens(lp, lt, lold):
 def sdl(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
         behavior: str = "old_logprobs", teacher_logprobs=None, agg: str = "token_mean",
         agg_constant=None, axis_name=None):
-    """SDL: reverse-KL self-distillation with an on-policy ratio (f2).
+    """SDL: reverse-KL self-distillation with an on-policy ratio.
 
         l = lp_S - lp_T,  k3 = exp(-l) - 1 + l  (-l clamped at 20),
         rho = exp(min(lp_S - lp_old, 10)),  loss_t = rho k3.
@@ -329,7 +329,7 @@ def sdar(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
          gate: str = "sigmoid", gate_beta: float = 5.0, gate_field: str = "gate",
          gate_delta_sign=None, weight=None, teacher_logprobs=None, gate_values=None,
          agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """SDAR confidence-gated teacher distillation (f3).
+    """SDAR confidence-gated teacher distillation.
 
         g_t = sigmoid(gate_beta * s (lp_T - sg(lp_S))) (detached),  loss_t = w g_t (lp_T - lp_S)
 
@@ -436,9 +436,9 @@ def edge(logprobs, batch: TrajectoryBatch, *, view: str = "view", score: str = "
 def ucob(logprobs, batch: TrajectoryBatch, *, other: str = "other_logprobs",
          gap: str = "return_gap", gate: str = "sigmoid", gate_beta: float = 5.0,
          other_logprobs=None, agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """UCOB credit-aware bidirectional self-distillation (f5). Status P-partial: the gated
+    """UCOB credit-aware bidirectional self-distillation. Status P-partial: the gated
     term follows TU2021/UCOB ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss`` (target
-    view with gradient, detached reference view); the direction rule (b21) and the |gap|
+    view with gradient, detached reference view); the direction rule and the |gap|
     weight are [X] (our reading of the UCOB paper).
 
     Two views (prompt contexts) of the same task and anchor state score the same tokens:
@@ -528,7 +528,7 @@ def icsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
          behavior: str = "old_logprobs", trust: str = "sdar", gate_beta: float = 5.0,
          w_min: float = 0.5, eps: float = 1e-8, teacher_logprobs=None, agg: str = "token_mean",
          agg_constant=None, axis_name=None):
-    """ICSD distillation loss (f6): sum_t c_t w_t l_t with (w, c) from ``icsd_weights``
+    """ICSD distillation loss: sum_t c_t w_t l_t with (w, c) from ``icsd_weights``
     (detached, batch-adaptive, per-turn mass of c w preserved) and l_t the SDAR term
     lp_T - lp_S (``trust="sdar"``, c = the SDAR gate) or the SDL term rho k3 (``"sdl"``,
     c = 1). [X] our formula (ICSD paper). Needs the base advantages A
