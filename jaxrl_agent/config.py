@@ -664,10 +664,10 @@ def _check_methods(cfg: "RunConfig") -> None:
         for i, (name, params) in enumerate(stages(est, which)):
             key = f"estimator.{which}[{i}]"
             try:
-                estimators.spec(name, kind)
+                stage_spec = estimators.spec(name, kind)
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None
-            _check_params(dict(params), list(estimators.spec(name).hyper_params),
+            _check_params(dict(params), list(stage_spec.hyper_params),
                           f"{key}.params", f"{kind} {name!r}")
             try:
                 estimators.check_hyper_params(name, dict(params))

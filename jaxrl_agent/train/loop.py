@@ -459,8 +459,8 @@ class Trainer:
         return {"eval/success": stats["success_rate"],
                 "eval/success_se": success_se(stats["success_rate"], n),
                 "eval/reward": stats["mean_reward"],
-                "eval/turns": stats["turns"] / max(stats["trajectories"], 1),
-                "eval/invalid": stats["invalid_actions"] / max(stats["trajectories"], 1)}
+                "eval/turns": stats["turns"] / n,
+                "eval/invalid": stats["invalid_actions"] / n}
 
     def _with_se(self, success: float) -> str:
         n = self.cfg.trainer.eval_tasks
