@@ -24,7 +24,7 @@ import time
 import numpy as np
 import yaml
 
-from jaxrl_agent.config import _yaml_load
+from jaxrl_agent.config import yaml_load
 
 
 class CliError(Exception):
@@ -38,7 +38,7 @@ def _parse_sets(items):
             raise CliError(f"--set {item!r}: expected key=value")
         key, raw = item.split("=", 1)
         try:
-            params[key.strip()] = _yaml_load(raw)  # reads 1e-6 as a float (YAML 1.1 does not)
+            params[key.strip()] = yaml_load(raw)  # reads 1e-6 as a float (YAML 1.1 does not)
         except yaml.YAMLError as e:
             raise CliError(f"--set {item!r}: cannot parse the value ({e})") from None
     return params

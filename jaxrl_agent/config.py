@@ -64,7 +64,7 @@ _Loader.add_implicit_resolver(
     list("-+0123456789"))
 
 
-def _yaml_load(text_or_stream):
+def yaml_load(text_or_stream):
     return yaml.load(text_or_stream, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
@@ -470,7 +470,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in parts):
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        value = _yaml_load(raw) if raw.strip() else None
+        value = yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
     return parts, value
@@ -527,7 +527,7 @@ def read_yaml(path) -> dict:
     and naming the file for anything unreadable."""
     text = read_text(path, "YAML file")
     try:
-        data = _yaml_load(text)
+        data = yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
@@ -616,32 +616,62 @@ def stages(section: "EstimatorSection", which: str) -> tuple:
     return tuple(out)
 
 
+def _pipeline(cfg: "RunConfig"):
+    from jaxrl_agent import estimators
+    est = cfg.estimator
+    return estimators.Pipeline((est.name, tuple(sorted(est.params.items()))),
+                               stages(est, "shaping"), stages(est, "then"))
+
+
 def _dry_batch(cfg: "RunConfig", group_size: int = 2):
     """A tiny batch shaped like the loop's (``trainer.layout``; 2 tasks, 2 turns each), with
-    the inputs the train step supplies for this estimator (values, hidden states)."""
+    stand-ins for the inputs the training loop supplies to this pipeline
+    (``registry.LOOP_INPUTS``: values, hidden states, subgoal switches)."""
     import jax.numpy as jnp
 
+    from jaxrl_agent import estimators
     from jaxrl_agent.batch import pack_records
-    from jaxrl_agent.train.step import StepConfig
+    from jaxrl_agent.registry import LOOP_INPUTS
 
     turn = {"observation": [1, 5], "action": [2, 3], "logprobs": [-1.0, -0.5]}
     outcomes = [0.0, 1.0, 0.5, 2.0][: 2 * group_size] if group_size > 1 else [0.0, 1.0]
     recs = [{"group": i // group_size, "outcome": o, "turns": [turn, turn]}
             for i, o in enumerate(outcomes)]
     batch, _ = pack_records(recs, layout=cfg.trainer.layout)
-    step = StepConfig(estimator=cfg.estimator.name,
-                      estimator_params=tuple(sorted(cfg.estimator.params.items())))
     extras = dict(batch.extras)
     n, k = batch.turn_mask.shape
-    if step.needs_values:  # as train.step._attach_values gives them
-        ramp = jnp.arange(n * k, dtype=jnp.float32).reshape(n, k) / (n * k)
-        extras.update(token_values=jnp.where(batch.action_mask, 0.3, 0.0), turn_values=ramp)
-        if cfg.estimator.name == "hae":
-            extras.update(high_values=ramp, switch=jnp.zeros((n, k), jnp.float32))
-    if step.needs_hidden:
-        h = jnp.linspace(-1.0, 1.0, n * k * 4, dtype=jnp.float32).reshape(n, k, 4)
-        extras.update(hidden=h, state_features=h)
+    ramp = jnp.arange(n * k, dtype=jnp.float32).reshape(n, k) / (n * k)
+    stand_in = {
+        "token": jnp.where(batch.action_mask, 0.3, 0.0),
+        "turn": ramp,
+        "vector": jnp.linspace(-1.0, 1.0, n * k * 4, dtype=jnp.float32).reshape(n, k, 4),
+    }
+    for name in estimators.reads(_pipeline(cfg)):
+        if name in LOOP_INPUTS:
+            source, level, _ = LOOP_INPUTS[name]
+            x = stand_in[level]
+            extras[name] = jnp.zeros_like(x) if source == "collector" else x
     return batch.replace(extras=extras)
+
+
+def _check_reads(cfg: "RunConfig") -> None:
+    """Every input the pipeline reads is one the training loop supplies, from a part this run
+    has (a value head for critics); otherwise a ConfigError naming the method and the input."""
+    from jaxrl_agent import estimators
+    from jaxrl_agent.registry import LOOP_INPUTS, SOURCES
+
+    pipe = _pipeline(cfg)
+    for name, params in (*pipe.shaping, pipe.estimator, *pipe.then):
+        for field in estimators.spec(name).inputs(dict(params)):
+            if field not in LOOP_INPUTS:
+                raise ConfigError(
+                    f"{name!r} reads extras['{field}'], which the training loop does not "
+                    f"supply (it supplies {', '.join(LOOP_INPUTS)}); use it with "
+                    f"`jaxrl-agent credit` on records that carry it")
+            source = LOOP_INPUTS[field][0]
+            if source == "value_head" and not cfg.model.value_head:
+                raise ConfigError(f"estimator {name!r} reads a critic (extras['{field}'] from "
+                                  f"{SOURCES[source]}): set model.value_head: true")
 
 
 def _check_methods(cfg: "RunConfig") -> None:
@@ -673,9 +703,9 @@ def _check_methods(cfg: "RunConfig") -> None:
                 estimators.check_hyper_params(name, dict(params))
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None
+    _check_reads(cfg)
     spec = estimators.spec(est.name)
-    pipe = estimators.Pipeline((est.name, tuple(sorted(est.params.items()))),
-                               stages(est, "shaping"), stages(est, "then"))
+    pipe = _pipeline(cfg)
     batch = _dry_batch(cfg)
     try:
         if spec.stateful:
@@ -685,7 +715,7 @@ def _check_methods(cfg: "RunConfig") -> None:
     except (ValueError, TypeError) as e:
         msg = str(e).splitlines()[0]
         where = "estimator.params" if len(pipe.names) == 1 else f"estimator {list(pipe.names)}"
-        if "needs extras" in msg:
+        if isinstance(e, estimators.MissingInput):
             raise ConfigError(f"{where}: {msg}. The training loop supplies no such input; use "
                               f"it with `jaxrl-agent credit` on records that carry it") from None
         raise ConfigError(f"{where}: {msg}") from None
@@ -718,8 +748,7 @@ def _check_group_size(cfg: "RunConfig") -> None:
     from jaxrl_agent import estimators
     est = cfg.estimator
     spec = estimators.spec(est.name)
-    pipe = estimators.Pipeline((est.name, tuple(sorted(est.params.items()))),
-                               stages(est, "shaping"), stages(est, "then"))
+    pipe = _pipeline(cfg)
     batch = _dry_batch(cfg, group_size=1)
     out = pipe(batch, state=spec.init_state(8)) if spec.stateful else pipe(batch)
     adv = out[0] if spec.stateful else out
@@ -767,8 +796,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.env.name not in env_names:
         raise ConfigError(f"env.name: unknown environment {cfg.env.name!r}; known: "
                           f"{', '.join(env_names)}")
-    env_cls = getattr(envs.base, "_REGISTRY", {}).get(cfg.env.name)
-    if env_cls is not None:
+    env_cls = envs.env_class(cfg.env.name)
+    if inspect.isclass(env_cls) or inspect.isfunction(env_cls):
         sig = inspect.signature(env_cls)
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
             allowed = [p.name for p in sig.parameters.values()
@@ -797,9 +826,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"estimator.name: unknown estimator {est.name!r} (known: {', '.join(known)})")
     _check_params(est.params, list(estimators.spec(est.name).hyper_params), "estimator.params",
                   f"estimator {est.name!r}")
-    from jaxrl_agent.train.step import CRITIC_ESTIMATORS
-    if est.name in CRITIC_ESTIMATORS and not cfg.model.value_head:
-        raise ConfigError(f"estimator {est.name!r} reads a critic: set model.value_head: true")
 
     lo = cfg.loss
     loss_names = [n for n in POLICY_LOSSES if n in losses.names()]

@@ -98,11 +98,9 @@ def signal_records(seed=0, num_groups=4, group_size=4, max_turns=4, max_act=3, m
 
 def family_names() -> list:
     """Every registered name of the shaping, re-allocation and distillation modules."""
-    from jaxrl_agent.estimators import allocation, routing, shaping
-    from jaxrl_agent.losses import distill
-    return sorted({n for m in (shaping, allocation, routing, distill)
-                   for table in ("ESTIMATORS", "SHAPINGS", "TRANSFORMS")
-                   for n in getattr(m, table, {})})
+    from jaxrl_agent.estimators import allocation, distill, routing, shaping
+    from tests.registered import defined_in
+    return sorted({n for m in (shaping, allocation, routing, distill) for n in defined_in(m)})
 
 
 # Names that cannot run on records alone, with the reason (their inputs are no record field).

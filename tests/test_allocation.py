@@ -25,6 +25,7 @@ from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS, pack_records
 from jaxrl_agent.estimators import allocation as A
 from tests.reference import allocation_ref as aref
+from tests.registered import defined_in
 from tests.reference import estimators_ref as ref
 from tests.strategies import MAX_ACT, MAX_OBS, MAX_TURNS, PAD
 
@@ -279,7 +280,7 @@ def test_matches_reference(recs, layout):
 
 
 def test_every_registered_name_has_a_reference_and_two_settings():
-    names = set(A.TRANSFORMS) | set(A.SHAPINGS) | set(A.ESTIMATORS)
+    names = set(defined_in(A))
     assert names == set(aref.REFERENCES)
     for name in names:
         assert sum(n == name for n, _ in CONFIGS.values()) >= 2, name

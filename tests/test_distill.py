@@ -16,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent import losses as L
+from jaxrl_agent.estimators import distill as DE
 from jaxrl_agent.losses import distill as D
+from tests.registered import defined_in
 from tests.reference import distill_ref as ref
 from tests.reference.losses_ref import aggregate as aggregate_ref
 from tests.strategies import make_batch, random_records, step_records
@@ -26,6 +28,7 @@ AGGS = L.AGG_MODES
 M_NEG = 3
 _jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0,
                                                     "xla_llvm_disable_expensive_passes": True})
+LOSSES = defined_in(D, kinds=("loss",))
 STATE = D.craft_init(lambda_distill=1.7)
 
 # (registry name, hyper-parameters): every setting runs in one jitted program per shape.
@@ -135,7 +138,7 @@ def _losses(lp, batch):
     sum w.r.t. lp."""
     out, seen = [], set()
     for name, hp in SETTINGS:
-        fn = D.LOSSES[name]
+        fn = LOSSES[name]
         kw = _lib_kw(name, hp)
         (_, pair), grad = jax.value_and_grad(lambda x: (fn(x, batch, **kw)[0],
                                                         fn(x, batch, **kw)), has_aux=True)(lp)
@@ -201,15 +204,12 @@ def test_advantages_match_reference(layout, recs, seed):
 
 
 def test_every_registered_name_has_a_reference():
-    for table in (D.ESTIMATORS, D.TRANSFORMS):
-        assert set(table) <= set(ref.REFERENCES)
-    assert set(D.LOSSES) == set(ref.LOSS_REFERENCES)
-    for name in D.ESTIMATORS:
-        assert E.spec(name).kind == "estimator"
-    for name in D.TRANSFORMS:
-        assert E.spec(name).kind == "transform"
+    credit = defined_in(DE)
+    assert set(credit) <= set(ref.REFERENCES)
+    assert set(LOSSES) == set(ref.LOSS_REFERENCES)
+    assert {E.spec(n).kind for n in credit} == {"estimator", "transform"}
     tested = {n for n, _ in SETTINGS} | {n for n, _ in EST_SETTINGS}
-    assert tested == set(D.LOSSES) | set(D.ESTIMATORS) | set(D.TRANSFORMS)
+    assert tested == set(LOSSES) | set(credit)
 
 
 def test_pipeline_composes_a_transform():
@@ -240,7 +240,7 @@ def _signal_grads(lp, batch):
     out = []
     for name, hp in SETTINGS:
         kw = _lib_kw(name, hp)
-        out.append(jax.grad(lambda f: D.LOSSES[name](lp, _rebuild(batch, f), **kw)[0])(floats))
+        out.append(jax.grad(lambda f: LOSSES[name](lp, _rebuild(batch, f), **kw)[0])(floats))
     base = E.get("grpo")(batch)
     for name, hp in EST_SETTINGS:
         spec = E.spec(name)
@@ -318,7 +318,7 @@ def _one_per_loss(lp, batch):
     for name, hp in SETTINGS:
         if name not in seen:
             seen.add(name)
-            out.append(D.LOSSES[name](lp, batch, agg="traj_mean_token_mean", **_lib_kw(name, hp)))
+            out.append(LOSSES[name](lp, batch, agg="traj_mean_token_mean", **_lib_kw(name, hp)))
     gate = batch.extras["gate"]
     out.append(D.sdar(lp, batch.replace(extras={k: v for k, v in batch.extras.items()
                                                  if k != "gate"}),
@@ -378,7 +378,7 @@ def _teacher_is_student(lp, batch):
                      ("ucob", {})):
         bb = b_edge if name == "edge" else b
         kw = _lib_kw(name, hp)
-        out[f"{name} {hp}"] = jax.value_and_grad(lambda x: D.LOSSES[name](x, bb, **kw)[0])(lp)
+        out[f"{name} {hp}"] = jax.value_and_grad(lambda x: LOSSES[name](x, bb, **kw)[0])(lp)
     base = E.get("grpo")(batch)
     b_opd = b.replace(old_logprobs=lp)
     out["opd"] = E.get("opd")(b_opd).token
@@ -697,7 +697,7 @@ def _global(lp, batch, axis_name=None):
     for name, hp in SHARD_SETTINGS:
         aggs = ("token_mean", "traj_mean_token_mean") if name == "edge" else ("token_mean",)
         for agg in aggs:
-            s, d = D.LOSSES[name](lp, batch, agg=agg, axis_name=axis_name, **hp)
+            s, d = LOSSES[name](lp, batch, agg=agg, axis_name=axis_name, **hp)
             out.append(L.safe_ratio(red(s), red(d)))
     return jnp.stack(out)
 

@@ -66,7 +66,7 @@ def test_register_checks_kind_and_duplicates():
     with pytest.raises(ValueError, match="already registered"):
         E.register("grpo", lambda b: b)
     with pytest.raises(ValueError, match="kind"):
-        E.register("__x", lambda b: b, kind="loss")
+        E.register("__x", lambda b: b, kind="reward_model")
     with pytest.raises(ValueError, match="stateful"):
         E.register("__y", lambda a, b: a, kind="transform", stateful=True)
 

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
 from jaxrl_agent.batch import LAYOUTS, Advantages, pack_records
+from tests.registered import defined_in
 from jaxrl_agent.estimators import routing
 from tests.reference import estimators_ref as ref
 from tests.reference import routing_ref
@@ -237,10 +238,10 @@ def test_matches_reference(layout, recs):
 
 
 def test_registry_and_pipeline():
-    assert set(routing.TRANSFORMS) <= set(E.names("transform"))
-    assert set(routing.ESTIMATORS) <= set(E.names())
-    assert set(routing_ref.REFERENCES) == set(routing.TRANSFORMS) | set(routing.ESTIMATORS)
-    for name in routing.TRANSFORMS:
+    mine = defined_in(routing)
+    assert {E.spec(n).kind for n in mine} == {"estimator", "transform"}
+    assert set(routing_ref.REFERENCES) == set(mine)
+    for name in (n for n in mine if E.spec(n).kind == "transform"):
         hp = E.spec(name).hyper_params
         assert all(isinstance(v, (str, int, float, bool, type(None))) for v in hp.values())
     recs = seeded_records(3)

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS, pack_records
 from jaxrl_agent.estimators import shaping as S
+from tests.registered import defined_in
 from tests.reference import estimators_ref as eref
 from tests.reference import shaping_ref as ref
 from tests.strategies import PAD, step_records
@@ -272,7 +273,7 @@ def test_matches_reference(layout, recs):
 
 
 def test_every_registered_name_has_a_reference_and_a_config():
-    mine = set(S.SHAPINGS) | set(S.ESTIMATORS) | set(S.TRANSFORMS)
+    mine = set(defined_in(S))
     assert mine == set(ref.REFERENCES)
     assert mine == {name for name, _ in CONFIGS.values()}
     for name in mine:

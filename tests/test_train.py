@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl_agent import cli, envs
+from jaxrl_agent import cli, envs, registry
 from jaxrl_agent import config as config_lib
 from jaxrl_agent.batch import pack_records
 from jaxrl_agent.envs.gridworld import GridWorld
@@ -118,8 +118,9 @@ class _Flaky(GridWorld):
         return super().step(action)
 
 
-def test_env_faults_do_not_end_the_run(tmp_path, monkeypatch):
-    monkeypatch.setitem(envs.base._REGISTRY, "flaky_grid_test", _Flaky)
+def test_env_faults_do_not_end_the_run(tmp_path, request):
+    envs.register("flaky_grid_test", _Flaky)
+    request.addfinalizer(lambda: registry.unregister("flaky_grid_test", "env"))
     cfg = tiny_config(tmp_path, "env.name=flaky_grid_test", "trainer.steps=2",
                       "trainer.eval_every=0", "rollout.max_turns=4", "checkpoint.every=0",
                       "rollout.temperature=0.0")

@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from jaxrl_agent import registry as _registry
+
 TEST_FRACTION_MOD = 5  # a task is held out ("test") when stable_hash(task_key) % 5 == 0
 
 
@@ -304,22 +306,25 @@ def solver_policy(env) -> Callable[[str], str]:
 
 # --- registry --------------------------------------------------------------------------------
 
-_REGISTRY: dict[str, Callable[..., Any]] = {}
-
-
-def register(name: str, factory: Callable[..., Any]) -> None:
-    _REGISTRY[name] = factory
+def register(name: str, factory: Callable[..., Any] | None = None):
+    """Registers an environment class or factory under ``name`` (``factory(**env.kwargs)``
+    builds it); without ``factory``, a class decorator. The same registry as every other
+    method (``jaxrl_agent.registry.register(name, kind="env")``)."""
+    return _registry.register(name, factory, kind="env")
 
 
 def names() -> list[str]:
-    return sorted(_REGISTRY)
+    return _registry.names("env")
+
+
+def env_class(name: str) -> Callable[..., Any]:
+    """The class or factory registered as ``name``; ValueError listing the names."""
+    return _registry.lookup(name, "env").fn
 
 
 def make_env(name: str, **kwargs):
     """``make_env("gridworld", size=5)``; unknown names raise ValueError listing the names."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown environment {name!r}; known: {', '.join(names())}")
-    return _REGISTRY[name](**kwargs)
+    return env_class(name)(**kwargs)
 
 
 # --- fault handling ---------------------------------------------------------------------------

@@ -22,8 +22,9 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import (check_choice, check_nonneg, check_positive, check_unit,
+from jaxrl_agent.checks import (check_choice, check_nonneg, check_positive, check_unit,
                                             require)
+from jaxrl_agent.registry import register
 
 LEVELS = ("trajectory", "turn", "group")
 
@@ -278,6 +279,7 @@ def apply_token_weights(adv: Advantages, w, batch: TrajectoryBatch) -> Advantage
     return adv.replace(token=tok, turn=turn)
 
 
+@register("reallocate", kind="transform")
 def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weights",
                level: str = "trajectory", floor: float = 0.0, clip_min: float | None = None,
                clip_max: float | None = None, shuffle: bool = False, seed: int = 0,
@@ -308,6 +310,7 @@ def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weigh
     return apply_token_weights(adv, w, b)
 
 
+@register("shuffled_control", kind="transform")
 def shuffled_control(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weights",
                      level: str = "trajectory", floor: float = 0.0,
                      clip_min: float | None = None, clip_max: float | None = None,
@@ -339,11 +342,6 @@ def _check_weight_bounds(w_min, w_max):
     if not 0.0 < w_min <= 1.0 <= w_max:
         raise ValueError(f"need 0 < w_min <= 1 <= w_max (mean-1 weights), got w_min={w_min}, "
                          f"w_max={w_max}")
-
-
-def _check_nonneg(name, value):
-    if not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _field(b: TrajectoryBatch, name: str, who: str, what: str):
@@ -455,6 +453,7 @@ def _signed_turn_credit(adv, batch, b, x, *, alpha, w_min, w_max, eps, mode, shu
 # ----------------------------------------------------------------------------- e1 TRIAL
 
 
+@register("trial", kind="transform")
 def trial(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
           student: str = "old_logprobs", lam: float = 0.1, shuffle: bool = False,
           seed: int = 0, axis_name=None) -> Advantages:
@@ -470,7 +469,7 @@ def trial(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_lo
     the turn magnitudes M within each trajectory first (the matched shuffled control).
     ``lam = 0`` gives the base advantage bit for bit.
     """
-    _check_nonneg("lam", lam)
+    check_nonneg("lam", lam)
     b = segments.local_view(batch, axis_name)
     g = _gap(b, teacher, student, "trial")
     mag = segments.token_to_turn(jnp.abs(g), b, "mean")
@@ -485,6 +484,7 @@ def trial(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_lo
 # ----------------------------------------------------------------------------- e2 StepOPSD
 
 
+@register("stepopsd", kind="transform")
 def stepopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
              student: str = "old_logprobs", lambda_mix: float = 0.5, alpha_clip: float = 0.5,
              eps: float = 1e-6, token_dist: bool = False, shuffle: bool = False, seed: int = 0,
@@ -502,7 +502,7 @@ def stepopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher
     = 0 gives A bit for bit, token_dist off).
     """
     check_unit("alpha_clip", alpha_clip)
-    _check_nonneg("lambda_mix", lambda_mix)
+    check_nonneg("lambda_mix", lambda_mix)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     g = _gap(b, teacher, student, "stepopsd")
@@ -520,6 +520,7 @@ def stepopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher
 # ----------------------------------------------------------------------------- e4 CoRT
 
 
+@register("cort", kind="transform")
 def cort(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
          student: str = "old_logprobs", kappa: float = 0.5, tau: float = 1.0,
          w_min: float = 0.2, w_max: float = 2.0, absolute: bool = False, shuffle: bool = False,
@@ -535,7 +536,7 @@ def cort(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
     Mass conservation per response, sign preservation (w_min > 0), bounds, reduction to the base
     estimator (kappa = 0 gives A bit for bit); the weights are monotone in c.
     """
-    _check_nonneg("kappa", kappa)
+    check_nonneg("kappa", kappa)
     check_positive("tau", tau)
     _check_weight_bounds(w_min, w_max)
     b = segments.local_view(batch, axis_name)
@@ -568,6 +569,7 @@ def _segment_median(x, seg, valid, num_segments):
     return 0.5 * (lo + hi)
 
 
+@register("rvco", kind="transform")
 def rvco(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
          student: str = "old_logprobs", tau: float = 1.0, beta: float = 0.1,
          absolute: bool = True, eps: float = 1e-6, shuffle: bool = False, seed: int = 0,
@@ -625,6 +627,7 @@ def belief_revisions(e, valid, l0, rho: float = 1.0):
     return l.T, delta.T
 
 
+@register("agentopsd", kind="transform")
 def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
               student: str = "old_logprobs", p0: float | None = 0.5, rho: float = 1.0,
               alpha: float = 0.5, w_min: float = 0.2, w_max: float = 3.0, eps: float = 1e-6,
@@ -650,8 +653,8 @@ def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
     check_choice("mode", mode, ("reweight", "additive"))
     if p0 is not None and not 0.0 < p0 < 1.0:
         raise ValueError(f"p0 must lie in (0, 1) or be None (group success rate), got {p0}")
-    _check_nonneg("alpha", alpha)
-    _check_nonneg("rho", rho)
+    check_nonneg("alpha", alpha)
+    check_nonneg("rho", rho)
     _check_weight_bounds(w_min, w_max)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
@@ -672,6 +675,7 @@ def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
 # ----------------------------------------------------------------------------- e10 PBSD
 
 
+@register("pbsd", kind="transform")
 def pbsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
          student: str = "old_logprobs", alpha: float = 0.5, w_min: float = 0.2,
          w_max: float = 3.0, eps: float = 1e-6, mode: str = "reweight", shuffle: bool = False,
@@ -688,7 +692,7 @@ def pbsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
     policy. Teacher = student gives s = 0 and A bit for bit.
     """
     check_choice("mode", mode, ("reweight", "additive"))
-    _check_nonneg("alpha", alpha)
+    check_nonneg("alpha", alpha)
     _check_weight_bounds(w_min, w_max)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
@@ -700,6 +704,7 @@ def pbsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
 # ----------------------------------------------------------------------------- e12 DCSD
 
 
+@register("dcsd", kind="transform")
 def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
          student: str = "old_logprobs", probe: str = "probe", q_init: float = 0.5,
          lam: float = 0.1, temperature: float = 1.0, axis_name=None) -> Advantages:
@@ -716,7 +721,7 @@ def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
     The direction never depends on the teacher; an unchanged probe gives no credit; lam = 0
     gives A bit for bit. Sign-changing by design (an add-on, not sign preservation).
     """
-    _check_nonneg("lam", lam)
+    check_nonneg("lam", lam)
     check_positive("temperature", temperature)
     b = segments.local_view(batch, axis_name)
     g = _gap(b, teacher, student, "dcsd")
@@ -740,6 +745,7 @@ def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
 # ----------------------------------------------------------------------------- e13 VERPO
 
 
+@register("verpo", kind="transform")
 def verpo(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
           student: str = "old_logprobs", eta: float = 0.1, lam: float = 1.0,
           axis_name=None) -> Advantages:
@@ -754,8 +760,8 @@ def verpo(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_lo
     Fisher evidence contrast projection needs hidden states: pass an already corrected c as the
     teacher field.
     """
-    _check_nonneg("eta", eta)
-    _check_nonneg("lam", lam)
+    check_nonneg("eta", eta)
+    check_nonneg("lam", lam)
     b = segments.local_view(batch, axis_name)
     c = _gap(b, teacher, student, "verpo")
     a = _base_token(adv, b)
@@ -767,6 +773,7 @@ def verpo(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_lo
 # ----------------------------------------------------------------------------- e19 TACO
 
 
+@register("taco", kind="transform")
 def taco(adv: Advantages, batch: TrajectoryBatch, *, logprobs: str = "old_logprobs",
          entropy: str = "entropy", alpha: float = 0.01, lam: float = 0.9,
          axis_name=None) -> Advantages:
@@ -797,6 +804,7 @@ def taco(adv: Advantages, batch: TrajectoryBatch, *, logprobs: str = "old_logpro
 # ----------------------------------------------------------------------------- e20 EAPO
 
 
+@register("eapo", kind="transform")
 def eapo(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy", a: float = 1.0,
          shuffle: bool = False, seed: int = 0, axis_name=None) -> Advantages:
     """EAPO: entropic advantage re-allocation. [X] our formula (EAPO paper).
@@ -809,7 +817,7 @@ def eapo(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy", a
     Mass conservation (per response), sign preservation, reduction to the base estimator (a = 0
     gives A bit for bit).
     """
-    _check_nonneg("a", a)
+    check_nonneg("a", a)
     b = segments.local_view(batch, axis_name)
     h = _token_field(b, entropy, "eapo", "policy entropy at each token [R, T]")
     valid = _token_valid(b)
@@ -827,6 +835,7 @@ def eapo(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy", a
 # ----------------------------------------------------------------------------- e21 FIPO
 
 
+@register("fipo", kind="transform")
 def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprobs",
          gamma: float = 0.99, alpha: float = 0.5, clip: float = 1.0, kl: str = "k1",
          eps: float = 1e-8, axis_name=None) -> Advantages:
@@ -845,7 +854,7 @@ def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprob
     """
     check_choice("kl", kl, ("k1", "k3"))
     check_unit("gamma", gamma)
-    _check_nonneg("alpha", alpha)
+    check_nonneg("alpha", alpha)
     check_positive("clip", clip)
     check_positive("eps", eps)
     if alpha * clip > 1.0:
@@ -865,6 +874,7 @@ def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprob
 # ----------------------------------------------------------------------------- e22b CRAFT CTI
 
 
+@register("craft_cti", kind="transform")
 def craft_cti(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
               student: str = "old_logprobs", temperature: float = 1.0, lam: float = 0.1,
               anchor: str = "state", scale: str = "sign", axis_name=None) -> Advantages:
@@ -887,7 +897,7 @@ def craft_cti(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
     invariant to a constant added to a group's delta.
     """
     check_positive("temperature", temperature)
-    _check_nonneg("lam", lam)
+    check_nonneg("lam", lam)
     check_choice("anchor", anchor, ("state", "step"))
     check_choice("scale", scale, ("sign", "relative"))
     b = segments.local_view(batch, axis_name)
@@ -940,6 +950,7 @@ def _tva(alpha, reward, ids, valid, num):
     return jnp.where(valid, out[jnp.clip(ids, 0, num - 1)], 0.0)
 
 
+@register("adrs", kind="shaping")
 def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str = "step",
          eta: float = 0.1, temperature: float = 1.0, tau: float = 2.0, baseline: str = "step",
          normalize: str = "global", gate_norm: bool = False, gamma: float = 1.0,
@@ -978,7 +989,7 @@ def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str 
     check_choice("baseline", baseline, ("step", "global"))
     check_choice("normalize", normalize, ("global", "per_seq", "none"))
     check_choice("target", target, ("token", "turn"))
-    _check_nonneg("eta", eta)
+    check_nonneg("eta", eta)
     check_positive("temperature", temperature)
     check_unit("gamma", gamma)
     b = segments.local_view(batch, axis_name)
@@ -1068,6 +1079,7 @@ def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str 
 # ----------------------------------------------------------------------------- a9 R3L (estimator)
 
 
+@register("r3l")
 def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", tau: float = 1.0,
         r_max: float | None = 1.0, step_norm: bool = False, score: str = "outcome",
         axis_name=None) -> Advantages:
@@ -1092,7 +1104,7 @@ def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", t
     from jaxrl_agent.estimators.outcome import traj_advantages
 
     check_choice("baseline", baseline, ("mean", "logavgexp"))
-    _check_nonneg("alpha", alpha)
+    check_nonneg("alpha", alpha)
     check_positive("tau", tau)
     b = segments.local_view(batch, axis_name)
     r = jnp.asarray(_field(b, score, "r3l", "trajectory score [N]"), jnp.float32)
@@ -1122,11 +1134,3 @@ def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", t
 
 
 # Registered by jaxrl_agent.estimators (kind: name -> function).
-TRANSFORMS = {
-    "reallocate": reallocate, "shuffled_control": shuffled_control,
-    "trial": trial, "stepopsd": stepopsd, "cort": cort, "rvco": rvco, "agentopsd": agentopsd,
-    "pbsd": pbsd, "dcsd": dcsd, "verpo": verpo, "taco": taco, "eapo": eapo, "fipo": fipo,
-    "craft_cti": craft_cti,
-}
-SHAPINGS = {"adrs": adrs}
-ESTIMATORS = {"r3l": r3l}

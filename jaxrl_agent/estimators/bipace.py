@@ -25,9 +25,10 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
 from jaxrl_agent.estimators.step_group import (
     EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine, episode_advantage, step_returns)
+from jaxrl_agent.registry import register
 
 
 def _merge_partitions(labels, other_ids, valid):
@@ -109,6 +110,7 @@ def pace_advantage(b: TrajectoryBatch, g, clusters, valid, *, leave_one_out: boo
     return jnp.where(valid, a, 0.0)
 
 
+@register("bipace", reads=("hidden",))
 def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
            merge_state_keys: bool = False, leave_one_out: bool = False,
            step_mode: str = "mean_norm", step_weight: float = 1.0, gamma: float = 0.95,

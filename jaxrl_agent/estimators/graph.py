@@ -28,9 +28,10 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit
+from jaxrl_agent.checks import check_choice, check_positive, check_unit
 from jaxrl_agent.estimators.step_group import (
     EPISODE_WEIGHTINGS, combine, episode_advantage, normalize_in_groups, step_returns)
+from jaxrl_agent.registry import register
 
 NORMALIZE = ("group", "batch", "none")
 CONVENTIONS = ("reference", "paper")
@@ -121,6 +122,7 @@ def _distances_to_target(src, dst, edge_ok, is_target, max_iters):
 # ----------------------------------------------------------------------------- G2PO
 
 
+@register("g2po")
 def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group",
          episode_weight: float = 0.0, episode_weighting: str = "trajectory",
          eps: float = 1e-6, axis_name=None) -> Advantages:
@@ -202,6 +204,7 @@ def graph_distances(b: TrajectoryBatch, success, max_iters=None):
     return jnp.where(valid & has_succ[:, None], d_next, 1.0), has_succ
 
 
+@register("graphgpo")
 def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: float = 10.0,
              success_threshold: float = 0.5, convention: str = "reference",
              episode_weight: float = 1.0, graph_weight: float = 1.0,
@@ -265,6 +268,7 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
 # ----------------------------------------------------------------------------- GAGPO
 
 
+@register("gagpo")
 def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
           normalize: str = "group", eps: float = 1e-6, axis_name=None) -> Advantages:
     """GAGPO: Generalized Advantage Grouped Policy Optimization (read from the abstract; the

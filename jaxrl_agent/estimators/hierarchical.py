@@ -30,7 +30,8 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.registry import register
 
 SWITCH_STREAMS = ("auto", "term", "high", "none")
 NORMS = ("none", "turn", "token")
@@ -161,6 +162,7 @@ def _standardise(x, b, tokens, norm_adv, eps, axis_name):
     return jnp.where(total > 0, (x - mu) / (segments.safe_sqrt(var) + eps), x)
 
 
+@register("hae", reads=("turn_values", "high_values", "switch"))
 def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
         lam_seg: float = 0.95, switch_stream: str = "auto", norm_adv: str = "none",
         eps: float = 1e-8, axis_name=None) -> Advantages:

@@ -18,7 +18,8 @@ from flax import struct
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.registry import register
 
 _SINGLETON = ("zero", "raw")
 
@@ -44,6 +45,7 @@ def _group_centered(batch, *, ddof, singleton, scale_std, eps, rloo=False, weigh
     return jnp.where(count > 1, a, lone)
 
 
+@register("grpo")
 def group_normalized_outcome(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
                              singleton: str = "zero", axis_name=None) -> Advantages:
     """GRPO: a_i = (R_i - mean_g R) / (std_g R + eps), std with ``ddof`` (1 = unbiased, as verl).
@@ -58,6 +60,7 @@ def group_normalized_outcome(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof:
                                            eps=eps), b)
 
 
+@register("dr_grpo")
 def group_centered_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
                            axis_name=None) -> Advantages:
     """Dr.GRPO: a_i = R_i - mean_g R (no std scaling; pair it with the constant-normalised
@@ -68,6 +71,7 @@ def group_centered_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
                                            eps=0.0), b)
 
 
+@register("rloo")
 def leave_one_out_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
                           axis_name=None) -> Advantages:
     """RLOO: a_i = R_i - mean_{j in g, j != i} R_j = n_g / (n_g - 1) (R_i - mean_g R).
@@ -80,6 +84,7 @@ def leave_one_out_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
                                            eps=0.0, rloo=True), b)
 
 
+@register("reinforce_pp")
 def reinforce_pp(batch: TrajectoryBatch, *, gamma: float = 1.0, kl_coef: float = 0.0,
                  eps: float = 1e-8, axis_name=None) -> Advantages:
     """REINFORCE++: token reward-to-go, then token-weighted whitening over the whole batch.
@@ -112,6 +117,7 @@ def _token_whitened_traj(a, b, axis_name, eps):
     return (a - mu) * jax.lax.rsqrt(var + eps)
 
 
+@register("reinforce_pp_baseline")
 def reinforce_pp_baseline(batch: TrajectoryBatch, *, eps: float = 1e-8,
                           axis_name=None) -> Advantages:
     """REINFORCE++-baseline: a_i = R_i - mean_g R, broadcast to action tokens, then whitened
@@ -173,6 +179,7 @@ def _spo_residual_and_update(b, state, rho, axis_name):
     return r - p_hat, new
 
 
+@register("spo", stateful=True, init_state=spo_init, check_state=check_spo_state)
 def single_stream(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
                   eps: float = 1e-8, axis_name=None):
     """SPO (Single-stream Policy Optimization): a persistent per-task baseline, no groups.
@@ -199,6 +206,7 @@ def single_stream(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
     return traj_advantages((a - mean) / (segments.safe_sqrt(var) + eps), b), new
 
 
+@register("spo_pp", stateful=True, init_state=spo_init, check_state=check_spo_state)
 def single_stream_pp(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
                      eps: float = 1e-8, axis_name=None):
     """SPO++: SPO's tracker residuals standardised under the action-token measure.
@@ -219,6 +227,7 @@ def single_stream_pp(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.
 # ----------------------------------------------------------------------------- rollout level
 
 
+@register("rollout_level")
 def rollout_level(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
                   normalize_std: bool = True, row_weighted: bool = False,
                   singleton: str = "zero", axis_name=None) -> Advantages:

@@ -17,69 +17,50 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Callable
 
 import jax
 
+from jaxrl_agent import registry as _registry
 from jaxrl_agent.batch import TrajectoryBatch
-
+from jaxrl_agent.registry import MissingInput, register  # noqa: F401  (re-exported)
 
 KINDS = ("estimator", "shaping", "transform")
 
-
-@dataclasses.dataclass(frozen=True)
-class EstimatorSpec:
-    name: str
-    fn: Callable
-    kind: str = "estimator"
-    stateful: bool = False  # takes state= and returns (Advantages, new_state)
-    init_state: Callable | None = None  # init_state(num_tasks) for stateful estimators
-    check_state: Callable | None = None  # host-side check_state(batch, state)
-
-    @property
-    def hyper_params(self) -> dict:
-        """Keyword hyper-parameters with their defaults (``state`` and ``axis_name`` left out)."""
-        sig = inspect.signature(self.fn)
-        return {k: p.default for k, p in sig.parameters.items()
-                if p.kind is p.KEYWORD_ONLY and k not in ("state", "axis_name")}
-
-
-_REGISTRY: dict[str, EstimatorSpec] = {}
-
-
-def register(name: str, fn: Callable, *, kind: str = "estimator", stateful: bool = False,
-             init_state=None, check_state=None) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"estimator {name!r} is already registered")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if stateful and kind != "estimator":
-        raise ValueError("only estimators may be stateful")
-    _REGISTRY[name] = EstimatorSpec(name, fn, kind, stateful, init_state, check_state)
+# One entry of the registry (``jaxrl_agent.registry.Entry``): name, function, kind, what it
+# reads, hyper-parameters, state.
+EstimatorSpec = _registry.Entry
 
 
 def names(kind: str = "estimator") -> list[str]:
     """Registered names of one kind (``"estimator"``, ``"shaping"``, ``"transform"``) or of
     every kind (``"all"``)."""
-    if kind != "all" and kind not in KINDS:
+    if kind == "all":
+        return sorted(n for k in KINDS for n in _registry.names(k))
+    if kind not in KINDS:
         raise ValueError(f"kind must be 'all' or one of {KINDS}, got {kind!r}")
-    return sorted(n for n, s in _REGISTRY.items() if kind == "all" or s.kind == kind)
+    return _registry.names(kind)
 
 
 def spec(name: str, kind: str | None = None) -> EstimatorSpec:
-    """The spec of ``name``; with ``kind``, a ValueError unless it is of that kind."""
-    if name not in _REGISTRY:
-        listed = names(kind or "estimator")
-        raise ValueError(f"unknown {kind or 'estimator'} {name!r}; known: {', '.join(listed)}"
-                         + ("" if kind else f" (shaping: {', '.join(names('shaping'))}; "
-                            f"transforms: {', '.join(names('transform'))})"))
-    s = _REGISTRY[name]
-    if kind is not None and s.kind != kind:
-        article = lambda k: ("an " if k[0] in "aeiou" else "a ") + k  # noqa: E731
-        raise ValueError(f"{name!r} is {article(s.kind)}, not {article(kind)}; {kind}s: "
-                         f"{', '.join(names(kind))}")
-    return s
+    """The entry of ``name`` (an estimator, shaping or transform stage); with ``kind``, a
+    ValueError unless it is of that kind."""
+    if kind is not None:
+        return _registry.lookup(name, kind)
+    e = _registry.find(name, "estimator")
+    if e is None:
+        raise ValueError(f"unknown estimator {name!r}; known: {', '.join(names())} (shaping: "
+                         f"{', '.join(names('shaping'))}; transforms: "
+                         f"{', '.join(names('transform'))}){_registry.IMPORT_HINT}")
+    return e
+
+
+def reads(pipe: "Pipeline") -> tuple:
+    """The extras fields every stage of ``pipe`` reads, in stage order, without repeats."""
+    out = []
+    for name, params in (*pipe.shaping, pipe.estimator, *pipe.then):
+        out += [f for f in spec(name).inputs(dict(params)) if f not in out]
+    return tuple(out)
 
 
 def get(name: str) -> Callable:

@@ -39,9 +39,10 @@ import numpy as np
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_nonneg, check_unit, require
+from jaxrl_agent.checks import check_choice, check_nonneg, check_unit, require
 from jaxrl_agent.estimators.allocation import (apply_token_weights, shuffle_weights,
                                                token_weights)
+from jaxrl_agent.registry import register
 
 ROLES = ("progress", "exploration", "infrastructure", "regression")  # TRIAGE label 0..3
 
@@ -51,11 +52,6 @@ ROLES = ("progress", "exploration", "infrastructure", "regression")  # TRIAGE la
 
 def _static(x):
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_nonneg(name, value):
-    if _static(value) and not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def _check_range(name, value, lo, hi):
@@ -144,6 +140,7 @@ def _with_token(adv, tok, b):
 # ----------------------------------------------------------------------------- e3 STAMP
 
 
+@register("stamp", kind="transform")
 def stamp(adv: Advantages, batch: TrajectoryBatch, *, citations: str = "supported_citations",
           alpha: float = 1.0, shuffle: bool = False, seed: int = 0,
           axis_name=None) -> Advantages:
@@ -161,7 +158,7 @@ def stamp(adv: Advantages, batch: TrajectoryBatch, *, citations: str = "supporte
     group is that of A_i; m > 0 (sign preservation); no supported citation (or alpha = 0) gives
     the base exactly (reduction to the base estimator).
     """
-    _check_nonneg("alpha", alpha)
+    check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
     c = jnp.maximum(_turn_signal(b, citations, "stamp", "supported citations first exposed at "
                                  "each turn, [N, K]"), 0.0)
@@ -204,6 +201,7 @@ def influence_degrees(edges, b: TrajectoryBatch, *, num_types: int = 2, dedup: b
     return out.reshape(num_types, n, k), inn.reshape(num_types, n, k)
 
 
+@register("iapo", kind="transform")
 def iapo(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges", alpha: float = 1.0,
          beta: float = 1.0, dedup: bool = True, shuffle: bool = False, seed: int = 0,
          axis_name=None) -> Advantages:
@@ -224,8 +222,8 @@ def iapo(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges", alpha
     trajectory without edges, and a successful one without edges when beta = 0, gets the base
     exactly (reduction to the base estimator).
     """
-    _check_nonneg("alpha", alpha)
-    _check_nonneg("beta", beta)
+    check_nonneg("alpha", alpha)
+    check_nonneg("beta", beta)
     b = segments.local_view(batch, axis_name)
     e = require(b, edges, "iapo", "influence edges [N, E, 3] (src_turn, dst_turn, type)")
     if e.ndim != 3 or e.shape[0] != b.num_traj or e.shape[2] != 3:
@@ -272,6 +270,7 @@ def citation_rates(cite, success, failure, b: TrajectoryBatch):
     return rate(success), rate(failure)
 
 
+@register("self_credit", kind="transform")
 def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
                 alpha: float = 1.0, alpha_fail: float = 0.5, w_min: float = 0.1,
                 variant: str = "reweight", shuffle: bool = False, seed: int = 0,
@@ -292,8 +291,8 @@ def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
     (reduction to the base estimator). Symmetry: a key cited at equal rates by both sides (s_a =
     f_a) keeps w = 1 in successful rollouts.
     """
-    _check_nonneg("alpha", alpha)
-    _check_nonneg("alpha_fail", alpha_fail)
+    check_nonneg("alpha", alpha)
+    check_nonneg("alpha_fail", alpha_fail)
     check_unit("w_min", w_min)
     check_choice("variant", variant, ("reweight", "conserve"))
     b = segments.local_view(batch, axis_name)
@@ -321,6 +320,7 @@ def _roles(b, role, who):
     return jnp.clip(ri, 0, len(ROLES) - 1), known
 
 
+@register("triage", kind="transform")
 def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound: float = 0.5,
            c_progress: float = 1.0, c_exploration: float = 0.5,
            c_infrastructure: float = 0.0, c_regression: float = -1.0,
@@ -341,7 +341,7 @@ def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound
     positive (sign preservation). All-infrastructure labels give the base exactly (reduction to
     the base estimator). The data-driven constants are ``triage_constants``.
     """
-    _check_nonneg("bound", bound)
+    check_nonneg("bound", bound)
     for name, v in (("c_progress", c_progress), ("c_exploration", c_exploration),
                     ("c_infrastructure", c_infrastructure), ("c_regression", c_regression)):
         _check_range(name, v, -1.0, 1.0)
@@ -388,6 +388,7 @@ def triage_constants(target, base, batch: TrajectoryBatch, *, role: str = "role"
 # ----------------------------------------------------------------------------- e14, e15, e16
 
 
+@register("serl", kind="transform")
 def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance",
          alpha: float = 1.0, shuffle: bool = False, seed: int = 0,
          axis_name=None) -> Advantages:
@@ -402,7 +403,7 @@ def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance
     Mass conservation, sign preservation; constant relevance or alpha = 0 gives the base exactly
     (reduction to the base estimator).
     """
-    _check_nonneg("alpha", alpha)
+    check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
     rel = _turn_signal(b, relevance, "serl", "environment relevance per turn [N, K] or per "
                        "token [R, T]", token_ok=True)
@@ -410,6 +411,7 @@ def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance
                   axis_name)
 
 
+@register("vict", kind="transform")
 def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
          complete: str | None = "trace_complete", alpha: float = 1.0, shuffle: bool = False,
          seed: int = 0, axis_name=None) -> Advantages:
@@ -426,7 +428,7 @@ def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
     Mass conservation, sign preservation, reduction to the base estimator (abstain, no atoms or
     alpha = 0 give the base exactly).
     """
-    _check_nonneg("alpha", alpha)
+    check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
     n_atoms = jnp.maximum(_turn_signal(b, atoms, "vict", "verifier atoms traced to each turn, "
                                        "[N, K]"), 0.0)
@@ -439,6 +441,7 @@ def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
     return _route(adv, w, b, batch, shuffle, seed, axis_name)
 
 
+@register("echo", kind="transform")
 def echo(adv: Advantages, batch: TrajectoryBatch, *, selected: str = "selected",
          eta: float = 1.0, renormalize: bool = False, shuffle: bool = False, seed: int = 0,
          axis_name=None) -> Advantages:
@@ -452,7 +455,7 @@ def echo(adv: Advantages, batch: TrajectoryBatch, *, selected: str = "selected",
 
     sign preservation; failed trajectories are unchanged bit for bit.
     """
-    _check_nonneg("eta", eta)
+    check_nonneg("eta", eta)
     b = segments.local_view(batch, axis_name)
     sel = _turn_signal(b, selected, "echo", "1 where turn k is a selected source, [N, K]") > 0.5
     pos = trajectory_advantage(adv, b)[:, None] > 0
@@ -465,6 +468,7 @@ def echo(adv: Advantages, batch: TrajectoryBatch, *, selected: str = "selected",
 # ----------------------------------------------------------------------------- e17 SkillGate
 
 
+@register("skillgate", kind="transform")
 def skillgate(adv: Advantages, batch: TrajectoryBatch, *, skill_mask: str = "skill_mask",
               read_correct: str = "read_correct", normalize: str = "group",
               eps: float = 1e-6, axis_name=None) -> Advantages:
@@ -509,6 +513,7 @@ def skillgate_channels(batch: TrajectoryBatch, *, skill_mask: str = "skill_mask"
 # ----------------------------------------------------------------------------- e18 ProAS
 
 
+@register("proas", kind="transform")
 def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasonable",
           deviation: str = "deviation", alpha: float = 1.0, beta: float = 0.5,
           shuffle: bool = False, seed: int = 0, axis_name=None) -> Advantages:
@@ -525,7 +530,7 @@ def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasona
     MUI only removes positive mass; APR keeps the trajectory's mass and signs (sign preservation,
     beta <= 1). ``shuffle`` permutes the APR weights.
     """
-    _check_nonneg("alpha", alpha)
+    check_nonneg("alpha", alpha)
     check_unit("beta", beta)
     b = segments.local_view(batch, axis_name)
     ok = _turn_signal(b, reasonable, "proas", "1 where the action is reasonable, [N, K]") > 0.5
@@ -545,6 +550,7 @@ def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasona
 # ----------------------------------------------------------------------------- e22 Neos, GGPO
 
 
+@register("neos", kind="transform")
 def neos(adv: Advantages, batch: TrajectoryBatch, *, divergence: str = "divergence_step",
          after: str = "keep", axis_name=None) -> Advantages:
     """Neos reference-guided credit [X]. ``extras[divergence]`` [N]: the first
@@ -572,6 +578,7 @@ def neos(adv: Advantages, batch: TrajectoryBatch, *, divergence: str = "divergen
     return _scale(adv, w, b)
 
 
+@register("ggpo", kind="transform")
 def ggpo(adv: Advantages, batch: TrajectoryBatch, *, redundant: str = "redundant",
          axis_name=None) -> Advantages:
     """VimRAG graph-guided policy optimization's pruning rule [X].
@@ -625,6 +632,7 @@ def _agent_advantages(turn, b):
     return Advantages(token=segments.turn_to_token(turn, b), turn=turn)
 
 
+@register("ccpo")
 def ccpo(batch: TrajectoryBatch, *, agent: str = "agent",
          counterfactual: str = "counterfactual_outcome", lam: float = 1.0, eps: float = 1e-6,
          ddof: int = 1, axis_name=None) -> Advantages:
@@ -686,6 +694,7 @@ def shapley_values(v):
     return jnp.einsum("...s,sa->...a", v, w, precision=jax.lax.Precision.HIGHEST)
 
 
+@register("sharp")
 def sharp(batch: TrajectoryBatch, *, agent: str = "agent",
           coalition_values: str = "coalition_values", beta: float = 1.0,
           tool_rewards: str | None = None, delta: float = 0.0, eps: float = 1e-6,
@@ -752,9 +761,3 @@ def grse_credit(batch: TrajectoryBatch, *, active: str = "pair_active", axis_nam
 
 
 # Registered by jaxrl_agent.estimators (kind: name -> function).
-ESTIMATORS = {"ccpo": ccpo, "sharp": sharp}
-TRANSFORMS = {
-    "stamp": stamp, "iapo": iapo, "self_credit": self_credit, "triage": triage, "serl": serl,
-    "vict": vict, "echo": echo, "skillgate": skillgate, "proas": proas, "neos": neos,
-    "ggpo": ggpo,
-}

@@ -43,8 +43,9 @@ from jax import lax
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.estimators import allocation
-from jaxrl_agent.estimators._checks import (check_choice, check_nonneg, check_positive, check_unit,
+from jaxrl_agent.checks import (check_choice, check_nonneg, check_positive, check_unit,
                                             require)
+from jaxrl_agent.registry import register
 
 NORMS = ("cohort", "group", "state", "batch", "none")
 F32 = jnp.float32
@@ -246,6 +247,7 @@ def _check_norm(by):
 # ----------------------------------------------------------------------------- PBRS (generic)
 
 
+@register("pbrs", kind="shaping")
 def pbrs(batch: TrajectoryBatch, *, potential: str = "potential",
          final_potential: str = "final_potential", gamma: float = 1.0, scale: float = 1.0,
          to_outcome: bool = False, axis_name=None) -> TrajectoryBatch:
@@ -272,6 +274,7 @@ def pbrs(batch: TrajectoryBatch, *, potential: str = "potential",
 # ----------------------------------------------------------------------------- d1
 
 
+@register("uniform", kind="shaping")
 def uniform(batch: TrajectoryBatch, *, score: str = "outcome", replace: bool = True,
             axis_name=None) -> TrajectoryBatch:
     """Uniform redistribution (verifier-information-density paper, d1) [X].
@@ -288,6 +291,7 @@ def uniform(batch: TrajectoryBatch, *, score: str = "outcome", replace: bool = T
     return _set_turn_rewards(batch, b, r, replace)
 
 
+@register("reward_to_go")
 def reward_to_go(batch: TrajectoryBatch, *, score: str = "outcome", baseline: str = "cohort",
                  scale_std: bool = False, eps: float = 1e-6, axis_name=None) -> Advantages:
     """The reward-to-go arm of the verifier-density paper [X].
@@ -359,6 +363,7 @@ def _trace_rewards(b, potential, final_potential, length):
     return r
 
 
+@register("trace", kind="transform")
 def trace(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potential",
           final_potential: str = "final_potential", beta: float = 0.5,
           normalize: str = "cohort", accumulate: bool = False, length: str | None = None,
@@ -395,6 +400,7 @@ def _pica_stats(x, gid, valid, n):
     return mean, std
 
 
+@register("pica")
 def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: float = 1.0,
          norm: str = "separate", scale_std: bool = True, f1_weight: float = 1.0,
          ig_weight: float = 1.0, eps: float = 1e-6, axis_name=None) -> Advantages:
@@ -466,6 +472,7 @@ def spae_potential(acc, conf):
     return 1.5 * acc * conf + 0.5 * acc - conf
 
 
+@register("spae", kind="transform")
 def spae(adv: Advantages, batch: TrajectoryBatch, *, potential: str | None = "step_potential",
          acc: str = "acc", conf: str = "conf", alpha: float = 0.1, c_sat: float = 1.0,
          saturation: float = 0.9, axis_name=None) -> Advantages:
@@ -536,6 +543,7 @@ def _efca_weights(b, feedback, fb_coef, loop_coef, window, w_min, w_max):
     return jnp.where(valid, w, 0.0)
 
 
+@register("efca", kind="transform")
 def efca(adv: Advantages, batch: TrajectoryBatch, *, feedback: str = "feedback",
          fb_coef: float = 0.5, loop_coef: float = 0.5, window: int = 3, w_min: float = 0.0,
          w_max: float = 2.0, renormalize: bool = False, axis_name=None) -> Advantages:
@@ -606,6 +614,7 @@ def _vtca_credit(b, progress, final_progress, edges, rho):
     return jnp.where(valid, delta - give + received, 0.0)
 
 
+@register("vtca", kind="transform")
 def vtca(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progress",
          final_progress: str = "final_progress", edges: str = "edges", rho: float = 0.3,
          eta: float = 1.0, normalize: str = "none", eps: float = 1e-6,
@@ -630,6 +639,7 @@ def vtca(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progress",
 # ----------------------------------------------------------------------------- d7 ProCredit
 
 
+@register("procredit", kind="transform")
 def procredit(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progress",
               final_progress: str = "final_progress", weight: float = 1.0,
               cohort: str = "cohort", scale_std: bool = True, eps: float = 1e-6,
@@ -671,6 +681,7 @@ def _a2tgpo_ig(b, potential, final_potential, eps):
     return normalize_turns(ig, b, by="cohort", eps=eps)
 
 
+@register("a2tgpo", kind="transform")
 def a2tgpo(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potential",
            final_potential: str = "final_potential", gamma: float = 1.0,
            weight: float = 1.0, eps: float = 1e-6, axis_name=None) -> Advantages:
@@ -722,6 +733,7 @@ def _odd_transform(a, transform):
     return a
 
 
+@register("cast", kind="transform")
 def cast(adv: Advantages, batch: TrajectoryBatch, *, oracle: str = "oracle_advantage",
          alpha: float = 0.3, transform: str = "asinh", norm: str = "rms", eps: float = 1e-8,
          axis_name=None) -> Advantages:
@@ -755,6 +767,7 @@ def cast(adv: Advantages, batch: TrajectoryBatch, *, oracle: str = "oracle_advan
 # ----------------------------------------------------------------------------- d10 SPA
 
 
+@register("spa", kind="shaping")
 def spa(batch: TrajectoryBatch, *, contribution: str = "contribution",
         grounded: str = "grounded", bonus: float = 0.5, replace: bool = True,
         axis_name=None) -> TrajectoryBatch:
@@ -841,6 +854,7 @@ def rebel_reward(r_state, r_task, r_pred, r_format, weights=(1.0, 1.0, 1.0, 1.0)
     return sum(c * w * jnp.asarray(x, F32) for c, w, x in zip(coefs, weights, parts))
 
 
+@register("rebel", kind="shaping")
 def rebel(batch: TrajectoryBatch, *, state: str = "belief_state", task: str = "belief_task",
           pred: str = "belief_pred", format: str = "belief_format", w_state: float = 0.3,
           w_task: float = 0.4, w_pred: float = 0.3, w_format: float = 0.1,
@@ -884,6 +898,7 @@ def _implicit_step_rewards(b, prm, ref, beta):
     return jnp.where(_valid(b), beta * segments.token_to_turn(lp - lr, b), 0.0)
 
 
+@register("oprl", kind="transform")
 def oprl(adv: Advantages, batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
          ref: str = "ref_logprobs", beta: float = 0.1, weight: float = 1.0,
          cohort: str = "cohort", scale_std: bool = True, eps: float = 1e-6,
@@ -931,6 +946,7 @@ def _prefix_score_rewards(b, scores, initial_score):
     return jnp.where(b.action_mask, s - prev, 0.0)
 
 
+@register("red", kind="shaping")
 def red(batch: TrajectoryBatch, *, scores: str = "prefix_scores",
         initial_score: str = "initial_score", scale: float = 1.0,
         axis_name=None) -> TrajectoryBatch:
@@ -945,6 +961,7 @@ def red(batch: TrajectoryBatch, *, scores: str = "prefix_scores",
 # ----------------------------------------------------------------------------- d14 step gain
 
 
+@register("step_gain", kind="transform")
 def step_gain(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potential",
               final_potential: str = "final_potential", weight: float = 1.0,
               scale_std: bool = True, eps: float = 1e-6, axis_name=None) -> Advantages:
@@ -965,6 +982,7 @@ def step_gain(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "pote
 # ----------------------------------------------------------------------------- d15
 
 
+@register("vpr", kind="shaping")
 def vpr(batch: TrajectoryBatch, *, label: str = "verified", scale: float = 1.0,
         to: str = "outcome", replace: bool = False, axis_name=None) -> TrajectoryBatch:
     """Verifier/judge-derived per-turn process rewards (d15, VPR and kin) [S].
@@ -991,6 +1009,7 @@ def vpr(batch: TrajectoryBatch, *, label: str = "verified", scale: float = 1.0,
     return out
 
 
+@register("nasa", kind="shaping")
 def nasa(batch: TrajectoryBatch, *, evidence: str = "evidence", necessity: str = "necessity",
          threshold: float = 0.5, scale: float = 1.0, replace: bool = False,
          axis_name=None) -> TrajectoryBatch:
@@ -1013,6 +1032,7 @@ def nasa(batch: TrajectoryBatch, *, evidence: str = "evidence", necessity: str =
                              replace)
 
 
+@register("ups", kind="transform")
 def ups(adv: Advantages, batch: TrajectoryBatch, *, align: str = "alignment",
         lam: float = 0.5, center: str = "trajectory", axis_name=None) -> Advantages:
     """UPS-GRPO (SCOUT, d15) [X]: A_k = A_outcome + lam (r_align,k - mean), with the
@@ -1031,6 +1051,7 @@ def ups(adv: Advantages, batch: TrajectoryBatch, *, align: str = "alignment",
     return add_turn_term(adv, b, lam * d)
 
 
+@register("capo", kind="transform")
 def capo(adv: Advantages, batch: TrajectoryBatch, *, verdict: str = "step_verdict",
          kappa: float = 0.5, reward_correct: bool = False, fail_below: float = 0.5,
          axis_name=None) -> Advantages:
@@ -1066,6 +1087,7 @@ def _action_ordinals(b):
     return jnp.where(m, pos.astype(jnp.int32), -1)
 
 
+@register("v_rubrics", kind="shaping")
 def v_rubrics(batch: TrajectoryBatch, *, scores: str = "rubric_scores",
               starts: str = "rubric_start", ends: str = "rubric_end", mode: str = "span",
               scale: float = 1.0, axis_name=None) -> TrajectoryBatch:
@@ -1107,15 +1129,10 @@ def v_rubrics(batch: TrajectoryBatch, *, scores: str = "rubric_scores",
     return _add_token_rewards(batch, b, scale * r)
 
 
-# Registered by jaxrl_agent.estimators (kind: name -> function).
-SHAPINGS = {"pbrs": pbrs, "uniform": uniform, "spa": spa, "rebel": rebel, "red": red,
-            "vpr": vpr, "nasa": nasa, "v_rubrics": v_rubrics}
-ESTIMATORS = {"reward_to_go": reward_to_go, "pica": pica}
-TRANSFORMS = {"trace": trace, "spae": spae, "efca": efca, "vtca": vtca,
-              "procredit": procredit, "a2tgpo": a2tgpo, "cast": cast, "oprl": oprl,
-              "step_gain": step_gain, "ups": ups, "capo": capo}
-
-__all__ = sorted(set(SHAPINGS) | set(ESTIMATORS) | set(TRANSFORMS) | {
+__all__ = sorted({
+    "pbrs", "uniform", "spa", "rebel", "red", "vpr", "nasa", "v_rubrics", "reward_to_go", "pica",
+    "trace", "spae", "efca", "vtca", "procredit", "a2tgpo", "cast", "oprl", "step_gain", "ups",
+    "capo",
     "potential_rewards", "potential_differences", "normalize_turns", "add_turn_term",
     "verifier_density", "trace_rewards", "spae_potential", "efca_weights", "vtca_credit",
     "variance_rescaled_returns", "a2tgpo_clip_range", "spa_decomposition_loss",

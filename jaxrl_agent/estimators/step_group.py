@@ -23,7 +23,13 @@ import jax.numpy as jnp
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.registry import register
+
+
+def _gigpo_reads(hp: dict) -> tuple:
+    """GiGPO's similarity and bucket anchors group turns by ``extras['state_features']``."""
+    return () if hp.get("anchor", "exact") == "exact" else ("state_features",)
 
 MODES = ("mean_std_norm", "mean_norm")
 EPISODE_WEIGHTINGS = ("trajectory", "steps")
@@ -137,6 +143,7 @@ def _check_common(mode, episode_weighting, eps, singleton, gamma):
 # ----------------------------------------------------------------------------- estimators
 
 
+@register("step_group")
 def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "return",
                gamma: float = 1.0, episode_weight: float = 1.0, step_weight: float = 1.0,
                mode: str = "mean_std_norm", episode_weighting: str = "trajectory",
@@ -214,6 +221,7 @@ def anchor_ids(b: TrajectoryBatch, anchor: str, *, bucket_width: float = 0.1,
     return segments.similarity_clusters(feats, b.group_ids, valid, sim_threshold, sim_iters)
 
 
+@register("gigpo", reads=_gigpo_reads)
 def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1.0,
           mode: str = "mean_std_norm", episode_weighting: str = "trajectory",
           anchor: str = "exact", bucket_width: float = 0.1, sim_threshold: float = 0.95,
@@ -256,6 +264,7 @@ def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1
     return combine(b, a_ep, a_st, 1.0, step_weight)
 
 
+@register("matchtir")
 def matchtir(batch: TrajectoryBatch, *, lam: float = 0.9, eps: float = 1e-6,
              axis_name=None) -> Advantages:
     """MatchTIR's dual-level advantage (Qu et al. 2026; quchangle1/MatchTIR core_algos).

@@ -13,7 +13,12 @@ import jax.numpy as jnp
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_unit, require
+from jaxrl_agent.checks import check_choice, check_unit, require
+from jaxrl_agent.registry import register
+
+# What the critic estimators read: the value head's estimates (the train step supplies both; a
+# record's turn 'value' / token 'values' give them offline). Either one is enough.
+VALUE_READS = ("token_values", "turn_values")
 
 _TURN_VALUES = "[N, K] per-turn values: give each record turn a 'value'"
 
@@ -32,6 +37,7 @@ def _next_turn(x):
     return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
 
 
+@register("returns")
 def discounted_returns(batch: TrajectoryBatch, *, gamma: float = 1.0,
                        axis_name=None) -> Advantages:
     """Per-turn reward-to-go G_k = r_k + gamma G_{k+1} (G past the last turn = 0).
@@ -45,6 +51,7 @@ def discounted_returns(batch: TrajectoryBatch, *, gamma: float = 1.0,
     return Advantages(token=segments.turn_to_token(g, b), turn=g, turn_returns=g)
 
 
+@register("gae", reads=VALUE_READS)
 def gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
         eps: float = 1e-8, axis_name=None) -> Advantages:
     """Token-level GAE over multi-turn rows (verl's masked GAE, layout-independent).
@@ -83,6 +90,7 @@ def _turn_gae_raw(b, gamma, lam, v):
     return jnp.where(b.turn_mask, segments.reverse_scan(delta, gamma * lam, axis=1), 0.0)
 
 
+@register("turn_gae", reads=VALUE_READS)
 def turn_gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
              normalize: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
     """Turn-level GAE: the same recursion over turns with one value per turn.
@@ -111,6 +119,7 @@ def turn_gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
     return Advantages(token=segments.turn_to_token(adv_n, b), turn=adv_n, turn_returns=returns)
 
 
+@register("lambda_returns", reads=VALUE_READS)
 def lambda_returns(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
                    level: str = "turn", axis_name=None) -> Advantages:
     """Lambda-returns G^lam_t = r_t + gamma ((1 - lam) V_{t+1} + lam G^lam_{t+1}) = A^GAE_t + V_t.
@@ -132,6 +141,7 @@ def lambda_returns(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1
     return Advantages(token=adv.token_returns, token_returns=adv.token_returns)
 
 
+@register("sapo", reads=VALUE_READS)
 def sapo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
          normalize: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
     """SAPO (Single-rollout Autoregressive Policy Optimization, this project's SAPO; not the

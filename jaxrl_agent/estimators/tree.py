@@ -46,10 +46,11 @@ import jax.numpy as jnp
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators._checks import check_choice, check_positive, check_unit
+from jaxrl_agent.checks import check_choice, check_positive, check_unit
 from jaxrl_agent.estimators.step_group import (
     EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine, episode_advantage, normalize_in_groups,
     step_returns)
+from jaxrl_agent.registry import register
 
 SIGNATURES = ("history", "state")
 CHILDREN = ("history", "action")
@@ -171,6 +172,7 @@ def _rtmc_terms(b: TrajectoryBatch, *, kappa, signature, target, gamma):
             "q": z(q)}
 
 
+@register("rtmc")
 def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "history",
          target: str = "return", gamma: float = 1.0, episode_weight: float = 0.0,
          mode: str = "mean_std_norm", episode_weighting: str = "trajectory", eps: float = 1e-6,
@@ -239,6 +241,7 @@ def _tree_terms(b: TrajectoryBatch, *, child, baseline):
             "a_proc": z(a_proc)}
 
 
+@register("tree_value")
 def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weight: float = 1.0,
                baseline: str = "parent", child: str = "history", mode: str = "mean_std_norm",
                episode_weighting: str = "trajectory", eps: float = 1e-6,
@@ -314,6 +317,7 @@ def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal, 
             "phi": phi, "credit": z(credit), "a_pre": a_pre}
 
 
+@register("progpo")
 def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float = 1.0,
            transition_weight: float = 1.0, max_depth: int = 2, prior_std: float = 0.5,
            terminal: str = "outcome", mode: str = "mean_std_norm",

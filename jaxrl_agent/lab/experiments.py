@@ -101,8 +101,8 @@ def crossover(seeds: int = 16, out_dir=None, length: int = 6) -> dict:
         res[k] = _compare(tasks.make_task("chain", length=length, exposed=k), VD_ARMS, seeds,
                           reference="uniform")
     if out_dir is not None:
-        from jaxrl_agent.lab.report import _figure, _save
-        fig = _figure()
+        from jaxrl_agent.lab.report import new_figure, save_figure
+        fig = new_figure()
         ax = fig.add_subplot(1, 1, 1)
         vd = np.arange(1, length + 1) / length
         for arm in VD_ARMS:
@@ -115,7 +115,7 @@ def crossover(seeds: int = 16, out_dir=None, length: int = 6) -> dict:
                      fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        _save(fig, pathlib.Path(out_dir) / "lab_vd_crossover.png")
+        save_figure(fig, pathlib.Path(out_dir) / "lab_vd_crossover.png")
     return res
 
 

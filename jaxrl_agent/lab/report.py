@@ -95,7 +95,7 @@ def write_json(result: dict, path) -> None:
     path.write_text(json.dumps(result, indent=1))
 
 
-def _figure(width=7.0, height=4.2):
+def new_figure(width=7.0, height=4.2):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -104,7 +104,7 @@ def _figure(width=7.0, height=4.2):
     return fig
 
 
-def _save(fig, path) -> str:
+def save_figure(fig, path) -> str:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -114,7 +114,7 @@ def _save(fig, path) -> str:
 
 def plot_correlation_by_turn(result: dict, path) -> str:
     """Pearson corr(C, A) at each turn index, one line per arm (first setting)."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot(1, 1, 1)
     for name, res in result["arms"].items():
         sc = res["scores"][0]
@@ -128,13 +128,13 @@ def plot_correlation_by_turn(result: dict, path) -> str:
     ax.axhline(0.0, color="gray", lw=0.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_learning_curves(curves: dict, path, title: str = "", optimum=None) -> str:
     """Mean exact success vs step with a shaded 95% CI, one line per arm. ``curves``: name ->
     ``learning.summarize`` output (or an arm result with a ``learning`` entry)."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.add_subplot(1, 1, 1)
     for name, s in curves.items():
         s = s.get("learning", s)
@@ -149,4 +149,4 @@ def plot_learning_curves(curves: dict, path, title: str = "", optimum=None) -> s
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -3,7 +3,8 @@
 Every loss returns ``(sum, denominator)`` instead of a mean; add the pairs over micro-batches
 and devices, then divide once (``safe_ratio``). See ``aggregation`` and ``docs/losses.md``.
 
-Registry (for configs): ``get(name)`` -> function, ``names()`` -> the valid names.
+Each loss is registered at its definition (``@register(name, kind="loss")``, see
+``jaxrl_agent.registry``); ``get(name)`` -> function, ``names()`` -> the valid names.
 """
 
 from __future__ import annotations
@@ -19,38 +20,19 @@ from jaxrl_agent.losses.policy import (advantage_array, cispo, clipped_surrogate
 from jaxrl_agent.losses.value import sarsa, value
 from jaxrl_agent.losses.objective import sapo_terms, weighted_total
 from jaxrl_agent.losses import distill
-from jaxrl_agent.losses.distill import LOSSES as _DISTILL_LOSSES
-
-_REGISTRY = {
-    "ppo": ppo,
-    "gspo": gspo,
-    "cispo": cispo,
-    "soft_gate": soft_gate,
-    "reinforce": reinforce,
-    "value": value,
-    "sarsa": sarsa,
-    "k1": k1,
-    "k2": k2,
-    "k3": k3,
-    "k1_st": k1_st,
-    "k3_st": k3_st,
-    "entropy": entropy,
-    # family (f): distillation and auxiliary losses (teacher log-probs from the batch extras)
-    **_DISTILL_LOSSES,
-}
+from jaxrl_agent import registry as _registry
 
 
 def names() -> tuple:
-    """The registered loss names."""
-    return tuple(_REGISTRY)
+    """The registered loss names (the package's and those of imported plug-ins)."""
+    return tuple(_registry.names("loss"))
 
 
 def get(name: str):
     """The loss function registered under ``name``; ``ValueError`` listing the names if none."""
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown loss {name!r}; valid names: {names()}") from None
+    if not isinstance(name, str):
+        raise ValueError(f"unknown loss {name!r}; valid names: {names()}")
+    return _registry.lookup(name, "loss").fn
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Family (f): on-policy (self-)distillation, as advantages and as auxiliary losses.
+"""On-policy (self-)distillation as auxiliary losses.
 
 Notation (per action token t): lp_S = the student's current log-prob of the sampled token
 (``logprobs``, the only input that carries gradient), lp_old = behaviour log-probs
@@ -14,16 +14,12 @@ Every teacher, behaviour, reward and weight input is wrapped in ``jax.lax.stop_g
 (stop-gradient); padding is selected away (``jnp.where``) before any arithmetic, so NaN or inf
 in padded entries changes nothing, neither the value nor the gradient (padding invariance).
 
-Three kinds of functions (the lead registers them):
-
-* estimators ``f(batch, *, hp, axis_name=None) -> Advantages``: ``opd``, ``credit``;
-* transforms ``f(adv, batch, *, hp, axis_name=None) -> Advantages``: ``seed`` (f7, the dense
-  add-on A_t += lam (lp_T - lp_S,ctx)) and ``cny`` (f10, the same on a token mask);
-* losses ``f(logprobs, batch, *, hp, agg="token_mean", agg_constant=None, axis_name=None)
-  -> (sum, denominator)`` aggregated by ``aggregation.aggregate`` (add the pairs over
-  micro-batches and devices, divide once): ``sdl``, ``sdar``, ``edge``,
-  ``ucob``, ``icsd``, ``craft``, ``treeopsd``, ``t_reg``,
-  ``weighted_sft`` (f13: ASPO / InT / ABC-SFT).
+The same teacher signals as advantages (estimators ``opd``, ``credit``; transforms ``seed``,
+``cny``) live in ``jaxrl_agent.estimators.distill``. Here, the losses ``f(logprobs, batch, *,
+hp, agg="token_mean", agg_constant=None, axis_name=None) -> (sum, denominator)``, aggregated
+by ``aggregation.aggregate`` (add the pairs over micro-batches and devices, divide once):
+``sdl``, ``sdar``, ``edge``, ``ucob``, ``icsd``, ``craft``, ``treeopsd``, ``t_reg``,
+``weighted_sft`` (ASPO / InT / ABC-SFT).
 
 Status: P = follows a public implementation (the file is named), X = our proposed
 definition of a formula the paper gives only in words (marked [X] with the paper).
@@ -31,16 +27,19 @@ definition of a formula the paper gives only in words (marked [X] with the paper
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl_agent import segments
-from jaxrl_agent.batch import Advantages, TrajectoryBatch
+from jaxrl_agent.batch import TrajectoryBatch
 from jaxrl_agent.losses.aggregation import aggregate, check_mode
+from jaxrl_agent.checks import (check_choice, check_nonneg,
+                                check_positive, check_unit, is_static_real, require, shape_error,
+                                spread_field, token_field, token_mask)
 from jaxrl_agent.losses.kl import kl_k3
+from jaxrl_agent.registry import register
 
 sg = jax.lax.stop_gradient
 LOG_CLAMP = 20.0
@@ -49,128 +48,13 @@ UCOB_GATES = ("sigmoid", "none")
 ICSD_TRUST = ("sdar", "sdl")
 CRAFT_LEVELS = ("group", "step")
 CRAFT_CREDIT = ("sign", "scaled")
-CREDIT_LEVELS = ("token", "sequence")
-CREDIT_VARIANTS = ("logmeanexp", "mean")
-
-
-# ----------------------------------------------------------------------------- checks
-# (local copies of estimators._checks: importing jaxrl_agent.estimators from here would be
-# circular, since the estimator registry imports this module)
-
-
-def _static_real(x):
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
-def _check_positive(name, value):
-    if _static_real(value) and not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-
-
-def _check_nonneg(name, value):
-    if _static_real(value) and not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
-def _check_unit(name, value):
-    if _static_real(value) and not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must lie in [0, 1], got {value}")
-
-
-def _check_optional_positive(name, value):
-    if value is not None:
-        _check_positive(name, value)
-
-
-def _require(batch, field, who, what):
-    if field not in batch.extras:
-        have = sorted(batch.extras) or "none"
-        raise ValueError(f"{who} needs extras['{field}'] ({what}); the batch has extras: {have}")
-    return batch.extras[field]
-
-
-# ----------------------------------------------------------------------------- batch fields
-
-
-def _shape_error(who, name, what, shape, got):
-    return ValueError(f"{who}: {name} must have shape {what} = {shape}, got {tuple(got)}")
-
-
-def token_field(batch: TrajectoryBatch, name: str, who: str, *, override=None,
-                what: str = "log-probs of the sampled tokens"):
-    """A per-token float array [R, T], 0 outside ``action_mask``, NOT stop-gradient.
-
-    ``override`` (an array) wins over the field; ``name == "old_logprobs"`` reads
-    ``batch.old_logprobs``; otherwise ``batch.extras[name]`` (ValueError naming the field).
-    """
-    if override is not None:
-        x, label = override, f"the array given for {name!r}"
-    elif name == "old_logprobs":
-        x, label = batch.old_logprobs, "old_logprobs"
-    else:
-        x, label = _require(batch, name, who, f"[R, T] {what}"), f"extras['{name}']"
-    shape = tuple(batch.action_mask.shape)
-    if tuple(jnp.shape(x)) != shape:
-        raise _shape_error(who, label, "[R, T]", shape, jnp.shape(x))
-    return jnp.where(batch.action_mask, jnp.asarray(x, jnp.float32), 0.0)
-
-
-def spread_field(batch: TrajectoryBatch, name: str, who: str, what: str, *, override=None):
-    """A per-token view [R, T] of a signal given per token [R, T], per turn [N, K] (each token
-    of turn k gets the turn's value) or per trajectory [N]; 0 outside ``action_mask``.
-    ``name == "outcome"`` reads ``batch.outcome``. ``batch`` must be block-local."""
-    if override is not None:
-        x = override
-    elif name == "outcome":
-        x = batch.outcome
-    elif name == "old_logprobs":
-        x = batch.old_logprobs
-    else:
-        x = _require(batch, name, who, f"{what}: [R, T], [N, K] or [N]")
-    x = jnp.asarray(x)
-    shape = tuple(x.shape)
-    m = batch.action_mask
-    if shape == tuple(m.shape):
-        return jnp.where(m, x.astype(jnp.float32), 0.0)
-    if shape == tuple(batch.turn_mask.shape):
-        x = jnp.where(batch.turn_mask, x.astype(jnp.float32), 0.0)
-        return segments.turn_to_token(x, batch)
-    if shape == (batch.num_traj,):
-        x = jnp.where(batch.traj_mask, x.astype(jnp.float32), 0.0)
-        return segments.traj_to_token(x, batch)
-    raise ValueError(f"{who}: {name!r} ({what}) must have shape [R, T] = {tuple(m.shape)}, "
-                     f"[N, K] = {tuple(batch.turn_mask.shape)} or [N] = ({batch.num_traj},), "
-                     f"got {shape}")
-
-
-def token_mask(batch: TrajectoryBatch, name, who: str, what: str = "token mask"):
-    """``action_mask`` restricted by a per-token mask field (bool, or > 0.5 if float); the
-    whole ``action_mask`` when ``name`` is None."""
-    m = batch.action_mask
-    if name is None:
-        return m
-    x = jnp.asarray(_require(batch, name, who, f"[R, T] {what}"))
-    if tuple(x.shape) != tuple(m.shape):
-        raise _shape_error(who, f"extras['{name}']", "[R, T]", tuple(m.shape), x.shape)
-    on = x if x.dtype == jnp.bool_ else (jnp.where(m, x, 0.0) > 0.5)
-    return m & on
-
-
-def _turn_mean(tok, b):
-    """Token mean of a per-token array over every valid turn, [N, K]."""
-    return jnp.where(segments.valid_turns(b), segments.token_to_turn(tok, b, "mean"), 0.0)
 
 
 def _student(logprobs, batch: TrajectoryBatch, who: str):
     """The differentiable student log-probs, 0 (with zero gradient) outside ``action_mask``."""
     shape = tuple(batch.action_mask.shape)
     if tuple(jnp.shape(logprobs)) != shape:
-        raise _shape_error(who, "logprobs", "[R, T]", shape, jnp.shape(logprobs))
+        raise shape_error(who, "logprobs", "[R, T]", shape, jnp.shape(logprobs))
     return jnp.where(batch.action_mask, jnp.asarray(logprobs, jnp.float32), 0.0)
 
 
@@ -181,13 +65,9 @@ def _advantage_tokens(b, advantages, field, who):
         a = getattr(advantages, "token", advantages)
         shape = tuple(b.action_mask.shape)
         if tuple(jnp.shape(a)) != shape:
-            raise _shape_error(who, "advantages", "[R, T]", shape, jnp.shape(a))
+            raise shape_error(who, "advantages", "[R, T]", shape, jnp.shape(a))
         return sg(jnp.where(b.action_mask, jnp.asarray(a, jnp.float32), 0.0))
     return sg(spread_field(b, field, who, "advantages / credit (or pass advantages=)"))
-
-
-def _clip_signal(x, clip):
-    return x if clip is None else jnp.clip(x, -clip, clip)
 
 
 def _finish(per_token, batch, agg, agg_constant, axis_name, mask=None):
@@ -196,79 +76,6 @@ def _finish(per_token, batch, agg, agg_constant, axis_name, mask=None):
     if mask is not None:
         batch = batch.replace(action_mask=mask)
     return aggregate(per_token, batch, agg, constant=agg_constant, axis_name=axis_name)
-
-
-# ============================================================================= f1, f7, f10
-
-
-def opd(batch: TrajectoryBatch, *, beta: float = 1.0, teacher: str = "teacher_logprobs",
-        behavior: str = "old_logprobs", mask=None, clip=None, axis_name=None) -> Advantages:
-    """On-policy distillation as an advantage: A_t = beta (lp_T(y_t) - lp_old(y_t)).
-
-    The per-token negative reverse-KL sample -beta (lp_old - lp_T): no group baseline, no
-    whitening, no discount. Fed to a PG/PPO loss it is the standard on-policy estimator of
-    -grad KL(pi_theta || pi_T). Status P: NVIDIA-NeMo/labs-molt ``on_policy_distill`` (advantage
-    form; also Thinking Machines' on-policy distillation recipe).
-
-    Args:
-      teacher: extras field of lp_T [R, T] (teacher log-probs of the sampled tokens).
-      behavior: field of lp_old (default ``batch.old_logprobs``).
-      mask: optional extras field of a token mask [R, T]: A = 0 off it.
-      clip: optional bound on |lp_T - lp_old| (a sharp teacher can otherwise put a huge
-        advantage on one token).
-
-    Returns:
-      ``Advantages`` with ``token`` [R, T] and ``turn`` = the token mean per turn.
-      Teacher = behaviour gives A = 0; linear in beta (without ``clip``).
-    """
-    _check_nonneg("beta", beta)
-    _check_optional_positive("clip", clip)
-    b = segments.local_view(batch, axis_name)
-    lt = sg(token_field(b, teacher, "opd"))
-    lb = sg(token_field(b, behavior, "opd"))
-    on = token_mask(b, mask, "opd")
-    tok = jnp.where(on, beta * _clip_signal(lt - lb, clip), 0.0)
-    return Advantages(token=tok, turn=_turn_mean(tok, b))
-
-
-def _dense_addon(adv: Advantages, batch, who, lam, teacher, student, mask, clip, axis_name):
-    _check_nonneg("lam", lam)
-    _check_optional_positive("clip", clip)
-    b = segments.local_view(batch, axis_name)
-    lt = sg(token_field(b, teacher, who))
-    ls = sg(token_field(b, student, who))
-    on = token_mask(b, mask, who)
-    base = jnp.where(b.action_mask, jnp.asarray(adv.token, jnp.float32), 0.0)
-    tok = jnp.where(on, base + lam * _clip_signal(lt - ls, clip), base)
-    return adv.replace(token=tok, turn=_turn_mean(tok, b))
-
-
-def seed(adv: Advantages, batch: TrajectoryBatch, *, lam: float = 1.0,
-         teacher: str = "teacher_logprobs", student: str = "old_logprobs", mask=None, clip=None,
-         axis_name=None) -> Advantages:
-    """SEED hindsight-skill distillation as a dense advantage add-on (f7; S, Status S):
-
-        A_t = A_base,t + lam d_t,   d_t = lp(y_t | x, skill) - lp(y_t | x)
-
-    with lp(. | x, skill) = extras[``teacher``] and lp(. | x) = ``student`` (default the
-    behaviour log-probs). The skill text is produced by the policy itself outside this library;
-    this consumes the two rescorings. ``mask`` restricts the add-on to a token mask; ``clip``
-    bounds |d|. The ``turn`` output becomes the token mean per turn; value targets pass through.
-    Teacher = student context gives A = A_base exactly.
-    """
-    return _dense_addon(adv, batch, "seed", lam, teacher, student, mask, clip, axis_name)
-
-
-def cny(adv: Advantages, batch: TrajectoryBatch, *, lam: float = 1.0,
-        teacher: str = "teacher_logprobs", student: str = "old_logprobs",
-        mask: str = "selection_mask", clip=None, axis_name=None) -> Advantages:
-    """CNY destination-conditioned OPSD for graph-walk actions (f10; Status S): ``seed``'s
-    add-on A_t += lam (lp(a | ctx + revealed) - lp(a | ctx)) on the neighbour-selection tokens
-    only (extras[``mask``] [R, T], required). ``teacher`` holds the log-probs of the chosen
-    action re-scored after the neighbour's content is revealed."""
-    if mask is None:
-        raise ValueError("cny needs mask= (the extras field of the neighbour-selection tokens)")
-    return _dense_addon(adv, batch, "cny", lam, teacher, student, mask, clip, axis_name)
 
 
 # ============================================================================= f2 SDL
@@ -283,6 +90,7 @@ def sdl_tokens(lp, lt, lold):
     return rho * k3
 
 
+@register("sdl", kind="loss")
 def sdl(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
         behavior: str = "old_logprobs", teacher_logprobs=None, agg: str = "token_mean",
         agg_constant=None, axis_name=None):
@@ -309,7 +117,7 @@ def sdl(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
 def _sign_field(b, gate_delta_sign, who):
     if gate_delta_sign is None:
         return None
-    if _static_real(gate_delta_sign):
+    if is_static_real(gate_delta_sign):
         return jnp.float32(gate_delta_sign)
     if isinstance(gate_delta_sign, str):
         return sg(spread_field(b, gate_delta_sign, who, "gate_delta_sign per sample/turn/token"))
@@ -325,6 +133,7 @@ def sdar_gate(lp_sg, lt, gate_beta, sign=None):
     return sg(jax.nn.sigmoid(gate_beta * delta))
 
 
+@register("sdar", kind="loss")
 def sdar(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
          gate: str = "sigmoid", gate_beta: float = 5.0, gate_field: str = "gate",
          gate_delta_sign=None, weight=None, teacher_logprobs=None, gate_values=None,
@@ -350,8 +159,8 @@ def sdar(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
     -w g_t (the gate is 1/2 there): SDAR keeps pulling toward the teacher's sampled tokens.
     """
     check_mode(agg)
-    _check_choice("gate", gate, SDAR_GATES)
-    _check_positive("gate_beta", gate_beta)
+    check_choice("gate", gate, SDAR_GATES)
+    check_positive("gate_beta", gate_beta)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "sdar")
     lt = sg(token_field(b, teacher, "sdar", override=teacher_logprobs))
@@ -379,13 +188,13 @@ def edge_admitted(batch: TrajectoryBatch, *, view: str = "view", score: str = "o
     those with R_i > mean_F R. Group statistics are local (groups are whole per shard).
     """
     b = segments.local_view(batch, axis_name)
-    v = _require(b, view, "edge", "[N] view label per trajectory: 1 = experience-conditioned "
+    v = require(b, view, "edge", "[N] view label per trajectory: 1 = experience-conditioned "
                  "(E), 0 = experience-free (F)")
     if tuple(jnp.shape(v)) != (b.num_traj,):
-        raise _shape_error("edge", f"extras['{view}']", "[N]", (b.num_traj,), jnp.shape(v))
-    r = b.outcome if score == "outcome" else _require(b, score, "edge", "[N] trajectory score")
+        raise shape_error("edge", f"extras['{view}']", "[N]", (b.num_traj,), jnp.shape(v))
+    r = b.outcome if score == "outcome" else require(b, score, "edge", "[N] trajectory score")
     if tuple(jnp.shape(r)) != (b.num_traj,):
-        raise _shape_error("edge", f"score {score!r}", "[N]", (b.num_traj,), jnp.shape(r))
+        raise shape_error("edge", f"score {score!r}", "[N]", (b.num_traj,), jnp.shape(r))
     r = sg(jnp.asarray(r, jnp.float32))
     is_e = b.traj_mask & (jnp.asarray(v, jnp.float32) > 0.5)
     is_f = b.traj_mask & ~is_e
@@ -399,6 +208,7 @@ def edge_admitted(batch: TrajectoryBatch, *, view: str = "view", score: str = "o
     return admit, jnp.where(b.traj_mask, gain, 0.0)
 
 
+@register("edge", kind="loss")
 def edge(logprobs, batch: TrajectoryBatch, *, view: str = "view", score: str = "outcome",
          teacher: str = "old_logprobs", above_f_mean: bool = False, teacher_logprobs=None,
          agg: str = "token_mean", agg_constant=None, axis_name=None):
@@ -433,6 +243,7 @@ def edge(logprobs, batch: TrajectoryBatch, *, view: str = "view", score: str = "
 # ============================================================================= f5 UCOB
 
 
+@register("ucob", kind="loss")
 def ucob(logprobs, batch: TrajectoryBatch, *, other: str = "other_logprobs",
          gap: str = "return_gap", gate: str = "sigmoid", gate_beta: float = 5.0,
          other_logprobs=None, agg: str = "token_mean", agg_constant=None, axis_name=None):
@@ -457,8 +268,8 @@ def ucob(logprobs, batch: TrajectoryBatch, *, other: str = "other_logprobs",
     gradient (its target view is not differentiable here).
     """
     check_mode(agg)
-    _check_choice("gate", gate, UCOB_GATES)
-    _check_positive("gate_beta", gate_beta)
+    check_choice("gate", gate, UCOB_GATES)
+    check_positive("gate_beta", gate_beta)
     b = segments.local_view(batch, axis_name)
     lp_a = _student(logprobs, b, "ucob")
     lp_b = token_field(b, other, "ucob", override=other_logprobs)
@@ -496,10 +307,10 @@ def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
     Props: per turn, sum c w = sum c (mass conservation); u < 0 gives w < 1 before the mass
     step; A = 0 everywhere gives w = 1 (reduction to the base estimator).
     """
-    _check_choice("trust", trust, ICSD_TRUST)
-    _check_unit("w_min", w_min)
-    _check_positive("eps", eps)
-    _check_positive("gate_beta", gate_beta)
+    check_choice("trust", trust, ICSD_TRUST)
+    check_unit("w_min", w_min)
+    check_positive("eps", eps)
+    check_positive("gate_beta", gate_beta)
     b = segments.local_view(batch, axis_name)
     m = b.action_mask
     lp = sg(_student(logprobs, b, "icsd"))
@@ -523,6 +334,7 @@ def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
     return sg(w), sg(c)
 
 
+@register("icsd", kind="loss")
 def icsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
          advantage_field: str = "advantages", teacher: str = "teacher_logprobs",
          behavior: str = "old_logprobs", trust: str = "sdar", gate_beta: float = 5.0,
@@ -578,8 +390,8 @@ def craft_controller(state: CraftState, activity, *, beta: float = 0.9, eta: flo
     ``activity``: this step's gate activity, e.g. the share of action tokens with positive
     CTI credit (``craft_credit(...) > 0``). At a_bar' = target the coefficients stay put.
     """
-    _check_unit("beta", beta)
-    _check_nonneg("eta", eta)
+    check_unit("beta", beta)
+    check_nonneg("eta", eta)
     s = -1.0 if converse else 1.0
     a_bar = beta * state.activity + (1.0 - beta) * jnp.asarray(activity, jnp.float32)
     step = s * eta * (a_bar - target)
@@ -608,9 +420,9 @@ def craft_credit(logprobs, batch: TrajectoryBatch, *, advantages=None,
     CTI = 0 when all delta in S are equal and for singleton groups; the SNIS weights do not
     change when a constant is added to every delta of a group.
     """
-    _check_choice("level", level, CRAFT_LEVELS)
-    _check_choice("credit", credit, CRAFT_CREDIT)
-    _check_positive("temperature", temperature)
+    check_choice("level", level, CRAFT_LEVELS)
+    check_choice("credit", credit, CRAFT_CREDIT)
+    check_positive("temperature", temperature)
     b = segments.local_view(batch, axis_name)
     m = b.action_mask
     lp = sg(_student(logprobs, b, "craft"))
@@ -666,6 +478,7 @@ def forward_kl_sampled(lp, lt):
     return jnp.minimum(r * d - (r - 1.0), 10.0)
 
 
+@register("craft", kind="loss")
 def craft(logprobs, batch: TrajectoryBatch, *, advantages=None,
           advantage_field: str = "advantages", teacher: str = "teacher_logprobs",
           cti: bool = True, controller: bool = False, polarize: bool = True,
@@ -723,6 +536,7 @@ def treeopsd_target(credit, *, beta: float = 1.0, delta: float = 1.0):
     return jnp.clip(jnp.asarray(credit, jnp.float32) / beta, -delta, delta)
 
 
+@register("treeopsd", kind="loss")
 def treeopsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
              credit: str = "tree_credit", behavior: str = "old_logprobs", beta: float = 1.0,
              delta: float = 1.0, agg: str = "token_mean", agg_constant=None, axis_name=None):
@@ -740,8 +554,8 @@ def treeopsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
     vanishes once the ratio reaches the target (no overshoot across mini-batches).
     """
     check_mode(agg)
-    _check_positive("beta", beta)
-    _check_positive("delta", delta)
+    check_positive("beta", beta)
+    check_positive("delta", delta)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "treeopsd")
     lb = sg(token_field(b, behavior, "treeopsd"))
@@ -751,76 +565,6 @@ def treeopsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
 
 
 # ============================================================================= f11 CREDIT
-
-
-def _logmeanexp(x, axis):
-    top = jnp.max(x, axis=axis, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    return jnp.squeeze(top, axis) + jnp.log(jnp.mean(jnp.exp(x - top), axis=axis))
-
-
-def contrastive_rewards(teacher_lp, negatives, batch: TrajectoryBatch, *, level: str = "token",
-                        variant: str = "logmeanexp"):
-    """CREDIT's contrastive reward [R, T] (``level="token"``) or per trajectory [N]
-    (``"sequence"``). [X] our formula (CREDIT paper).
-
-    token:    r_t = lp_T(y_t | x_i) - log mean_{j in {i} + negatives} exp(lp_T(y_t | x_j))
-    sequence: r_i = S_i - log mean_j exp(S_ij),  S = sum over the trajectory's action tokens
-    ``variant="mean"``: subtract the plain mean of the negatives' log-probs instead (the
-    cheaper baseline; no bound). ``negatives`` [R, T, M]: the teacher's log-probs of the same
-    tokens under M other in-batch inputs (an extra teacher pass, done outside).
-
-    Props (logmeanexp): r <= log(M + 1) (InfoNCE bound; per token, and per trajectory for the
-    sequence level); identical inputs (negatives = teacher) give exactly 0.
-    ``batch`` must be block-local; inputs are treated as detached.
-    """
-    m = batch.action_mask
-    lt = sg(jnp.where(m, jnp.asarray(teacher_lp, jnp.float32), 0.0))
-    neg = sg(jnp.where(m[..., None], jnp.asarray(negatives, jnp.float32), 0.0))
-    if level == "sequence":
-        n = batch.num_traj
-        s_self = jax.ops.segment_sum(lt.sum(axis=1), batch.row_traj, n)
-        s_neg = jax.ops.segment_sum(neg.sum(axis=1), batch.row_traj, n)  # [N, M]
-        if variant == "mean":
-            r = s_self - jnp.mean(s_neg, axis=1)
-        else:
-            r = s_self - _logmeanexp(jnp.concatenate([s_self[:, None], s_neg], axis=1), 1)
-        return jnp.where(batch.traj_mask, r, 0.0)
-    if variant == "mean":
-        r = lt - jnp.mean(neg, axis=-1)
-    else:
-        r = lt - _logmeanexp(jnp.concatenate([lt[..., None], neg], axis=-1), -1)
-    return jnp.where(m, r, 0.0)
-
-
-def credit(batch: TrajectoryBatch, *, beta: float = 1.0, teacher: str = "teacher_logprobs",
-           negatives: str = "negative_logprobs", level: str = "token",
-           variant: str = "logmeanexp", axis_name=None) -> Advantages:
-    """CREDIT contrastive reward from distillation as an advantage. [X] our formula
-    (CREDIT paper, read from its abstract): A_t = beta r_t with r from
-    ``contrastive_rewards`` (token level), or A_t = beta r_i on every token of trajectory i
-    (sequence level: the trajectory's pointwise mutual information with an InfoNCE batch
-    baseline). Reads extras[``teacher``] [R, T] (the feedback-conditioned teacher) and
-    extras[``negatives``] [R, T, M] (the teacher on the same tokens under M other inputs).
-    """
-    _check_nonneg("beta", beta)
-    _check_choice("level", level, CREDIT_LEVELS)
-    _check_choice("variant", variant, CREDIT_VARIANTS)
-    b = segments.localize(batch, axis_name)
-    lt = token_field(b, teacher, "credit")
-    neg = jnp.asarray(_require(batch, negatives, "credit",
-                               "[R, T, M] teacher log-probs of the tokens under M other inputs"))
-    r_, t_ = b.action_mask.shape
-    if neg.ndim != 3 or tuple(neg.shape[:2]) != (r_, t_) or neg.shape[2] < 1:
-        raise ValueError(f"credit: extras['{negatives}'] must have shape [R, T, M] = "
-                         f"({r_}, {t_}, M >= 1), got {tuple(neg.shape)}")
-    # zero_padding masks [N, K]-shaped extras by turn_mask, which could misread [R, T, M]
-    # when R = N and T = K: the negatives are masked here from the raw extras instead.
-    b = segments.zero_padding(b)
-    r = contrastive_rewards(lt, neg, b, level=level, variant=variant)
-    tok = beta * (segments.traj_to_token(r, b) if level == "sequence" else r)
-    tok = jnp.where(b.action_mask, tok, 0.0)
-    return Advantages(token=tok, turn=_turn_mean(tok, b))
 
 
 # ============================================================================= f12 T-REG
@@ -841,6 +585,7 @@ def t_reg_weights(batch: TrajectoryBatch, r, s, temperature):
     return jnp.where(m, e * scale[batch.row_traj][:, None], 0.0)
 
 
+@register("t_reg", kind="loss")
 def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
           bad: str = "contrast_logprobs", reference="ref_logprobs", sign: str = "outcome",
           temperature: float = 1.0, agg: str = "token_mean", agg_constant=None,
@@ -861,7 +606,7 @@ def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
     ``reference=None``: lp_ref = 0 (the gradient is the same). Uniform r gives w = 1.
     """
     check_mode(agg)
-    _check_positive("temperature", temperature)
+    check_positive("temperature", temperature)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "t_reg")
     r = sg(token_field(b, good, "t_reg") - token_field(b, bad, "t_reg"))
@@ -874,6 +619,7 @@ def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
 # ============================================================================= f13 weighted SFT
 
 
+@register("weighted_sft", kind="loss")
 def weighted_sft(logprobs, batch: TrajectoryBatch, *, weights=None, mask=None,
                  agg: str = "token_mean", agg_constant=None, axis_name=None):
     """Weighted SFT on the sampled tokens (f13: ASPO / InT / ABC-SFT; Status S):
@@ -895,15 +641,3 @@ def weighted_sft(logprobs, batch: TrajectoryBatch, *, weights=None, mask=None,
     if weights is not None:
         per_token = sg(spread_field(b, weights, "weighted_sft", "SFT weight")) * per_token
     return _finish(per_token, batch, agg, agg_constant, axis_name, mask=on)
-
-
-# ----------------------------------------------------------------------------- registries
-
-# Registered by jaxrl_agent.estimators (kind: name -> function).
-ESTIMATORS = {"opd": opd, "credit": credit}
-TRANSFORMS = {"seed": seed, "cny": cny}
-# Merged into jaxrl_agent.losses' registry.
-LOSSES = {
-    "sdl": sdl, "sdar": sdar, "edge": edge, "ucob": ucob, "icsd": icsd, "craft": craft,
-    "treeopsd": treeopsd, "t_reg": t_reg, "weighted_sft": weighted_sft,
-}

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxrl_agent.batch import TrajectoryBatch
 from jaxrl_agent.losses.aggregation import aggregate, check_mode, check_token_array
+from jaxrl_agent.registry import register
 
 sg = jax.lax.stop_gradient
 
@@ -87,24 +88,28 @@ def _kl_loss(fn, name, logprobs, batch, ref_logprobs, agg, agg_constant, axis_na
     return aggregate(fn(lp, ref), batch, agg, constant=agg_constant, axis_name=axis_name)
 
 
+@register("k1", kind="loss")
 def k1(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
        agg_constant=None, axis_name=None):
     """KL penalty with ``kl_k1``: ``(sum, denominator)`` of lp - sg(ref) over action tokens."""
     return _kl_loss(kl_k1, "k1", logprobs, batch, ref_logprobs, agg, agg_constant, axis_name)
 
 
+@register("k2", kind="loss")
 def k2(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
        agg_constant=None, axis_name=None):
     """KL penalty with ``kl_k2``: 0.5 (lp - sg(ref))^2."""
     return _kl_loss(kl_k2, "k2", logprobs, batch, ref_logprobs, agg, agg_constant, axis_name)
 
 
+@register("k3", kind="loss")
 def k3(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
        agg_constant=None, axis_name=None):
     """KL penalty with ``kl_k3`` (low-variance, >= 0; GRPO's KL term)."""
     return _kl_loss(kl_k3, "k3", logprobs, batch, ref_logprobs, agg, agg_constant, axis_name)
 
 
+@register("k1_st", kind="loss")
 def k1_st(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
           agg_constant=None, axis_name=None):
     """KL penalty valued as k1, differentiated as k2 (``kl_k1_st``)."""
@@ -112,6 +117,7 @@ def k1_st(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mea
                     axis_name)
 
 
+@register("k3_st", kind="loss")
 def k3_st(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
           agg_constant=None, axis_name=None):
     """KL penalty valued as k3, differentiated as k2 (``kl_k3_st``)."""
@@ -138,6 +144,7 @@ def entropy_from_logits(logits):
     return -jnp.sum(p * logp, axis=-1)
 
 
+@register("entropy", kind="loss")
 def entropy(token_entropy, batch: TrajectoryBatch, *, agg="token_mean", agg_constant=None,
             axis_name=None):
     """The entropy itself, aggregated: ``(sum, denominator)`` of H over action tokens.

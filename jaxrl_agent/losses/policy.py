@@ -29,7 +29,9 @@ import jax.numpy as jnp
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import TrajectoryBatch
+from jaxrl_agent.checks import check_choice
 from jaxrl_agent.losses.aggregation import aggregate, check_mode, check_token_array
+from jaxrl_agent.registry import register
 
 sg = jax.lax.stop_gradient
 LOG_RATIO_CLAMP = 20.0
@@ -60,11 +62,6 @@ def _prepare(logprobs, batch: TrajectoryBatch, advantages, old_logprobs=None, is
     adv = sg(_masked(advantage_array(advantages), m, "advantages", batch))
     w = None if is_weights is None else sg(_masked(is_weights, m, "is_weights", batch))
     return m, lp, old, adv, w
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def log_ratio(logprobs, old_logprobs):
@@ -101,6 +98,7 @@ def _finish(per_token, w, batch, agg, agg_constant, axis_name):
 # ----------------------------------------------------------------------------- losses
 
 
+@register("ppo", kind="loss")
 def ppo(logprobs, batch: TrajectoryBatch, advantages, *, clip_low=0.2, clip_high=0.2,
         dual_clip=3.0, old_logprobs=None, is_weights=None, agg="token_mean",
         agg_constant=None, axis_name=None):
@@ -148,7 +146,7 @@ def gspo_log_ratio(logprobs, batch: TrajectoryBatch, *, old_logprobs=None, level
     s_{i,t} = sg(s_i) pi(y_t) / sg(pi(y_t)). The value is constant within a row (turn); 0
     outside ``action_mask``. Rows/turns without action tokens give 0 (no NaN).
     """
-    _check_choice("level", level, GSPO_LEVELS)
+    check_choice("level", level, GSPO_LEVELS)
     m = batch.action_mask
     lp = _masked(logprobs, m, "logprobs", batch)
     old = batch.old_logprobs if old_logprobs is None else old_logprobs
@@ -164,6 +162,7 @@ def gspo_log_ratio(logprobs, batch: TrajectoryBatch, *, old_logprobs=None, level
     return jnp.where(m, log_s + lp - sg(lp), 0.0)
 
 
+@register("gspo", kind="loss")
 def gspo(logprobs, batch: TrajectoryBatch, advantages, *, clip_low=3e-4, clip_high=4e-4,
          level="sequence", old_logprobs=None, is_weights=None, agg="seq_mean_token_mean",
          agg_constant=None, axis_name=None):
@@ -182,7 +181,7 @@ def gspo(logprobs, batch: TrajectoryBatch, advantages, *, clip_low=3e-4, clip_hi
       ``(sum, denominator)``; all-masked batch: (0, 0).
     """
     check_mode(agg)
-    _check_choice("level", level, GSPO_LEVELS)
+    check_choice("level", level, GSPO_LEVELS)
     _, _, _, adv, w = _prepare(logprobs, batch, advantages, old_logprobs, is_weights)
     ratio = jnp.exp(gspo_log_ratio(logprobs, batch, old_logprobs=old_logprobs, level=level,
                                    axis_name=axis_name))
@@ -190,6 +189,7 @@ def gspo(logprobs, batch: TrajectoryBatch, advantages, *, clip_low=3e-4, clip_hi
     return _finish(per_token, w, batch, agg, agg_constant, axis_name)
 
 
+@register("cispo", kind="loss")
 def cispo(logprobs, batch: TrajectoryBatch, advantages, *, clip_low=1.0, clip_high=0.2,
           old_logprobs=None, is_weights=None, agg="token_mean", agg_constant=None,
           axis_name=None):
@@ -220,6 +220,7 @@ def soft_gate_fn(ratio, tau):
     return jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
+@register("soft_gate", kind="loss")
 def soft_gate(logprobs, batch: TrajectoryBatch, advantages, *, tau_pos=1.0, tau_neg=1.05,
               old_logprobs=None, is_weights=None, agg="token_mean", agg_constant=None,
               axis_name=None):
@@ -244,6 +245,7 @@ def soft_gate(logprobs, batch: TrajectoryBatch, advantages, *, tau_pos=1.0, tau_
     return _finish(-adv * soft_gate_fn(ratio, tau), w, batch, agg, agg_constant, axis_name)
 
 
+@register("reinforce", kind="loss")
 def reinforce(logprobs, batch: TrajectoryBatch, advantages, *, is_weights=None,
               agg="token_mean", agg_constant=None, axis_name=None):
     """REINFORCE / vanilla policy gradient: l = -A lp (times sg(w) if ``is_weights``).
@@ -279,8 +281,8 @@ def truncated_is_weights(proximal_logprobs, batch: TrajectoryBatch, *, level="to
     With lp_prox = lp_sampler every weight is 1. 0 outside ``action_mask``; rows without action
     tokens give 0, never NaN. Multiply into a loss with ``is_weights=``.
     """
-    _check_choice("level", level, IS_LEVELS)
-    _check_choice("mode", mode, IS_MODES)
+    check_choice("level", level, IS_LEVELS)
+    check_choice("mode", mode, IS_MODES)
     m = batch.action_mask
     diff = sg(_masked(proximal_logprobs, m, "proximal_logprobs", batch)
               - _masked(batch.old_logprobs, m, "old_logprobs", batch))

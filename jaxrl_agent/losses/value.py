@@ -6,10 +6,12 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+from jaxrl_agent.registry import register
 
 sg = jax.lax.stop_gradient
 
 
+@register("value", kind="loss")
 def value(values, returns, mask, *, old_values=None, clip=None):
     """Squared-error value loss, optionally PPO-style clipped, as ``(sum, denominator)``.
 
@@ -50,6 +52,7 @@ def value(values, returns, mask, *, old_values=None, clip=None):
     return jnp.sum(per), jnp.sum(m.astype(jnp.float32))
 
 
+@register("sarsa", kind="loss")
 def sarsa(q_values, batch, *, gamma: float = 1.0):
     """SAPO's auxiliary on-policy SARSA loss over turns, as ``(sum, denominator)``.
 

@@ -52,22 +52,39 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl_agent import estimators, losses, segments
+from jaxrl_agent import estimators, losses, registry, segments
 from jaxrl_agent import sharding as sharding_lib
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.losses.kl import entropy_from_logits
 from jaxrl_agent.rollout.tree import TREE_KEYS
 from jaxrl_agent.sampling.jax_sampler import process_logits
 
-# Estimators that read the value head (token_values / turn_values, see _attach_values).
-CRITIC_ESTIMATORS = ("gae", "lambda_returns", "turn_gae", "sapo", "hae")
+# What the train step supplies to the methods that read it (``Entry.reads``), by the source
+# ``registry.LOOP_INPUTS`` names: "value_head" inputs come from one forward pass of the value
+# head, "hidden_state" ones from the policy's hidden state at each decision point, and
+# "collector" ones from the environment (a default when it reported nothing). Model outputs
+# replace a field the batch already has; a collector field is only filled in when absent.
+PROVIDERS = {
+    "token_values": lambda b, v, h: jnp.where(b.action_mask, v, 0.0),
+    "turn_values": lambda b, v, h: _turn_values(b, v),
+    # one value head serves both of HiPER's levels (as HiPER does with a single head)
+    "high_values": lambda b, v, h: _turn_values(b, v),
+    # without subgoal reports every episode is one segment
+    "switch": lambda b, v, h: jnp.zeros(b.turn_mask.shape, jnp.float32),
+    "hidden": lambda b, v, h: h,
+    "state_features": lambda b, v, h: h,
+}
 
 
-def needs_hidden(estimator: str, params: dict) -> bool:
-    """Estimators that read the policy's hidden state at each decision point: BiPACE's
-    clusters (extras['hidden']) and GiGPO's similarity/bucket anchors (extras['state_features'])."""
-    return estimator == "bipace" or (estimator == "gigpo"
-                                     and params.get("anchor", "exact") != "exact")
+def _turn_values(batch: TrajectoryBatch, values):
+    """V(s_k) [N, K]: the value before each turn's first action token (``values`` [R, T] is
+    the value before each token, so it is read one position later)."""
+    at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    return segments.turn_values_from_tokens(at_token, batch, "before_action")
+
+
+def _sources(reads) -> set:
+    return {registry.LOOP_INPUTS[f][0] for f in reads if f in registry.LOOP_INPUTS}
 
 
 @struct.dataclass
@@ -136,12 +153,24 @@ class StepConfig:
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
 
     @property
+    def pipeline(self) -> "estimators.Pipeline":
+        return estimators.Pipeline((self.estimator, self.estimator_params), self.shaping,
+                                   self.then)
+
+    @property
+    def reads(self) -> tuple:
+        """The extras fields the pipeline's stages read (``estimators.reads``)."""
+        return estimators.reads(self.pipeline)
+
+    @property
     def needs_values(self) -> bool:
-        return self.estimator in CRITIC_ESTIMATORS
+        """The pipeline reads the value head (a critic estimator): values are computed and the
+        value loss is trained."""
+        return "value_head" in _sources(self.reads)
 
     @property
     def needs_hidden(self) -> bool:
-        return needs_hidden(self.estimator, dict(self.estimator_params))
+        return "hidden_state" in _sources(self.reads)
 
 
 def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay: str = "cosine",
@@ -360,24 +389,16 @@ def _row_extras(extras: dict, num_rows: int) -> dict:
     return {k: v for k, v in extras.items() if v.ndim >= 1 and v.shape[0] == num_rows}
 
 
-def _attach_values(batch: TrajectoryBatch, values, cfg: StepConfig) -> TrajectoryBatch:
-    """The value head's outputs as the estimators read them: ``token_values`` [R, T] (the value
-    before each action token) and ``turn_values`` [N, K] (the value before each turn's first
-    action token, V(s_k)); both are given, since some estimators read either by a
-    hyper-parameter (``lambda_returns``' ``level``)."""
-    values = jax.lax.stop_gradient(values)
+def _provide(batch: TrajectoryBatch, reads, values, hidden) -> TrajectoryBatch:
+    """The batch with the loop-supplied inputs the pipeline reads (``PROVIDERS``); ``values``
+    [R, T] (the value before each token) and ``hidden`` [N, K, D] are None when not needed."""
     extras = dict(batch.extras)
-    extras["token_values"] = jnp.where(batch.action_mask, values, 0.0)
-    # before_token values at the first action token = V(s_k) ("before_action")
-    at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
-    extras["turn_values"] = segments.turn_values_from_tokens(at_token, batch, "before_action")
-    if cfg.estimator == "hae":
-        # One value head serves both levels (HiPER with a single head does the same).
-        # Subgoal boundaries come from envs that report info["subgoal"] (the collector
-        # turns changes into extras['switch']); without them every episode is one
-        # segment, and HAE is turn-level GAE with a one-step SMDP high stream.
-        extras.setdefault("high_values", extras["turn_values"])
-        extras.setdefault("switch", jnp.zeros(batch.turn_mask.shape, jnp.float32))
+    values = None if values is None else jax.lax.stop_gradient(values)
+    for name in reads:
+        source = registry.LOOP_INPUTS.get(name, (None,))[0]
+        if source is None or (source == "collector" and name in extras):
+            continue
+        extras[name] = PROVIDERS[name](batch, values, hidden)
     return batch.replace(extras=extras)
 
 
@@ -493,16 +514,14 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
                          f"attach_prefix_trees(batch, num_blocks={all_blocks})")
     batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
     spec = estimators.spec(cfg.estimator)
-    est_batch = batch
+    v0 = h = None
     if cfg.needs_values:
         _, _, v0, _ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
                           want_entropy=False, blocks=all_blocks)
-        est_batch = _attach_values(batch, v0, cfg)
     if cfg.needs_hidden:
         h = _decision_hidden(graphdef, state.params, rest, batch, tree, all_blocks)
-        est_batch = est_batch.replace(extras={**est_batch.extras, "hidden": h,
-                                              "state_features": h})
-    pipe = estimators.Pipeline((cfg.estimator, cfg.estimator_params), cfg.shaping, cfg.then)
+    est_batch = _provide(batch, cfg.reads, v0, h)
+    pipe = cfg.pipeline
     adv, est_state = _run_estimator(pipe, est_batch, state.est_state, spec.stateful, mesh)
     adv_tok = jax.lax.stop_gradient(adv.token)
     returns = _token_returns(adv, batch)
