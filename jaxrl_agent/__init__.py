@@ -1,6 +1,7 @@
 """jaxrl-agent: credit assignment and RL training for multi-turn LLM agents, in JAX."""
 
 from jaxrl_agent.batch import Advantages, TrajectoryBatch, pack_records
+from jaxrl_agent.registry import register
 
 __version__ = "0.1.0"
-__all__ = ["Advantages", "TrajectoryBatch", "pack_records", "__version__"]
+__all__ = ["Advantages", "TrajectoryBatch", "pack_records", "register", "__version__"]

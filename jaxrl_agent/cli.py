@@ -379,7 +379,23 @@ def _train_config(args):
     """The run's config, not yet validated (validation traces JAX functions, which must wait
     for the multi-process start): CONFIG (or the defaults) + --set; with --resume and no
     CONFIG, the run's own saved config + --set (a value left out keeps the run's, not the
-    default)."""
+    default). ``--import`` modules are added to the config's ``imports``."""
+    return _with_imports(_train_config_of(args), args.imports)
+
+
+def _with_imports(cfg, imports):
+    """The run's plug-ins plus those given with --import (recorded in the run's config)."""
+    from jaxrl_agent import config as config_lib
+
+    extra = [m for m in imports or () if m not in cfg.imports]
+    if not extra:
+        return cfg
+    d = config_lib.to_dict(cfg)
+    d["imports"] = list(cfg.imports) + extra
+    return config_lib.from_dict(d)
+
+
+def _train_config_of(args):
     from jaxrl_agent import config as config_lib
     from jaxrl_agent.train.loop import find_run, run_config
 
@@ -446,7 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="jaxrl-agent", description=__doc__.strip().splitlines()[0])
     p.add_argument("--version", action="version", version=f"jaxrl-agent {__version__}")
+    # every command takes --import (also after the command name)
+    plug = argparse.ArgumentParser(add_help=False)
+    plug.add_argument("--import", dest="imports", action="append", default=None,
+                      metavar="MODULE",
+                      help="a module that registers your own estimators, stages, losses or "
+                           "environments (a dotted name or a .py path; repeatable; recorded "
+                           "with a training run)")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_parser = sub.add_parser
+    sub.add_parser = lambda *a, **k: _add_parser(*a, parents=[plug], **k)  # noqa: E731
     t = sub.add_parser("train", help="multi-turn agentic RL (default: the built-in CPU run)",
                        description="Trains a policy with RL on a multi-turn environment. "
                                    "Without CONFIG: the built-in CPU default (tiny model, "
@@ -561,9 +586,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_plugins(items) -> list:
+    """``--import`` items imported (paths made absolute against the working directory, as a
+    training run records them); ``CliError`` naming the one that fails."""
+    from jaxrl_agent import config as config_lib
+    from jaxrl_agent import registry
+
+    items = config_lib.resolve_imports(items or [], os.getcwd())
+    try:
+        registry.load_imports(items)
+    except ImportError as e:
+        raise CliError(f"--import: {e}".replace("imports: ", "")) from None
+    return items
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        args.imports = load_plugins(getattr(args, "imports", None))
         return args.func(args)
     except CliError as e:
         print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)

@@ -242,6 +242,10 @@ class DistributedSection:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     name: str = "cpu_default"
+    # user modules that register methods, environments or losses (``jaxrl_agent.register``):
+    # dotted module names or .py paths (relative to the config file); loaded before validation
+    # and recorded with the run, so eval and --resume load them again
+    imports: list = dataclasses.field(default_factory=list)
     run: RunSection = dataclasses.field(default_factory=RunSection)
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     env: EnvSection = dataclasses.field(default_factory=EnvSection)
@@ -429,7 +433,7 @@ def run_paths(cfg: RunConfig) -> RunPaths:
 RESUMABLE_KEYS = ("trainer.steps", "trainer.eval_every", "trainer.eval_tasks",
                   "trainer.eval_temperature", "trainer.micro_batches", "trainer.remat",
                   "trainer.prefix_sharing", "trainer.prefix_tree_len", "checkpoint.",
-                  "metrics.", "sampler.", "mesh.", "distributed.", "name", "run.")
+                  "metrics.", "sampler.", "mesh.", "distributed.", "name", "run.", "imports")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -544,10 +548,38 @@ def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
     """YAML file (``None`` = defaults, i.e. ``configs/cpu_default.yaml``), then ``--set`` overrides,
     then ``from_dict``, then (unless ``validate=False``) ``validate``."""
     raw = read_yaml(path) if path is not None else {}
+    if path is not None and isinstance(raw.get("imports"), list):
+        raw = dict(raw, imports=resolve_imports(raw["imports"], os.path.dirname(
+            os.path.abspath(path))))
     cfg = from_dict(apply_overrides(raw, overrides, defaults=to_dict(RunConfig())))
     if validate:
         _semantic_check(cfg)
     return cfg
+
+
+def resolve_imports(items, base_dir: str) -> list:
+    """Plug-in paths (items ending in ``.py`` or holding a ``/``) made absolute against
+    ``base_dir``, so the run's recorded config finds them from any working directory; module
+    names pass unchanged."""
+    out = []
+    for item in items:
+        if isinstance(item, str) and (item.endswith(".py") or "/" in item) \
+                and not os.path.isabs(item):
+            item = os.path.normpath(os.path.join(base_dir, item))
+        out.append(item)
+    return out
+
+
+def load_imports(cfg: RunConfig) -> None:
+    """Imports the run's plug-in modules (``cfg.imports``); ``ConfigError`` naming the item
+    when one cannot be found or fails to import."""
+    from jaxrl_agent import registry
+
+    for i, item in enumerate(cfg.imports):
+        try:
+            registry.load_imports([item])
+        except ImportError as e:
+            raise ConfigError(f"imports[{i}]: {e}") from None
 
 
 def dump_yaml(cfg: RunConfig, path) -> None:
@@ -762,7 +794,10 @@ def _check_group_size(cfg: "RunConfig") -> None:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Semantic checks against the registries; raises ``ConfigError`` with a clear message,
-    returns ``cfg`` otherwise. Does not touch the file system (see ``check_paths``)."""
+    returns ``cfg`` otherwise. Imports the run's plug-in modules first (``imports``), so the
+    methods they register are known; touches the file system for nothing else (see
+    ``check_paths``)."""
+    load_imports(cfg)
     from jaxrl_agent import envs, estimators, losses
     from jaxrl_agent.models.config import DTYPES
 
