@@ -163,7 +163,7 @@ def test_unknown_key_suggests_other_section():
 
 
 def test_unknown_top_level_key():
-    with pytest.raises(C.ConfigError, match=r"unknown key 'trainr'; valid top-level keys: name, run, model"):
+    with pytest.raises(C.ConfigError, match=r"unknown key 'trainr'; valid top-level keys: name, imports, run, model"):
         C.from_dict({"trainr": {}})
 
 

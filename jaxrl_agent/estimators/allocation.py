@@ -623,7 +623,10 @@ def belief_revisions(e, valid, l0, rho: float = 1.0):
         cur = jnp.where(v_k, l0 + rho * (prev - l0) + e_k, prev)
         return cur, (cur, jnp.where(v_k, jax.nn.sigmoid(cur) - jax.nn.sigmoid(prev), 0.0))
 
-    _, (l, delta) = lax.scan(step, l0.astype(jnp.float32), (e.T, valid.T))
+    # the carry starts as l0 broadcast like the evidence, so under shard_map its type (varying
+    # over the batch axes) matches the step's output even when l0 is a batch-wide prior
+    init = l0.astype(jnp.float32) + jnp.zeros_like(e[:, 0], jnp.float32)
+    _, (l, delta) = lax.scan(step, init, (e.T, valid.T))
     return l.T, delta.T
 
 

@@ -1,0 +1,228 @@
+"""The conformance battery, run over every row of ``tests/conformance.py`` (every registered
+credit method of the package, each in its settings) in one jitted program per batch shape:
+
+* every registered name has a row (and a reference, compared in its family's module);
+* jit equals eager;
+* padding invariance: more padded trajectories, turns, rows and tokens change nothing, and
+  every output is exactly 0 on padding;
+* group-permutation equivariance: reordering the records (and so the groups and their
+  members) moves each record's credit with it;
+* shard invariance: on 4 host devices, whole groups per shard, under ``shard_map`` with
+  ``axis_name``, the same credit as on one device;
+* degenerate batches (every group a singleton; every group's rollouts scoring alike; rows of
+  padding only): finite credit, 0 on padding;
+* finite gradients of the credit with respect to every float input.
+
+Shaping stages run before ``grpo``, transforms after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_agent import estimators as E
+from jaxrl_agent import registry
+from jaxrl_agent.batch import LAYOUTS, UnknownFieldWarning, pack_records
+from tests.conformance import ROWS, conformance_records, with_negatives
+from tests.reference.all_refs import REFERENCES
+
+TASKS = 8  # SPO trackers' size (task ids of the records are < 4)
+PAD = {"concatenated": {"num_traj": 16, "num_turns": 4, "row_len": 32},
+       "per_step": {"num_traj": 16, "num_turns": 4, "num_rows": 64, "row_len": 16}}
+BIG = {"concatenated": {"num_traj": 24, "num_turns": 6, "row_len": 40},
+       "per_step": {"num_traj": 24, "num_turns": 6, "num_rows": 96, "row_len": 20}}
+SHARDS = 4
+
+
+def _pipeline(name, hp):
+    kind = E.spec(name).kind
+    if kind == "shaping":
+        return E.Pipeline.build("grpo", shaping=[(name, hp)])
+    if kind == "transform":
+        return E.Pipeline.build("grpo", then=[(name, hp)])
+    return E.Pipeline.build(name, hp)
+
+
+CASES = [(f"{name}#{i}", _pipeline(name, hp)) for name, row in sorted(ROWS.items())
+         for i, hp in enumerate(row.settings)]
+
+
+def run_all(batch, axis_name=None):
+    """{case: (token [R, T], turn [N, K])} of every case."""
+    out = {}
+    for key, pipe in CASES:
+        if pipe.stateful:
+            adv, _ = pipe(batch, state=E.spec(pipe.estimator[0]).init_state(TASKS),
+                          axis_name=axis_name)
+        else:
+            adv = pipe(batch, axis_name=axis_name)
+        turn = adv.turn if adv.turn is not None else jnp.zeros(batch.turn_mask.shape)
+        out[key] = (adv.token, turn)
+    return out
+
+
+run_all_jit = jax.jit(run_all)
+
+
+def pack(records, layout, pad=None, num_shards=1):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnknownFieldWarning)
+        batch, index = pack_records(records, layout=layout, pad_to=pad or PAD[layout],
+                                    num_shards=num_shards)
+    return with_negatives(batch), index
+
+
+def per_record(out, index):
+    """{case: [(turn values, action-token values) per record]}."""
+    res = {}
+    for key, (tok, turn) in out.items():
+        tok, turn = np.asarray(tok), np.asarray(turn)
+        res[key] = [(turn[index.traj[i], :len(sp)],
+                     np.concatenate([tok[r, s:e] for r, s, e in sp]))
+                    for i, sp in enumerate(index.spans)]
+    return res
+
+
+def assert_same(a, b, what, order=None, rtol=2e-4, atol=2e-5):
+    bad = []
+    for key in a:
+        for i, (turn, tok) in enumerate(a[key]):
+            j = i if order is None else order[i]
+            for x, y, f in ((turn, b[key][j][0], "turn"), (tok, b[key][j][1], "token")):
+                if x.shape != y.shape or not np.allclose(x, y, rtol=rtol, atol=atol):
+                    bad.append(f"{key} record {i} {f}: {x} vs {y}")
+                    break
+    assert not bad, f"{what}: {len(bad)} differences, e.g.\n" + "\n".join(bad[:5])
+
+
+def assert_padding_zero(out, batch, what):
+    am, tm = np.asarray(batch.action_mask), np.asarray(batch.turn_mask)
+    for key, (tok, turn) in out.items():
+        tok, turn = np.asarray(tok), np.asarray(turn)
+        assert np.all(np.isfinite(tok)) and np.all(np.isfinite(turn)), f"{what} {key}: not finite"
+        assert np.all(tok[~am] == 0), f"{what} {key}: token credit off the action tokens"
+        assert np.all(turn[~tm] == 0), f"{what} {key}: turn credit off the turns"
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def base(request):
+    layout = request.param
+    recs = conformance_records(seed=0)
+    batch, index = pack(recs, layout)
+    return layout, recs, batch, index, jax.tree.map(np.asarray, run_all_jit(batch))
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_every_registered_name_has_a_row():
+    package = {e.name for kind in E.KINDS for e in registry.entries(kind)
+               if e.origin.startswith("jaxrl_agent.")}
+    assert package - set(ROWS) == set(), "registered without a conformance row"
+    assert set(ROWS) - package == set(), "rows of names that are not registered"
+    for name, row in ROWS.items():
+        assert REFERENCES.get(name) is row.reference, f"{name}: reference not compared"
+        assert row.settings and all(isinstance(hp, dict) for hp in row.settings)
+        assert row.order_free or row.why_not_order_free, name
+        for hp in row.settings:
+            E.check_hyper_params(name, hp)
+
+
+# ----------------------------------------------------------------------------- the battery
+
+
+def test_every_case_gives_credit_zero_on_padding(base):
+    layout, _, batch, _, out = base
+    assert_padding_zero(out, batch, layout)
+    silent = [k for k, (tok, _) in out.items() if not np.any(tok)]
+    assert not silent, f"no credit at all on the conformance batch: {silent}"
+
+
+def test_jit_equals_eager(base):
+    layout, _, batch, index, out = base
+    with jax.disable_jit():
+        eager = run_all(batch)
+    assert_same(per_record(out, index), per_record(eager, index), f"eager {layout}")
+
+
+def test_padding_invariance(base):
+    layout, recs, _, index, out = base
+    big, big_index = pack(recs, layout, BIG[layout])
+    big_out = jax.tree.map(np.asarray, run_all_jit(big))
+    assert_padding_zero(big_out, big, f"padded {layout}")
+    assert_same(per_record(out, index), per_record(big_out, big_index), f"padded {layout}")
+
+
+def test_group_permutation_equivariance(base):
+    layout, recs, _, index, out = base
+    order = np.random.default_rng(3).permutation(len(recs))
+    shuffled = [recs[i] for i in order]
+    s_batch, s_index = pack(shuffled, layout)
+    s_out = jax.tree.map(np.asarray, run_all_jit(s_batch))
+    where = {int(i): j for j, i in enumerate(order)}  # record i of recs sits at where[i]
+    keep = {k for k in out if ROWS[k.split("#")[0]].order_free}
+    a = {k: v for k, v in per_record(out, index).items() if k in keep}
+    b = {k: v for k, v in per_record(s_out, s_index).items() if k in keep}
+    assert_same(a, b, f"permuted {layout}", order=[where[i] for i in range(len(recs))])
+
+
+def test_shard_invariance(base):
+    layout, recs, _, _, _ = base
+    mesh = Mesh(np.array(jax.devices()[:SHARDS]), ("data",))
+    batch, index = pack(recs, layout, num_shards=SHARDS)
+    sharded = jax.jit(jax.shard_map(functools.partial(run_all, axis_name="data"), mesh=mesh,
+                                    in_specs=(P("data"),), out_specs=P("data")))
+    got = per_record(jax.tree.map(np.asarray, sharded(batch)), index)
+    want = per_record(jax.tree.map(np.asarray, run_all_jit(batch)), index)
+    assert_same(want, got, f"{SHARDS} shards {layout}")
+
+
+def _degenerate(recs, how):
+    out = []
+    for i, r in enumerate(recs):
+        r = dict(r)
+        if how == "singleton":
+            r["group"] = r["task"] = f"solo{i}"
+        else:  # every rollout of a task scores alike
+            r["outcome"] = float(int(r["group"][-1]) % 2)
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("how", ["singleton", "equal"])
+def test_degenerate_batches_give_finite_credit(base, how):
+    layout, recs, _, _, _ = base
+    batch, _ = pack(_degenerate(recs[:12], how), layout)  # 4 trajectories of padding
+    out = jax.tree.map(np.asarray, run_all_jit(batch))
+    assert_padding_zero(out, batch, f"{how} {layout}")
+
+
+def test_gradients_are_finite(base):
+    layout, recs, _, _, _ = base
+    if layout != "per_step":
+        pytest.skip("one layout is enough: the same estimator code runs on both")
+    batch, _ = pack(_degenerate(recs[:12], "equal"), layout)
+    batch = jax.tree.map(jnp.asarray, batch)
+    floats = {k: v for k, v in batch.extras.items() if jnp.issubdtype(v.dtype, jnp.floating)}
+    inputs = dict(outcome=batch.outcome, turn_rewards=batch.turn_rewards,
+                  old_logprobs=batch.old_logprobs, extras=floats)
+
+    def total(x):
+        b = batch.replace(outcome=x["outcome"], turn_rewards=x["turn_rewards"],
+                          old_logprobs=x["old_logprobs"], extras={**batch.extras,
+                                                                   **x["extras"]})
+        return {k: jnp.sum(tok ** 2) + jnp.sum(turn ** 2)
+                for k, (tok, turn) in run_all(b).items()}
+
+    grads = jax.jit(jax.jacrev(total))(inputs)
+    bad = sorted({k for k, g in grads.items()
+                  if not all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(g))})
+    assert not bad, f"non-finite gradients: {bad}"
