@@ -148,6 +148,8 @@ def test_every_case_gives_credit_zero_on_padding(base):
 
 def test_jit_equals_eager(base):
     layout, _, batch, index, out = base
+    if layout != "per_step":
+        pytest.skip("one layout is enough: eager runs op by op (slow), the code is the same")
     with jax.disable_jit():
         eager = run_all(batch)
     assert_same(per_record(out, index), per_record(eager, index), f"eager {layout}")
@@ -215,14 +217,18 @@ def test_gradients_are_finite(base):
     inputs = dict(outcome=batch.outcome, turn_rewards=batch.turn_rewards,
                   old_logprobs=batch.old_logprobs, extras=floats)
 
-    def total(x):
+    def totals(x):
         b = batch.replace(outcome=x["outcome"], turn_rewards=x["turn_rewards"],
                           old_logprobs=x["old_logprobs"], extras={**batch.extras,
                                                                    **x["extras"]})
-        return {k: jnp.sum(tok ** 2) + jnp.sum(turn ** 2)
-                for k, (tok, turn) in run_all(b).items()}
+        return {k: jnp.sum(tok ** 2) + jnp.sum(turn ** 2) for k, (tok, turn) in run_all(b).items()}
 
-    grads = jax.jit(jax.jacrev(total))(inputs)
-    bad = sorted({k for k, g in grads.items()
-                  if not all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(g))})
+    # one backward pass through every case (a NaN anywhere makes the sum's gradient NaN);
+    # only when it is not finite, one per case to name the culprits
+    grad = jax.jit(jax.grad(lambda x: sum(totals(x).values())))(inputs)
+    if all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grad)):
+        return
+    bad = [k for k, _ in CASES if not all(
+        np.all(np.isfinite(np.asarray(g)))
+        for g in jax.tree.leaves(jax.jit(jax.grad(lambda x, k=k: totals(x)[k]))(inputs)))]
     assert not bad, f"non-finite gradients: {bad}"
