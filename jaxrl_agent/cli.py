@@ -224,18 +224,26 @@ def cmd_credit(args) -> int:
 
 
 def cmd_estimators(args) -> int:
-    from jaxrl_agent import estimators
+    from jaxrl_agent import envs, estimators, losses, registry
 
     titles = {"estimator": "estimators (--estimator)",
               "shaping": "reward shaping, before the estimator (--shaping)",
-              "transform": "credit transforms, after the estimator (--then)"}
+              "transform": "credit transforms, after the estimator (--then)",
+              "loss": "losses (loss.policy, loss.kl_estimator, auxiliary)",
+              "env": "environments (env.name)"}
+    del envs, estimators, losses  # imported for their registrations
     for kind, title in titles.items():
         print(f"# {title}")
-        for name in estimators.names(kind):
-            spec = estimators.spec(name)
-            hp = ", ".join(f"{k}={v!r}" for k, v in spec.hyper_params.items())
-            doc = ((spec.fn.__doc__ or "").strip().splitlines() or [""])[0]
-            print(f"{name:<22} {doc}\n{'':<22} {hp}{' [stateful]' if spec.stateful else ''}")
+        for entry in registry.entries(kind):
+            hp = ", ".join(f"{k}={v!r}" for k, v in entry.hyper_params.items()
+                           if kind != "loss" or k not in ("agg", "agg_constant"))
+            doc = ((entry.fn.__doc__ or "").strip().splitlines() or [""])[0]
+            notes = [f"reads {', '.join(entry.reads)}"] if isinstance(entry.reads, tuple) and \
+                entry.reads else (["reads inputs by its settings"] if callable(entry.reads) else [])
+            notes += ["stateful"] * entry.stateful
+            notes += [f"from {entry.origin}"] * (not entry.origin.startswith("jaxrl_agent."))
+            extra = f" [{'; '.join(notes)}]" if notes else ""
+            print(f"{entry.name:<22} {doc}\n{'':<22} {hp}{extra}")
     return 0
 
 
@@ -522,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--strict", action="store_true",
                    help="an unknown record or turn field is an error (default: a warning)")
     c.set_defaults(func=cmd_credit)
-    e = sub.add_parser("estimators", help="list the registered estimators")
+    e = sub.add_parser("estimators", help="list the registered estimators, stages, losses and "
+                                          "environments")
     e.set_defaults(func=cmd_estimators)
     lab = sub.add_parser("lab", help="score and train credit estimators on tabular tasks with "
                                      "exact advantages",
