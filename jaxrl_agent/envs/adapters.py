@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from jaxrl_agent.envs.base import StepResult, Task, _as_random, _check_split, split_of
+from jaxrl_agent.envs.base import StepResult, Task, as_random, check_split, split_of
 
 
 class _SeedTasks:
@@ -35,8 +35,8 @@ class _SeedTasks:
     seed_range = 10**6
 
     def sample_tasks(self, rng, n: int, split: str = "train") -> list[Task]:
-        _check_split(split)
-        rng = _as_random(rng)
+        check_split(split)
+        rng = as_random(rng)
         out, seen = [], set()
         while len(out) < n:
             seed = rng.randrange(self.seed_range)

@@ -46,7 +46,8 @@ def split_of(task_key: str) -> str:
     return "test" if stable_hash(task_key) % TEST_FRACTION_MOD == 0 else "train"
 
 
-def _check_split(split: str) -> None:
+def check_split(split: str) -> None:
+    """ValueError unless ``split`` is ``"train"`` or ``"test"``."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
 
@@ -213,8 +214,8 @@ class Env(abc.ABC):
     def sample_tasks(self, rng, n: int, split: str = "train", max_tries: int = 100_000) -> list[Task]:
         """``n`` distinct tasks of ``split`` (``rng``: a ``random.Random``, ``numpy`` Generator
         or an int seed). Deterministic given the rng state."""
-        _check_split(split)
-        rng = _as_random(rng)
+        check_split(split)
+        rng = as_random(rng)
         out, seen = [], set()
         for _ in range(max_tries):
             t = self._make_task(rng)
@@ -227,7 +228,8 @@ class Env(abc.ABC):
                          f"{type(self).__name__} (asked for {n}); widen the configuration")
 
 
-def _as_random(rng):
+def as_random(rng):
+    """A ``random.Random``: ``rng`` itself, or one seeded from an int or a numpy Generator."""
     import random
     if isinstance(rng, random.Random):
         return rng
