@@ -792,21 +792,18 @@ def _check_group_size(cfg: "RunConfig") -> None:
             f"gae, turn_gae; or reinforce_pp)")
 
 
-def validate(cfg: RunConfig) -> RunConfig:
-    """Semantic checks against the registries; raises ``ConfigError`` with a clear message,
-    returns ``cfg`` otherwise. Imports the run's plug-in modules first (``imports``), so the
-    methods they register are known; touches the file system for nothing else (see
-    ``check_paths``)."""
-    load_imports(cfg)
-    from jaxrl_agent import envs, estimators, losses
-    from jaxrl_agent.models.config import DTYPES
-
+def _check_name_and_run(cfg: RunConfig) -> None:
+    """Cfg.name and run.dir."""
     if not cfg.name or cfg.name in (".", "..") or "/" in cfg.name or "\\" in cfg.name:
         raise ConfigError(f"name must be a non-empty directory name (the run lives in "
                           f"runs/<name>; set run.dir for another place); got {cfg.name!r}")
     if cfg.run.dir is not None and not cfg.run.dir.strip():
         raise ConfigError("run.dir must be a path or null (null = runs/<name>)")
 
+
+def _check_model(cfg: RunConfig) -> None:
+    """The model section."""
+    from jaxrl_agent.models.config import DTYPES
     m = cfg.model
     _choice(m.dtype, DTYPES, "model.dtype")
     if m.hf_path is not None and not m.hf_path.strip():
@@ -827,6 +824,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     if m.value_stop_gradient and not m.value_head:
         raise ConfigError("model.value_stop_gradient needs model.value_head: true")
 
+
+def _check_env(cfg: RunConfig) -> None:
+    """The environment: registered, and its keyword arguments."""
+    from jaxrl_agent import envs
     env_names = envs.names()
     if cfg.env.name not in env_names:
         raise ConfigError(f"env.name: unknown environment {cfg.env.name!r}; known: "
@@ -840,6 +841,9 @@ def validate(cfg: RunConfig) -> RunConfig:
                                      inspect.Parameter.KEYWORD_ONLY)]
             _check_params(cfg.env.kwargs, allowed, "env.kwargs", f"environment {cfg.env.name!r}")
 
+
+def _check_rollout(cfg: RunConfig) -> None:
+    """The rollout section."""
     r = cfg.rollout
     _positive(r, "rollout", "tasks_per_step", "group_size", "max_turns", "max_new_tokens",
               "max_context_tokens")
@@ -855,6 +859,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _choice(r.history, HISTORY_MODES, "rollout.history")
     _check_branching(r)
 
+
+def _check_estimator(cfg: RunConfig) -> None:
+    """The estimator's name and hyper-parameter names (values: ``_check_methods``)."""
+    from jaxrl_agent import estimators
     est = cfg.estimator
     known = estimators.names()
     if est.name not in known:
@@ -862,6 +870,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_params(est.params, list(estimators.spec(est.name).hyper_params), "estimator.params",
                   f"estimator {est.name!r}")
 
+
+def _check_loss(cfg: RunConfig) -> None:
+    """The loss section."""
+    from jaxrl_agent import losses
     lo = cfg.loss
     loss_names = [n for n in POLICY_LOSSES if n in losses.names()]
     if lo.policy not in loss_names:
@@ -873,6 +885,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _choice(lo.kl_estimator, [k for k in KL_ESTIMATORS if k in losses.names()], "loss.kl_estimator")
     _positive(lo, "loss", "kl_coef", "entropy_coef", "value_coef", allow_zero=True)
 
+
+def _check_optimizer(cfg: RunConfig) -> None:
+    """The optimizer section."""
     o = cfg.optimizer
     _positive(o, "optimizer", "lr")
     _positive(o, "optimizer", "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
@@ -882,6 +897,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         if not 0 <= getattr(o, n) < 1:
             raise ConfigError(f"optimizer.{n} must be in [0, 1); got {getattr(o, n)!r}")
 
+
+def _check_trainer(cfg: RunConfig) -> None:
+    """The trainer section, and how it divides the rollouts."""
+    r = cfg.rollout
     t = cfg.trainer
     _positive(t, "trainer", "steps", "ppo_epochs", "mini_batches", "micro_batches", "eval_tasks")
     _positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
@@ -906,6 +925,10 @@ def validate(cfg: RunConfig) -> RunConfig:
                           f"rollout.tasks_per_step ({r.tasks_per_step}): every mini-batch "
                           f"(one optimizer update) holds the same number of whole task groups")
 
+
+def _check_sampler(cfg: RunConfig) -> None:
+    """The sampler section."""
+    from jaxrl_agent.models.config import DTYPES
     s = cfg.sampler
     _choice(s.name, SAMPLERS, "sampler.name")
     if s.dtype is not None:
@@ -919,12 +942,19 @@ def validate(cfg: RunConfig) -> RunConfig:
     if s.probe_tol is not None:
         _positive(s, "sampler", "probe_tol")
 
+
+def _check_run_dir(cfg: RunConfig) -> None:
+    """Checkpoint cadence and where the run lives."""
     _positive(cfg.checkpoint, "checkpoint", "every", "keep", allow_zero=True)
     run_dir = run_paths(cfg).root
     if "://" in run_dir:
         raise ConfigError(f"run.dir {run_dir!r}: URLs (gs://, s3://) are not "
                           "supported yet; mount the bucket (e.g. gcsfuse) and give its path")
 
+
+def _check_mesh(cfg: RunConfig) -> None:
+    """The device mesh and its partition rules."""
+    m = cfg.model
     axes = {n: getattr(cfg.mesh, n) for n in ("data", "fsdp", "tensor")}
     for n, v in axes.items():
         if v == 0 or v < -1:
@@ -940,6 +970,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         check_rules(cfg.mesh.rules)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_distributed(cfg: RunConfig) -> None:
+    """The multi-process settings."""
     # Completeness (coordinator + count + id) is checked after the environment is merged in
     # (sharding.multihost.resolve_settings): one shared YAML + $JAXRL_PROCESS_ID per host is
     # the usual set-up.
@@ -950,8 +984,20 @@ def validate(cfg: RunConfig) -> RunConfig:
             0 <= d.process_id < (d.num_processes or d.process_id + 1)):
         raise ConfigError(f"distributed.process_id must be in [0, num_processes); got "
                           f"{d.process_id}")
-    _check_methods(cfg)  # last: it packs a batch in trainer.layout, checked above
-    _check_group_size(cfg)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Semantic checks against the registries; raises ``ConfigError`` with a clear message,
+    returns ``cfg`` otherwise. Imports the run's plug-in modules first (``imports``), so the
+    methods they register are known; touches the file system for nothing else (see
+    ``check_paths``). One check per section, in the order of the file; the methods last (they
+    pack a batch in ``trainer.layout``, checked before)."""
+    load_imports(cfg)
+    for check in (_check_name_and_run, _check_model, _check_env, _check_rollout,
+                  _check_estimator, _check_loss, _check_optimizer, _check_trainer,
+                  _check_sampler, _check_run_dir, _check_mesh, _check_distributed,
+                  _check_methods, _check_group_size):
+        check(cfg)
     return cfg
 
 

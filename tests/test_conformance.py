@@ -157,6 +157,8 @@ def test_jit_equals_eager(base):
 
 def test_padding_invariance(base):
     layout, recs, _, index, out = base
+    if layout != "per_step":
+        pytest.skip("per_step pads every axis (trajectories, turns, rows, tokens): enough")
     big, big_index = pack(recs, layout, BIG[layout])
     big_out = jax.tree.map(np.asarray, run_all_jit(big))
     assert_padding_zero(big_out, big, f"padded {layout}")

@@ -467,6 +467,47 @@ def _run_estimator(pipe, est_batch, est_state, stateful: bool, mesh):
     return jax.shard_map(f, mesh=mesh, in_specs=(rows,), out_specs=rows)(est_batch), est_state
 
 
+def _advantages(graphdef, rest, fwd, cfg: StepConfig, state: TrainState, batch, tree, mesh):
+    """The first part of a step: the inputs the pipeline reads (``PROVIDERS``: one forward
+    pass for the value head's estimates, one for the hidden states, only when read), then the
+    estimator pipeline on the whole batch. Returns ``(Advantages, new estimator state)``."""
+    values = hidden = None
+    if cfg.needs_values:
+        _, _, values, _ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
+                              want_entropy=False, blocks=cfg.blocks)
+    if cfg.needs_hidden:
+        hidden = _decision_hidden(graphdef, state.params, rest, batch, tree, cfg.blocks)
+    est_batch = _provide(batch, cfg.reads, values, hidden)
+    stateful = estimators.spec(cfg.estimator).stateful
+    return _run_estimator(cfg.pipeline, est_batch, state.est_state, stateful, mesh)
+
+
+def _step_metrics(cfg: StepConfig, per, dens, n_bad, n_idle, adv_tok, batch) -> dict:
+    """The step's metrics from the updates' outputs ``per`` ([epochs, mini] each): loss terms
+    and the sampling policy's entropy from the first epoch (the on-policy values), ratio
+    diagnostics over every update, update counts, and the advantages' distribution."""
+    terms, diag = per["aux"]
+    first = lambda x: jnp.mean(x[0])  # noqa: E731
+    metrics = {"loss": first(per["loss"]), "grad_norm": jnp.mean(per["grad_norm"]),
+               "update_skipped": n_bad.astype(jnp.float32),
+               "updates_idle": n_idle.astype(jnp.float32),
+               "updates": (cfg.updates_per_step - n_bad - n_idle).astype(jnp.float32),
+               **advantage_metrics(adv_tok, batch)}
+    for k, v in terms.items():
+        metrics[f"loss_{k}"] = first(v / jnp.maximum(dens[k][None, :], 1.0))
+    tok_all = jnp.maximum(jnp.sum(diag["tokens"]), 1.0)
+    tok_first = jnp.maximum(jnp.sum(diag["tokens"][0]), 1.0)
+    for k, v in diag.items():
+        if k == "entropy":
+            metrics[k] = jnp.sum(v[0]) / tok_first
+        elif k == "outside_truncation_frac":
+            if cfg.truncated:
+                metrics[k] = jnp.sum(v) / tok_all
+        elif k != "tokens":
+            metrics[k] = jnp.sum(v) / tok_all
+    return metrics
+
+
 def advantage_metrics(adv_tok, batch: TrajectoryBatch) -> dict:
     """The distribution of the token advantages over action tokens (mean, std, |A| mean, min,
     max, fractions > 0 and == 0) and ``group_zero_frac``: the share of real groups in which
@@ -513,16 +554,7 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
                          f"mini_batches x micro_batches = {all_blocks}: "
                          f"attach_prefix_trees(batch, num_blocks={all_blocks})")
     batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
-    spec = estimators.spec(cfg.estimator)
-    v0 = h = None
-    if cfg.needs_values:
-        _, _, v0, _ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
-                          want_entropy=False, blocks=all_blocks)
-    if cfg.needs_hidden:
-        h = _decision_hidden(graphdef, state.params, rest, batch, tree, all_blocks)
-    est_batch = _provide(batch, cfg.reads, v0, h)
-    pipe = cfg.pipeline
-    adv, est_state = _run_estimator(pipe, est_batch, state.est_state, spec.stateful, mesh)
+    adv, est_state = _advantages(graphdef, rest, fwd, cfg, state, batch, tree, mesh)
     adv_tok = jax.lax.stop_gradient(adv.token)
     returns = _token_returns(adv, batch)
     zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
@@ -625,27 +657,7 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     if state_shardings is not None:
         new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
 
-    # per[...]: [epochs, mini]. Loss terms and the sampling policy's entropy: first epoch
-    # (the on-policy values); ratio diagnostics: over every update.
-    terms, diag = per["aux"]
-    first = lambda x: jnp.mean(x[0])  # noqa: E731
-    metrics = {"loss": first(per["loss"]), "grad_norm": jnp.mean(per["grad_norm"]),
-               "update_skipped": n_bad.astype(jnp.float32),
-               "updates_idle": n_idle.astype(jnp.float32),
-               "updates": (cfg.updates_per_step - n_bad - n_idle).astype(jnp.float32),
-               **advantage_metrics(adv_tok, batch)}
-    for k, v in terms.items():
-        metrics[f"loss_{k}"] = first(v / jnp.maximum(dens[k][None, :], 1.0))
-    tok_all = jnp.maximum(jnp.sum(diag["tokens"]), 1.0)
-    tok_first = jnp.maximum(jnp.sum(diag["tokens"][0]), 1.0)
-    for k, v in diag.items():
-        if k == "entropy":
-            metrics[k] = jnp.sum(v[0]) / tok_first
-        elif k == "outside_truncation_frac":
-            if cfg.truncated:
-                metrics[k] = jnp.sum(v) / tok_all
-        elif k != "tokens":
-            metrics[k] = jnp.sum(v) / tok_all
+    metrics = _step_metrics(cfg, per, dens, n_bad, n_idle, adv_tok, batch)
     return new_state, {"metrics": metrics, "advantages": adv}
 
 
