@@ -22,7 +22,7 @@ import dataclasses
 import hashlib
 import math
 import numbers
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 from flax import struct
@@ -62,6 +62,8 @@ class TrajectoryBatch:
         ``"turn"`` [N, K, ...] or ``"traj"`` [N, ...] for extras whose level their shape alone
         does not tell (an [N, D] vector with D = K, an [N, K] array when N, K = R, T);
         ``pack_records`` fills it. Extras not listed are read by shape.
+      local: static, True once ``segments.localize`` has made ``row_traj`` / ``group_ids``
+        block-local (inside ``shard_map``), so localising again changes nothing.
     """
 
     tokens: Any
@@ -80,6 +82,7 @@ class TrajectoryBatch:
     extras: dict = dataclasses.field(default_factory=dict)
     layout: str = struct.field(pytree_node=False, default="concatenated")
     extra_levels: tuple = struct.field(pytree_node=False, default=())
+    local: bool = struct.field(pytree_node=False, default=False)
 
     def extra_level(self, name: str, shape) -> str | None:
         """``"token"``, ``"turn"`` or ``"traj"``: the level of ``extras[name]`` (declared in

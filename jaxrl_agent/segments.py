@@ -32,11 +32,14 @@ def localize(batch: TrajectoryBatch, axis_name=None) -> TrajectoryBatch:
 
     Inside ``shard_map`` each device sees one block of N_local trajectories; block d holds
     global trajectories [d * N_local, (d + 1) * N_local). Outside a mesh this is the identity.
+    Idempotent: the result is marked ``local``, and a local batch is returned as it is, so a
+    function may localise a batch its caller already localised.
     """
-    if axis_name is None:
+    if axis_name is None or batch.local:
         return batch
     offset = lax.axis_index(axis_name) * batch.num_traj
-    return batch.replace(row_traj=batch.row_traj - offset, group_ids=batch.group_ids - offset)
+    return batch.replace(row_traj=batch.row_traj - offset, group_ids=batch.group_ids - offset,
+                         local=True)
 
 
 def zero_padding(batch: TrajectoryBatch) -> TrajectoryBatch:
@@ -63,7 +66,8 @@ def zero_padding(batch: TrajectoryBatch) -> TrajectoryBatch:
 
 def local_view(batch: TrajectoryBatch, axis_name=None) -> TrajectoryBatch:
     """What every estimator starts from: block-local indices (``localize``) and padding
-    entries set to 0 (``zero_padding``), so padding can never leak into a result."""
+    entries set to 0 (``zero_padding``), so padding can never leak into a result. Idempotent
+    (both steps are), so public helpers call it whatever their caller did before."""
     return zero_padding(localize(batch, axis_name))
 
 

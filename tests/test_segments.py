@@ -689,6 +689,28 @@ def test_psum_and_localize_are_identity_without_axis():
     assert segments.localize(b) is b and segments.localize(b, None) is b
 
 
+def test_localize_is_idempotent_under_shard_map():
+    """Localising twice (a helper called on its caller's local view) moves the indices once."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    from tests.signals import signal_records
+    b, _ = pack_records(signal_records(), num_shards=4)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+
+    def both(x):
+        once = segments.local_view(x, "data")
+        twice = segments.local_view(once, "data")
+        return once.row_traj, twice.row_traj, once.group_ids, twice.group_ids
+
+    outs = jax.shard_map(both, mesh=mesh, in_specs=(P("data"),), out_specs=P("data"))(b)
+    once_rt, twice_rt, once_g, twice_g = map(np.asarray, outs)
+    np.testing.assert_array_equal(once_rt, twice_rt)
+    np.testing.assert_array_equal(once_g, twice_g)
+    n_local = b.num_traj // 4
+    real = np.asarray(b.traj_mask)
+    assert once_rt.max() < n_local and np.all(once_g[real] < n_local) and np.all(once_g[real] >= 0)
+
+
 def test_turn_key_ids_under_grad_with_a_numpy_batch():
     """Eager jax.grad over a function of a host (numpy) batch: the sort fallback's cond
     traces with a traced order, which must not index numpy arrays."""

@@ -352,10 +352,6 @@ def trace_rewards(batch: TrajectoryBatch, *, potential: str = "potential",
     count) for the per-token-normalised variant (lp_gold / length).
     """
     b = segments.local_view(batch, axis_name)
-    return _trace_rewards(b, potential, final_potential, length)
-
-
-def _trace_rewards(b, potential, final_potential, length):
     r = _potential_rewards(b, potential, final_potential, 1.0, True, "trace")
     if length is not None:
         n = traj_field(b, length, "trace", "gold answer length in tokens, [N]")
@@ -381,7 +377,7 @@ def trace(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potentia
     _check_norm(normalize)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
-    z = normalize_turns(_trace_rewards(b, potential, final_potential, length), b,
+    z = normalize_turns(trace_rewards(b, potential=potential, final_potential=final_potential, length=length), b,
                         by=normalize, eps=eps, axis_name=axis_name)
     if accumulate:
         z = segments.reverse_scan(z, 1.0, axis=1)
@@ -519,10 +515,6 @@ def efca_weights(batch: TrajectoryBatch, *, feedback: str = "feedback", fb_coef:
     ``extras[feedback]`` in {-1, 0, 1} (parsed environment feedback). 0 off valid turns.
     """
     b = segments.local_view(batch, axis_name)
-    return _efca_weights(b, feedback, fb_coef, loop_coef, window, w_min, w_max)
-
-
-def _efca_weights(b, feedback, fb_coef, loop_coef, window, w_min, w_max):
     if not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
     if w_min < 0 or w_max < w_min:
@@ -559,7 +551,7 @@ def efca(adv: Advantages, batch: TrajectoryBatch, *, feedback: str = "feedback",
     <= 1 <= w_max.
     """
     b = segments.local_view(batch, axis_name)
-    w = _efca_weights(b, feedback, fb_coef, loop_coef, window, w_min, w_max)
+    w = efca_weights(b, feedback=feedback, fb_coef=fb_coef, loop_coef=loop_coef, window=window, w_min=w_min, w_max=w_max)
     if renormalize:
         return allocation.apply_token_weights(adv, allocation.token_weights(w, b), b)
     return _scale_turns(adv, b, jnp.where(_valid(b), w, 1.0))
@@ -584,10 +576,6 @@ def vtca_credit(batch: TrajectoryBatch, *, progress: str = "progress",
     """
     check_unit("rho", rho)
     b = segments.local_view(batch, axis_name)
-    return _vtca_credit(b, progress, final_progress, edges, rho)
-
-
-def _vtca_credit(b, progress, final_progress, edges, rho):
     delta = _potential_rewards(b, progress, final_progress, 1.0, True, "vtca")
     e = require(b, edges, "vtca", "prerequisite edges [N, E, 3] (src_turn, dst_turn, type)")
     if e.ndim != 3 or e.shape[0] != b.num_traj or e.shape[2] < 2:
@@ -631,7 +619,7 @@ def vtca(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progress",
     check_positive("eps", eps)
     check_unit("rho", rho)
     b = segments.local_view(batch, axis_name)
-    c = _vtca_credit(b, progress, final_progress, edges, rho)
+    c = vtca_credit(b, progress=progress, final_progress=final_progress, edges=edges, rho=rho)
     c = normalize_turns(c, b, by=normalize, eps=eps, axis_name=axis_name)
     return add_turn_term(adv, b, eta * c)
 
@@ -889,10 +877,6 @@ def implicit_step_rewards(batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
     trajectory log-ratio. ``prm``/``ref``: [R, T] log-prob fields (``"old_logprobs"`` =
     the batch's behaviour log-probs)."""
     b = segments.local_view(batch, axis_name)
-    return _implicit_step_rewards(b, prm, ref, beta)
-
-
-def _implicit_step_rewards(b, prm, ref, beta):
     lp = token_field(b, prm, "oprl", "implicit PRM log-probs of the sampled tokens, [R, T]")
     lr = token_field(b, ref, "oprl", "reference log-probs of the sampled tokens, [R, T]")
     return jnp.where(_valid(b), beta * segments.token_to_turn(lp - lr, b), 0.0)
@@ -914,7 +898,7 @@ def oprl(adv: Advantages, batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
     check_choice("cohort", cohort, ("cohort", "state"))
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
-    r = _implicit_step_rewards(b, prm, ref, beta)
+    r = implicit_step_rewards(b, prm=prm, ref=ref, beta=beta)
     return add_turn_term(adv, b, weight * normalize_turns(r, b, by=cohort,
                                                          scale_std=scale_std, eps=eps))
 
@@ -932,10 +916,6 @@ def prefix_score_rewards(batch: TrajectoryBatch, *, scores: str = "prefix_scores
     (RM(x, empty); absent -> 0). sum_t r_t = RM(x, y) - RM(x, empty) (telescoping).
     """
     b = segments.local_view(batch, axis_name)
-    return _prefix_score_rewards(b, scores, initial_score)
-
-
-def _prefix_score_rewards(b, scores, initial_score):
     s = token_field(b, scores, "red", "reward-model score of each action-token prefix, [R, T]")
     init = traj_field(b, initial_score, "red", "RM(x, empty), [N]", default=0.0)
     first, last = segments.turn_boundary_masks(b)
@@ -955,7 +935,7 @@ def red(batch: TrajectoryBatch, *, scores: str = "prefix_scores",
     model's prefix score; read by ``reinforce_pp``, ``gae`` via ``segments.token_rewards``).
     Also covers Grad2Reward-style token rewards when the caller supplies the scores."""
     b = segments.local_view(batch, axis_name)
-    return _add_token_rewards(batch, b, scale * _prefix_score_rewards(b, scores, initial_score))
+    return _add_token_rewards(batch, b, scale * prefix_score_rewards(b, scores=scores, initial_score=initial_score))
 
 
 # ----------------------------------------------------------------------------- d14 step gain
@@ -1073,10 +1053,6 @@ def action_ordinals(batch: TrajectoryBatch, *, axis_name=None):
     """[R, T] int32: the position of each action token in its trajectory's stream of action
     tokens (0, 1, ... turn by turn, any layout); -1 off the action tokens."""
     b = segments.local_view(batch, axis_name)
-    return _action_ordinals(b)
-
-
-def _action_ordinals(b):
     m = b.action_mask
     cs = jnp.cumsum(m.astype(jnp.int32), axis=1) - 1
     first, _ = segments.turn_boundary_masks(b)
@@ -1114,7 +1090,7 @@ def v_rubrics(batch: TrajectoryBatch, *, scores: str = "rubric_scores",
     if mode == "prefix":
         lo = jnp.zeros_like(hi)
     lo = jnp.maximum(lo, 0)
-    pos = _action_ordinals(b)[..., None]  # [R, T, 1]
+    pos = action_ordinals(b)[..., None]  # [R, T, 1]
     rt = jnp.clip(b.row_traj, 0, b.num_traj - 1)
     m = b.action_mask[..., None]
     inside = m & (hi[rt][:, None, :] >= 0) & (pos >= lo[rt][:, None, :]) & \
