@@ -10,7 +10,6 @@ import math
 import numpy as np
 import pytest
 
-from jaxrl_agent import estimators
 from jaxrl_agent.batch import (RecordError, TrajectoryBatch, pack_records, stable_key,
                                validate_batch)
 from tests.strategies import random_records
@@ -871,66 +870,6 @@ def test_validate_accepts_nonfinite_padding(layout):
                extras=dict(ex, hidden=np.zeros((8, 2, 3), np.float32))).validate()
 
 
-def _estimator_cases():
-    from tests.signals import family_names  # families (d)-(f) test NaN padding in their modules
-    for name in sorted(set(estimators.names()) - set(family_names())):
-        yield name, {}
-    yield "rollout_level", {"row_weighted": True}
-    yield "reinforce_pp", {"kl_coef": 0.1, "gamma": 0.9}
+# That NaN / inf on padding never changes any registered method's output, under jit and
+# eagerly, is checked for every method in tests/test_conformance.py.
 
-
-# (estimator, variant, mode) that turn NaN padding into NaN advantages. Under jit XLA rewrites
-# "x * bool-mask" into a select, which hides the eager-mode failures.
-# eager runs cost a compile per op: only for the trajectory-level family, where the bugs are
-_EAGER = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "spo", "spo_pp", "rollout_level")
-
-
-def _padding_cases():
-    for mode in ("jit", "eager"):
-        for name, hp in _estimator_cases():
-            if mode == "eager" and name not in _EAGER:
-                continue
-            hp_id = "-".join(f"{k}={v}" for k, v in hp.items())
-            yield pytest.param(name, hp, mode,
-                               id="-".join(x for x in (mode, name, hp_id) if x))
-
-
-@pytest.mark.parametrize("name,hp,mode", list(_padding_cases()))
-def test_padding_values_never_change_estimators(name, hp, mode):
-    """validate accepts NaN/inf on padding entries; the contract says padding never changes
-    a result, so every estimator must give the same output as with zeros there."""
-    rng = np.random.default_rng(5)
-    recs = random_records(rng, num_traj=5, binary=True, logprobs=True, values=True,
-                          token_values=True, ref_logprobs=True)
-    for i, r in enumerate(recs):
-        r["group"] = i % 2  # groups of 3 and 2: no singleton hides a NaN
-        for t in r["turns"]:  # what bipace and hae read
-            t["turn_extras"] = {"hidden": rng.normal(size=3).tolist(),
-                                "switch": float(rng.random() < 0.5),
-                                "high_values": float(rng.normal())}
-    b = pack_records(recs, layout="per_step")[0]
-    am, tm, trm = (np.asarray(x) for x in (b.action_mask, b.turn_mask, b.traj_mask))
-
-    def dirty(v):
-        mask = am if v.shape == am.shape else tm.reshape(tm.shape + (1,) * (v.ndim - 2))
-        return np.where(mask, v, np.nan).astype(np.float32)
-
-    nb = b.replace(turn_rewards=np.where(tm, b.turn_rewards, np.nan).astype(np.float32),
-                   outcome=np.where(trm, b.outcome, np.nan).astype(np.float32),
-                   old_logprobs=np.where(am, b.old_logprobs, np.nan).astype(np.float32),
-                   extras={k: dirty(v) for k, v in b.extras.items()})
-    nb.validate()
-    sp = estimators.spec(name)
-    kw = dict(hp, state=sp.init_state(8)) if sp.stateful else dict(hp)
-    if mode == "jit":
-        clean, dirty = (estimators.compute(name, x, **kw) for x in (b, nb))
-    else:
-        clean, dirty = (sp.fn(x, **kw) for x in (b, nb))
-    if sp.stateful:
-        (clean, cs), (dirty, ds) = clean, dirty
-        np.testing.assert_allclose(ds.alpha, cs.alpha)
-        np.testing.assert_allclose(ds.beta, cs.beta)
-    for f in ("token", "turn", "token_returns", "turn_returns"):
-        if getattr(clean, f) is not None:
-            np.testing.assert_allclose(getattr(dirty, f), getattr(clean, f), atol=1e-6,
-                                       err_msg=f)
