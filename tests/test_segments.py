@@ -698,8 +698,8 @@ def test_localize_is_idempotent_under_shard_map():
     mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
 
     def both(x):
-        once = segments.local_view(x, "data")
-        twice = segments.local_view(once, "data")
+        once = segments.localize(x, "data")
+        twice = segments.local_view(once, "data")  # what a helper does with its caller's view
         return once.row_traj, twice.row_traj, once.group_ids, twice.group_ids
 
     outs = jax.shard_map(both, mesh=mesh, in_specs=(P("data"),), out_specs=P("data"))(b)
