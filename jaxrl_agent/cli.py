@@ -605,7 +605,7 @@ def load_plugins(items) -> list:
     try:
         registry.load_imports(items)
     except ImportError as e:
-        raise CliError(f"--import: {e}".replace("imports: ", "")) from None
+        raise CliError(f"--import: {e}") from None
     return items
 
 

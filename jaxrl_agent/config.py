@@ -561,13 +561,11 @@ def resolve_imports(items, base_dir: str) -> list:
     """Plug-in paths (items ending in ``.py`` or holding a ``/``) made absolute against
     ``base_dir``, so the run's recorded config finds them from any working directory; module
     names pass unchanged."""
-    out = []
-    for item in items:
-        if isinstance(item, str) and (item.endswith(".py") or "/" in item) \
-                and not os.path.isabs(item):
-            item = os.path.normpath(os.path.join(base_dir, item))
-        out.append(item)
-    return out
+    from jaxrl_agent.registry import is_path
+
+    return [os.path.normpath(os.path.join(base_dir, item))
+            if isinstance(item, str) and is_path(item) and not os.path.isabs(item) else item
+            for item in items]
 
 
 def load_imports(cfg: RunConfig) -> None:

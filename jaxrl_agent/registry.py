@@ -209,6 +209,11 @@ IMPORT_HINT = (" (a method of your own is registered by its module: load it with
 # ----------------------------------------------------------------------------- plug-ins
 
 
+def is_path(item: str) -> bool:
+    """A plug-in given as a file (``./my_env.py``), not a dotted module name."""
+    return item.endswith(".py") or os.sep in item or "/" in item
+
+
 def load_imports(specs, *, base_dir: str | None = None) -> list[str]:
     """Imports user modules that register methods: each item a dotted module name
     (``my_pkg.credit``) or a path to a ``.py`` file (``./my_env.py``, relative to
@@ -217,14 +222,14 @@ def load_imports(specs, *, base_dir: str | None = None) -> list[str]:
     loaded = []
     for item in specs or ():
         if not isinstance(item, str) or not item.strip():
-            raise ImportError(f"imports: each item must be a module name or a .py path, "
+            raise ImportError(f"each item must be a module name or a .py path, "
                               f"got {item!r}")
         item = item.strip()
-        if item.endswith(".py") or os.sep in item or "/" in item:
+        if is_path(item):
             path = item if os.path.isabs(item) else os.path.join(base_dir or os.getcwd(), item)
             path = os.path.normpath(path)
             if not os.path.isfile(path):
-                raise ImportError(f"imports: {item!r}: no such file ({path})")
+                raise ImportError(f"{item!r}: no such file ({path})")
             mod_name = "jaxrl_user_" + "".join(
                 c if c.isalnum() else "_" for c in os.path.splitext(path)[0].lstrip(os.sep))
             if mod_name not in sys.modules:
@@ -235,16 +240,16 @@ def load_imports(specs, *, base_dir: str | None = None) -> list[str]:
                     spec.loader.exec_module(module)
                 except Exception as e:
                     del sys.modules[mod_name]
-                    raise ImportError(f"imports: {item!r} failed: {type(e).__name__}: "
+                    raise ImportError(f"{item!r} failed: {type(e).__name__}: "
                                       f"{e}") from e
             loaded.append(mod_name)
         else:
             try:
                 importlib.import_module(item)
             except ModuleNotFoundError as e:
-                raise ImportError(f"imports: no module {item!r} ({e}); is it installed or on "
+                raise ImportError(f"no module {item!r} ({e}); is it installed or on "
                                   f"PYTHONPATH, or did you mean a path like ./{item}.py?") from e
             except Exception as e:
-                raise ImportError(f"imports: {item!r} failed: {type(e).__name__}: {e}") from e
+                raise ImportError(f"{item!r} failed: {type(e).__name__}: {e}") from e
             loaded.append(item)
     return loaded
