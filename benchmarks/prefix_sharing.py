@@ -94,7 +94,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxrl_agent.batch import pack_records  # noqa: E402
+from jaxrl_agent.rollout.records import pack_records  # noqa: E402
 from jaxrl_agent.models.config import ModelConfig  # noqa: E402
 from jaxrl_agent.models.transformer import Transformer  # noqa: E402
 from jaxrl_agent.rollout.tree import (attach_prefix_trees, attention_cost,  # noqa: E402

@@ -67,7 +67,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrl_agent import sharding  # noqa: E402
-from jaxrl_agent.batch import pack_records  # noqa: E402
+from jaxrl_agent.rollout.records import pack_records  # noqa: E402
 from jaxrl_agent.models import ModelConfig, Transformer  # noqa: E402
 from jaxrl_agent.sharding import multihost  # noqa: E402
 from jaxrl_agent.train.step import (StepConfig, init_state, make_optimizer,  # noqa: E402

@@ -51,7 +51,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxrl_agent import estimators  # noqa: E402
-from jaxrl_agent.batch import LAYOUTS, pack_records  # noqa: E402
+from jaxrl_agent.batch import LAYOUTS  # noqa: E402
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.models.config import ModelConfig  # noqa: E402
 from jaxrl_agent.models.transformer import Transformer, token_logprobs  # noqa: E402
 from jaxrl_agent.train.step import (StepConfig, init_state, make_optimizer,  # noqa: E402

@@ -152,7 +152,7 @@ def summary_table(rows) -> str:
 
 def cmd_credit(args) -> int:
     from jaxrl_agent import estimators
-    from jaxrl_agent.batch import RecordError, pack_records
+    from jaxrl_agent.rollout.records import RecordError, pack_records
 
     params = _parse_sets(args.set)
     staged = list(args.shaping or []) + list(args.then or [])
@@ -180,7 +180,7 @@ def cmd_credit(args) -> int:
     records, lines = read_records(args.rollouts)
     import warnings
 
-    from jaxrl_agent.batch import UnknownFieldWarning, unknown_fields
+    from jaxrl_agent.rollout.records import UnknownFieldWarning, unknown_fields
     for i, key, hint in unknown_fields(records):  # said with the file's line numbers
         msg = (f"{args.rollouts}:{lines[i]}: unknown field {key!r}"
                + (f" (did you mean {hint!r}?)" if hint else "") + "; it is not read")

@@ -53,6 +53,8 @@ from typing import Any, Union
 
 import yaml
 
+from jaxrl_agent.rollout.collect import RolloutConfig
+
 
 class _Loader(yaml.SafeLoader):
     """``SafeLoader`` that also reads ``1e-5`` / ``3E+2`` as floats (YAML 1.1 wants ``1.0e-5``)."""
@@ -101,25 +103,52 @@ class EnvSection:
         default_factory=lambda: {"max_turns": 12, "action_names": "letters"})
 
 
-@dataclasses.dataclass(frozen=True)
-class RolloutSection:
-    """Mirrors ``rollout.collect.RolloutConfig``; a step samples ``tasks_per_step * group_size``
-    trajectories, times up to ``branch_factor ** len(branch_turns)`` with tree rollouts (every
-    live trajectory forks into ``branch_factor`` copies at the start of each turn in
-    ``branch_turns``; docs/training.md)."""
-    tasks_per_step: int = 8
-    group_size: int = 8
-    max_turns: int = 12
-    max_new_tokens: int = 8
-    max_context_tokens: int = 512
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    on_invalid: str = "penalise"
-    history: str = "last"
-    bos: bool = True
-    branch_turns: list = dataclasses.field(default_factory=list)  # distinct turns in [0, max_turns)
-    branch_factor: int = 1                                          # copies per branch; 1 = no tree
+#: ``RolloutConfig`` fields the trainer sets itself: stop tokens from the model's tokenizer,
+#: the prompt prefix from ``bos``; the observation template stays the collector's
+ROLLOUT_SET_BY_TRAINER = ("stop_token_ids", "observation_template", "prompt_prefix")
+#: where a run's defaults differ from ``RolloutConfig``'s: the built-in run's short grid-world
+#: episodes, one-letter actions and a tiny model's context, with Markov prompts
+ROLLOUT_RUN_DEFAULTS = {"max_turns": 12, "max_new_tokens": 8, "max_context_tokens": 512,
+                        "history": "last"}
+
+
+def _rollout_section() -> type:
+    """``RolloutSection``, derived from ``rollout.collect.RolloutConfig``: its fields (types
+    and meaning as documented there; tuples read as YAML lists) except
+    ``ROLLOUT_SET_BY_TRAINER``, with the defaults of ``ROLLOUT_RUN_DEFAULTS``, plus
+    ``tasks_per_step`` (tasks sampled per step) and ``bos`` (start each trajectory's prompt
+    with the tokenizer's BOS token)."""
+    hints = typing.get_type_hints(RolloutConfig)
+    fields = [("tasks_per_step", int, dataclasses.field(default=8))]
+    for f in dataclasses.fields(RolloutConfig):
+        if f.name in ROLLOUT_SET_BY_TRAINER:
+            continue
+        default = ROLLOUT_RUN_DEFAULTS.get(f.name, f.default)
+        if typing.get_origin(hints[f.name]) is tuple:
+            fields.append((f.name, list, dataclasses.field(
+                default_factory=lambda d=tuple(default): list(d))))
+        else:
+            fields.append((f.name, hints[f.name], dataclasses.field(default=default)))
+    fields.append(("bos", bool, dataclasses.field(default=True)))
+
+    def collect_config(self, prompt_prefix=()) -> RolloutConfig:
+        """The collector's ``RolloutConfig`` of this section (``prompt_prefix``: the token ids
+        ``bos`` asks for, given by the trainer, which knows the tokenizer)."""
+        mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutConfig)
+                if f.name not in ROLLOUT_SET_BY_TRAINER}
+        mine = {k: tuple(v) if isinstance(v, list) else v for k, v in mine.items()}
+        return RolloutConfig(**mine, prompt_prefix=tuple(prompt_prefix))
+
+    doc = ("The ``rollout`` section: ``RolloutConfig``'s fields plus ``tasks_per_step`` and "
+           "``bos``. A step samples ``tasks_per_step * group_size`` trajectories, times up to "
+           "``branch_factor ** len(branch_turns)`` with tree rollouts (every live trajectory "
+           "forks into ``branch_factor`` copies at the start of each turn in ``branch_turns``; "
+           "docs/training.md).")
+    return dataclasses.make_dataclass("RolloutSection", fields, frozen=True, namespace={
+        "__doc__": doc, "__module__": __name__, "collect_config": collect_config})
+
+
+RolloutSection = _rollout_section()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,10 +580,41 @@ def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
     if path is not None and isinstance(raw.get("imports"), list):
         raw = dict(raw, imports=resolve_imports(raw["imports"], os.path.dirname(
             os.path.abspath(path))))
-    cfg = from_dict(apply_overrides(raw, overrides, defaults=to_dict(RunConfig())))
+    cfg = canonical_params(from_dict(apply_overrides(raw, overrides,
+                                                     defaults=to_dict(RunConfig()))))
     if validate:
         _semantic_check(cfg)
     return cfg
+
+
+def canonical_params(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with former hyper-parameter names of the estimator, its stages and the policy
+    loss replaced by the current ones (``registry.Entry.renamed``), so configs written before a
+    rename keep working and the run records today's names. Names not registered (yet) and
+    malformed stages pass unchanged (validation reports them)."""
+    from jaxrl_agent import estimators, losses, registry  # noqa: F401  (registers the methods)
+
+    def fix(name, params, kind):
+        e = registry.find(name, kind) if isinstance(name, str) else None
+        if e is None or not isinstance(params, dict):
+            return params
+        try:
+            return e.canonical(params)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    est = cfg.estimator
+    staged = {}
+    for which in ("shaping", "then"):
+        items = []
+        for item in getattr(est, which):
+            if isinstance(item, dict) and isinstance(item.get("params"), dict):
+                item = dict(item, params=fix(item.get("name"), item["params"], "estimator"))
+            items.append(item)
+        staged[which] = items
+    est = dataclasses.replace(est, params=fix(est.name, est.params, "estimator"), **staged)
+    loss = dataclasses.replace(cfg.loss, params=fix(cfg.loss.policy, cfg.loss.params, "loss"))
+    return dataclasses.replace(cfg, estimator=est, loss=loss)
 
 
 def resolve_imports(items, base_dir: str) -> list:
@@ -660,7 +720,7 @@ def _dry_batch(cfg: "RunConfig", group_size: int = 2):
     import jax.numpy as jnp
 
     from jaxrl_agent import estimators
-    from jaxrl_agent.batch import pack_records
+    from jaxrl_agent.rollout.records import pack_records
     from jaxrl_agent.registry import LOOP_INPUTS
 
     turn = {"observation": [1, 5], "action": [2, 3], "logprobs": [-1.0, -0.5]}

@@ -7,7 +7,7 @@ once per test module instead of once per example.
 import numpy as np
 from hypothesis import strategies as st
 
-from jaxrl_agent.batch import TrajectoryBatch
+from jaxrl_agent.rollout.records import pack_records
 
 MAX_TRAJ, MAX_TURNS, MAX_OBS, MAX_ACT = 8, 4, 3, 3
 PAD = {
@@ -18,8 +18,7 @@ PAD = {
 
 def make_batch(records, layout="concatenated", num_shards=1, pad_to=None):
     pad = PAD[layout] if pad_to is None else pad_to
-    return TrajectoryBatch.from_records(records, layout=layout, pad_to=pad,
-                                        num_shards=num_shards)
+    return pack_records(records, layout=layout, pad_to=pad, num_shards=num_shards)[0]
 
 
 def random_records(rng, num_traj=MAX_TRAJ, max_turns=MAX_TURNS, num_groups=3, binary=False,

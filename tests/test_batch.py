@@ -1,4 +1,4 @@
-"""TrajectoryBatch.from_records / pack_records / validate_batch: the batch contract.
+"""pack_records (parse -> plan -> pack) / validate_batch: the batch contract.
 
 Expected arrays are written out by hand (small examples) or computed with plain Python from
 the records; error tests check that the message names the field and the record index.
@@ -10,8 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from jaxrl_agent.batch import (RecordError, TrajectoryBatch, pack_records, stable_key,
-                               validate_batch)
+from jaxrl_agent.batch import TrajectoryBatch, validate_batch
+from jaxrl_agent.rollout.records import (RecordError, pack, pack_records, parse_records,
+                                         plan_packing, stable_key)
 from tests.strategies import random_records
 
 LAYOUTS = ("concatenated", "per_step")
@@ -132,8 +133,9 @@ def test_hand_example_fields(layout):
     # the record index
     assert idx.traj == [0, 2, 1]
     assert idx.spans == e["spans"]
-    # from_records gives the same batch
-    b2 = TrajectoryBatch.from_records(HAND, layout=layout)
+    # the three steps by hand give the same batch
+    recs = parse_records(HAND)
+    b2, _ = pack(recs, plan_packing(recs, layout))
     for f in ("tokens", "turn_ids", "row_traj", "group_ids", "task_ids", "state_keys"):
         np.testing.assert_array_equal(getattr(b2, f), getattr(b, f))
 
@@ -590,7 +592,7 @@ def test_record_errors_name_field_and_index(mutate, match):
         pack_records(recs)
     assert isinstance(info.value, RecordError) and info.value.index == 2
     with pytest.raises(RecordError, match="record 2"):
-        TrajectoryBatch.from_records(recs, layout="per_step")
+        pack_records(recs, layout="per_step")
 
 
 def _with_all(field, value_of):

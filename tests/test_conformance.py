@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent import registry
-from jaxrl_agent.batch import LAYOUTS, UnknownFieldWarning, pack_records
+from jaxrl_agent.batch import LAYOUTS
+from jaxrl_agent.rollout.records import UnknownFieldWarning, pack_records
 from tests.conformance import ROWS, conformance_records, with_negatives
 from tests.reference.all_refs import REFERENCES
 

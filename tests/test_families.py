@@ -17,7 +17,7 @@ import pytest
 
 from jaxrl_agent import cli
 from jaxrl_agent import estimators as E
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from tests.signals import NOT_FROM_RECORDS, family_names, signal_records
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,8 @@ FORBIDDEN = {
                "lab"},
     "models": {"estimators", "losses", "sampling", "envs", "rollout", "train", "config", "cli"},
     "envs": {"estimators", "losses", "models", "sampling", "rollout", "train", "config", "cli"},
-    "config": {"train", "cli", "rollout", "sampling"},
+    "rollout": {"estimators", "losses", "train", "config", "cli", "lab"},
+    "config": {"train", "cli", "sampling"},
     "train": {"cli"},
 }
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_agent import segments
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.models import (KVCache, ModelConfig, Transformer, from_hf_tensors,
                                 hf_param_map, init_cache, policy_forward, rope_frequencies,
                                 segment_positions, to_hf_tensors, token_logprobs, values_at)

@@ -15,7 +15,7 @@ import pytest
 from jaxrl_agent import cli
 from jaxrl_agent import config as C
 from jaxrl_agent import estimators as E
-from jaxrl_agent.batch import RecordError, pack_records
+from jaxrl_agent.rollout.records import RecordError, pack_records
 from tests.strategies import PAD
 
 

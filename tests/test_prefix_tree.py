@@ -32,7 +32,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from jaxrl_agent import sharding
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.losses.aggregation import AGG_MODES
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs import Chain, GridWorld
 from jaxrl_agent.rollout import ByteCodec, RolloutConfig, TextCodec, collect_groups
 from jaxrl_agent.sampling import SampleOutput, Sampler

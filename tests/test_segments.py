@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxrl_agent import segments
-from jaxrl_agent.batch import TrajectoryBatch, pack_records
+from jaxrl_agent.batch import TrajectoryBatch
+from jaxrl_agent.rollout.records import pack_records
 from tests.strategies import PAD, make_batch, random_records
 
 SEEDS = range(6)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators, segments
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 
 LAYOUTS = ("concatenated", "per_step")
 PAD = {"concatenated": {"num_traj": 32, "num_turns": 4, "row_len": 32},

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxrl_agent import config as config_lib
 from jaxrl_agent import estimators, sharding
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.train import loop

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxrl_agent import cli, envs, registry
 from jaxrl_agent import config as config_lib
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs.gridworld import GridWorld
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer

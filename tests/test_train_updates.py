@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrl_agent.batch import assign_shards, pack_records
+from jaxrl_agent.rollout.records import assign_shards, pack_records
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.sampling import JaxSampler, SamplingParams

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from jaxrl_agent import config as C
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs import Calculator, Chain, GridWorld, GymnasiumTextAdapter, SafeEnv, Task
 from jaxrl_agent.envs.chain import WORDS
 from jaxrl_agent.rollout import ByteCodec, RolloutConfig, collect_groups

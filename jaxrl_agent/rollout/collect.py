@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from jaxrl_agent.envs.base import SafeEnv, reset_group
+from jaxrl_agent.envs.base import Env, SafeEnv, reset_group
 from jaxrl_agent.sampling.base import SamplingParams
 
 __all__ = ["TextCodec", "ByteCodec", "RolloutConfig", "collect_groups", "HISTORY_MODES"]
@@ -324,30 +324,11 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
             raise ValueError("codec has no eos_token_id: give RolloutConfig.stop_token_ids")
         stop_ids = (int(codec.eos_token_id),)
     stop_set = set(stop_ids)
-    base = _base_env(env_factory_or_env)
-    tasks = list(tasks)
-    ids = [t.id for t in tasks]
-    live: list[_Live] = []
-    for ti, task in enumerate(tasks):
-        root = base.clone()
-        root = root if isinstance(root, SafeEnv) else SafeEnv(root)
-        label = task.id if ids.count(task.id) == 1 else f"{task.id}#{ti}"
-        for g, (env, obs, info) in enumerate(reset_group(root, task, config.group_size)):
-            tr = _Live(len(live), env, label, label, [], [], None, order=(ti, g))
-            if info.get("done") or info.get("env_error"):  # reset failed: nothing to record
-                tr.done, tr.dropped, tr.env_error = True, True, str(info.get("env_error"))
-            else:
-                _observe(tr, obs, info, codec, config)
-            live.append(tr)
-
+    live = _start(_base_env(env_factory_or_env), list(tasks), codec, config)
     calls = tokens_generated = forks = 0
     for turn in range(config.max_turns):
         running = [tr for tr in live if not tr.done]
-        for tr in running:
-            if len(tr.history) + len(tr.pending_obs) + config.max_new_tokens > \
-                    config.max_context_tokens:
-                tr.done = tr.truncated = tr.context_truncated = True
-                tr.dropped = not tr.turns
+        _stop_at_context_limit(running, config)
         if turn in config.branch_turns and config.branch_factor > 1:
             new = _branch([tr for tr in running if not tr.done], config.branch_factor, len(live))
             forks += len(new)
@@ -366,59 +347,101 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
         if len(outputs) != len(ready):
             raise RuntimeError(f"sampler returned {len(outputs)} outputs for {len(ready)} prompts")
         for tr, prompt, out in zip(ready, prompts, outputs):
-            act = [int(t) for t in out.token_ids]
-            lps = [float(x) for x in out.logprobs]
-            if not act or len(lps) != len(act):
-                raise RuntimeError(f"sampler output for trajectory {tr.index}: {len(act)} tokens "
-                                   f"and {len(lps)} logprobs (need equal and >= 1)")
-            tokens_generated += len(act)
-            text_ids = act[:-1] if act[-1] in stop_set else act
-            text = codec.decode(text_ids)
-            res = tr.env.step(text)
-            info = res.info or {}
-            invalid = bool(info.get("invalid_action", False))
-            tr.invalid += invalid
-            turn = {"observation": tr.pending_obs, "action": act, "logprobs": lps,
-                    "reward": float(res.reward), "state_key": tr.state_key,
-                    "action_text": text, "finish_reason": out.finish_reason,
-                    "policy_version": int(out.policy_version)}
-            if tr.subgoal is not None:  # HiPER's boundary: the first turn of every subgoal
-                prev = tr.turns[-1]["subgoal"] if tr.turns else None
-                turn["subgoal"] = tr.subgoal
-                turn["turn_extras"] = {"switch": float(prev != tr.subgoal)}
-            tr.turns.append(turn)
-            tr.history = prompt + act if config.history == "full" else []
-            if info.get("env_error"):
-                tr.env_error = str(info["env_error"])
-            done = bool(res.done) or tr.env_error is not None
-            if invalid and config.on_invalid == "fail":
-                done = True
-            if done:
-                tr.done = True
-                tr.success = bool(info.get("success", False)) and not (
-                    invalid and config.on_invalid == "fail")
-                tr.truncated = tr.truncated or bool(info.get("truncated", False))
-            else:
-                _observe(tr, res.observation, info, codec, config)
+            tokens_generated += _act(tr, prompt, out, codec, config, stop_set)
     for tr in live:  # still running after config.max_turns
         if not tr.done:
             tr.done = tr.truncated = True
+    records = [_record(tr) for tr in live if not tr.dropped]
+    stats = _stats(records, live, forks=forks, calls=calls, tokens_generated=tokens_generated,
+                   wall=time.perf_counter() - t0)
+    return records, stats
 
-    records = []
-    for tr in live:
-        if tr.dropped:
-            continue
-        outcome = float(sum(t["reward"] for t in tr.turns))
-        records.append({
-            "group": tr.group, "task": tr.task, "outcome": outcome,
-            "success": 1.0 if tr.success else 0.0, "turns": tr.turns,
-            "policy_version": min(t["policy_version"] for t in tr.turns),
-            "env_error": tr.env_error, "invalid": tr.invalid, "truncated": tr.truncated,
-            "context_truncated": tr.context_truncated, "num_turns": len(tr.turns)})
-    wall = time.perf_counter() - t0
+
+def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig) -> list:
+    """``G`` group-reset copies of every task, observed; a copy whose reset failed is marked
+    dropped (nothing to record)."""
+    ids = [t.id for t in tasks]
+    live: list[_Live] = []
+    for ti, task in enumerate(tasks):
+        root = base.clone()
+        root = root if isinstance(root, SafeEnv) else SafeEnv(root)
+        label = task.id if ids.count(task.id) == 1 else f"{task.id}#{ti}"
+        for g, (env, obs, info) in enumerate(reset_group(root, task, config.group_size)):
+            tr = _Live(len(live), env, label, label, [], [], None, order=(ti, g))
+            if info.get("done") or info.get("env_error"):  # reset failed: nothing to record
+                tr.done, tr.dropped, tr.env_error = True, True, str(info.get("env_error"))
+            else:
+                _observe(tr, obs, info, codec, config)
+            live.append(tr)
+    return live
+
+
+def _stop_at_context_limit(running: list, config: RolloutConfig) -> None:
+    """Ends (truncated) every trajectory whose next turn would not fit the context; one that
+    has no turn yet is dropped."""
+    for tr in running:
+        if len(tr.history) + len(tr.pending_obs) + config.max_new_tokens > \
+                config.max_context_tokens:
+            tr.done = tr.truncated = tr.context_truncated = True
+            tr.dropped = not tr.turns
+
+
+def _act(tr: _Live, prompt: list, out, codec: TextCodec, config: RolloutConfig,
+         stop_set: set) -> int:
+    """Records one sampled action of ``tr``, steps its env with the decoded text and observes
+    the result (or ends the trajectory). Returns the number of tokens sampled."""
+    act = [int(t) for t in out.token_ids]
+    lps = [float(x) for x in out.logprobs]
+    if not act or len(lps) != len(act):
+        raise RuntimeError(f"sampler output for trajectory {tr.index}: {len(act)} tokens "
+                           f"and {len(lps)} logprobs (need equal and >= 1)")
+    text_ids = act[:-1] if act[-1] in stop_set else act
+    text = codec.decode(text_ids)
+    res = tr.env.step(text)
+    info = res.info or {}
+    invalid = bool(info.get("invalid_action", False))
+    tr.invalid += invalid
+    turn = {"observation": tr.pending_obs, "action": act, "logprobs": lps,
+            "reward": float(res.reward), "state_key": tr.state_key,
+            "action_text": text, "finish_reason": out.finish_reason,
+            "policy_version": int(out.policy_version)}
+    if tr.subgoal is not None:  # HiPER's boundary: the first turn of every subgoal
+        prev = tr.turns[-1]["subgoal"] if tr.turns else None
+        turn["subgoal"] = tr.subgoal
+        turn["turn_extras"] = {"switch": float(prev != tr.subgoal)}
+    tr.turns.append(turn)
+    tr.history = prompt + act if config.history == "full" else []
+    if info.get("env_error"):
+        tr.env_error = str(info["env_error"])
+    done = bool(res.done) or tr.env_error is not None
+    if invalid and config.on_invalid == "fail":
+        done = True
+    if done:
+        tr.done = True
+        tr.success = bool(info.get("success", False)) and not (
+            invalid and config.on_invalid == "fail")
+        tr.truncated = tr.truncated or bool(info.get("truncated", False))
+    else:
+        _observe(tr, res.observation, info, codec, config)
+    return len(act)
+
+
+def _record(tr: _Live) -> dict:
+    """The trajectory record of a finished trajectory (format: module docstring)."""
+    return {
+        "group": tr.group, "task": tr.task, "outcome": float(sum(t["reward"] for t in tr.turns)),
+        "success": 1.0 if tr.success else 0.0, "turns": tr.turns,
+        "policy_version": min(t["policy_version"] for t in tr.turns),
+        "env_error": tr.env_error, "invalid": tr.invalid, "truncated": tr.truncated,
+        "context_truncated": tr.context_truncated, "num_turns": len(tr.turns)}
+
+
+def _stats(records: list, live: list, *, forks: int, calls: int, tokens_generated: int,
+           wall: float) -> dict:
+    """The collection's counters (``collect_groups``' Returns)."""
     n = len(records)
     successes = int(sum(r["success"] for r in records))
-    stats = {
+    return {
         "trajectories": n, "successes": successes, "success_rate": successes / n if n else 0.0,
         "mean_reward": sum(r["outcome"] for r in records) / n if n else 0.0,
         "env_errors": sum(tr.env_error is not None for tr in live),
@@ -431,7 +454,6 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
         "tokens_generated": tokens_generated, "wall_time_s": wall,
         "tokens_per_s": tokens_generated / wall if wall > 0 else 0.0,
     }
-    return records, stats
 
 
 def _branch(parents: list[_Live], factor: int, next_index: int) -> list[_Live]:

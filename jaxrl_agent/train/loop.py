@@ -6,7 +6,8 @@ an uninterrupted one exactly)::
     tasks    = env.sample_tasks(rng(seed, s), tasks_per_step, "train")
     records  = collect_groups(env, tasks, sampler @ policy version s, ...)   # G per task
     records  = refuse_stale(records, version=s, max_lag)                    # whole groups
-    batch    = pack_records(records, layout, num_shards = data*fsdp * mini_batches * micro_batches)
+    batch    = pack(records, plan)             # one plan: num_shards = data*fsdp * mini_batches *
+                                              # micro_batches, sizes fixed in per_step
     state    = train_step(state, batch)       # ppo_epochs x mini_batches updates; version s + 1
     sampler.sync_weights(state.params, version=s + 1)
     log, evaluate (greedy, held-out "test" tasks), checkpoint
@@ -28,13 +29,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import math
 import os
 import pathlib
 import sys
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,8 @@ from jaxrl_agent import config as config_lib
 from jaxrl_agent import envs, estimators, segments
 from jaxrl_agent import sharding
 from jaxrl_agent.sharding import multihost
-from jaxrl_agent.batch import assign_shards, bucket, pack_records
+from jaxrl_agent.batch import bucket
+from jaxrl_agent.rollout.records import pack, parse_records, plan_packing
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig, collect_groups
@@ -314,12 +314,8 @@ class Trainer:
                 f"rollout.branch_turns needs an env that can fork mid-episode (Env.fork); "
                 f"{type(self.env).__name__} has no fork()")
         bos = getattr(self.codec, "bos_token_id", None)
-        self.rollout_cfg = RolloutConfig(
-            group_size=r.group_size, max_turns=r.max_turns, max_new_tokens=r.max_new_tokens,
-            max_context_tokens=r.max_context_tokens, temperature=r.temperature, top_k=r.top_k,
-            top_p=r.top_p, on_invalid=r.on_invalid, history=r.history,
-            prompt_prefix=(bos,) if (r.bos and bos is not None) else (),
-            branch_turns=tuple(r.branch_turns), branch_factor=r.branch_factor)
+        self.rollout_cfg = r.collect_config(
+            prompt_prefix=(bos,) if (r.bos and bos is not None) else ())
         self.eval_cfg = dataclasses.replace(self.rollout_cfg, group_size=1,
                                             temperature=t.eval_temperature, branch_turns=(),
                                             branch_factor=1)
@@ -516,24 +512,21 @@ class Trainer:
                 "task_index": self.task_index, **extra}
 
     def _pack(self, records):
+        """One plan per batch: the packer's, with every size fixed in the per_step layout (one
+        compile for the whole run): K = rollout.max_turns, rows of 16-token multiples, and
+        trajectories bucketed to 8 (more when whole groups fill one shard beyond it)."""
         t = self.cfg.trainer
-        shards = self.step_cfg.blocks
-        pad_to = None
-        if t.layout == "per_step":  # fixed shapes: one compile for the whole run
+        recs = parse_records(records)
+        plan = plan_packing(recs, t.layout, self.step_cfg.blocks)
+        if t.layout == "per_step":
+            shards = plan.num_shards
             # whole groups per shard: with fewer groups than shards some blocks stay empty
-            sizes: dict = {}
-            for r in records:
-                sizes[r["group"]] = sizes.get(r["group"], 0) + 1
-            load = max(np.bincount(assign_shards(list(sizes.values()), shards),
-                                   weights=list(sizes.values())))
-            n_traj = shards * max(math.ceil(bucket(len(records), 8) / shards), int(load))
+            n_traj = shards * max(math.ceil(bucket(len(recs), 8) / shards),
+                                  plan.need["num_traj"] // shards)
             k = self.cfg.rollout.max_turns
-            longest = max(len(u["observation"]) + len(u["action"])
-                          for r in records for u in r["turns"])
-            pad_to = {"num_traj": n_traj, "num_turns": k, "num_rows": n_traj * k,
-                      "row_len": 16 * math.ceil(longest / 16)}
-        batch, _ = pack_records(records, layout=t.layout, num_shards=shards, pad_to=pad_to,
-                                task_index=self.task_index)
+            plan = plan.padded(num_traj=n_traj, num_turns=k, num_rows=n_traj * k,
+                               row_len=16 * math.ceil(plan.need["row_len"] / 16))
+        batch, _ = pack(recs, plan, task_index=self.task_index)
         if len(self.task_index) > t.task_capacity and self.spec.stateful:
             raise RuntimeError(f"more than trainer.task_capacity={t.task_capacity} distinct "
                                f"tasks seen; raise it for {self.cfg.estimator.name!r}")
@@ -715,7 +708,7 @@ class Trainer:
                 + "; ".join(f"{k}: the checkpoint has {a!r}, now {b!r}" for k, a, b in refused))
 
     def _one_step(self, state: TrainState, s: int):
-        cfg, t, r = self.cfg, self.cfg.trainer, self.cfg.rollout
+        t, r = self.cfg.trainer, self.cfg.rollout
         t0 = time.perf_counter()
         tasks = self.env.sample_tasks(step_seed(t.seed, s, "tasks"), r.tasks_per_step, "train")
         records, stats = self._collect(tasks, self.rollout_cfg, step_seed(t.seed, s, "rollout"))

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs.base import Task, run_episode, solver_policy
 from jaxrl_agent.models.transformer import token_logprobs
 from jaxrl_agent.rollout.collect import RolloutConfig
