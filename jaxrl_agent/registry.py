@@ -85,6 +85,8 @@ class Entry:
       stateful: an estimator that takes ``state=`` and returns ``(Advantages, new_state)``.
       init_state: ``init_state(num_tasks)`` for stateful estimators.
       check_state: host-side ``check_state(batch, state)``.
+      renamed: ``((former_name, name), ...)``: hyper-parameters that were renamed; configs
+        and pipelines that still use the former name keep working (``canonical``).
     """
 
     name: str
@@ -95,6 +97,7 @@ class Entry:
     stateful: bool = False
     init_state: Callable | None = None
     check_state: Callable | None = None
+    renamed: tuple = ()
 
     @property
     def hyper_params(self) -> dict:
@@ -114,6 +117,18 @@ class Entry:
             return tuple(self.reads(merged))
         return tuple(self.reads)
 
+    def canonical(self, params: dict | None) -> dict:
+        """``params`` with former hyper-parameter names (``renamed``) replaced by the current
+        ones. Raises ValueError when both the former and the current name are given."""
+        out = dict(params or {})
+        for old, new in self.renamed:
+            if old in out:
+                if new in out:
+                    raise ValueError(f"{self.kind} {self.name!r}: give {new!r} only "
+                                     f"({old!r} is its former name)")
+                out[new] = out.pop(old)
+        return out
+
     @property
     def origin(self) -> str:
         """The module that defines the function (a plug-in's module for user methods)."""
@@ -131,11 +146,16 @@ def _same_definition(a: Callable, b: Callable) -> bool:
 
 def register(name: str, fn: Callable | None = None, *, kind: str = "estimator",
              reads: tuple | Callable = (), aliases: tuple = (), stateful: bool = False,
-             init_state: Callable | None = None, check_state: Callable | None = None):
+             init_state: Callable | None = None, check_state: Callable | None = None,
+             renamed: dict | None = None):
     """Registers ``fn`` under ``name`` (and ``aliases``); without ``fn``, a decorator.
 
+    ``renamed`` maps former hyper-parameter names to current ones, so configs written before a
+    rename keep working (``Entry.canonical``).
+
     Raises ValueError for an unknown kind, a name already taken by another function of the
-    same namespace, or state options on a stateless kind. Registering the same definition
+    same namespace, state options on a stateless kind, or a ``renamed`` target that is not a
+    hyper-parameter of ``fn``. Registering the same definition
     again (a module imported twice) replaces the entry quietly.
     """
     if kind not in KINDS:
@@ -149,7 +169,12 @@ def register(name: str, fn: Callable | None = None, *, kind: str = "estimator",
                          f"hyper-parameters, got {reads!r}")
 
     def add(f: Callable) -> Callable:
-        entry = Entry(name, f, kind, reads, tuple(aliases), stateful, init_state, check_state)
+        entry = Entry(name, f, kind, reads, tuple(aliases), stateful, init_state, check_state,
+                      tuple(sorted((renamed or {}).items())))
+        for old, new in entry.renamed:
+            if new not in entry.hyper_params or old in entry.hyper_params:
+                raise ValueError(f"{kind} {name!r}: renamed {old!r} -> {new!r} must name a "
+                                 f"former parameter and a current one of the function")
         space = _NAMESPACE[kind]
         for n in (name, *entry.aliases):
             old = _ENTRIES.get((space, n))

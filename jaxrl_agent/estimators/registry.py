@@ -134,8 +134,7 @@ class Pipeline:
     @staticmethod
     def _stage(item, kind):
         name, params = (item, {}) if isinstance(item, str) else item
-        spec(name, kind)
-        params = dict(params or {})
+        params = spec(name, kind).canonical(params)
         check_hyper_params(name, params)
         return name, tuple(sorted(params.items()))
 
@@ -192,7 +191,7 @@ def compute(name: str, batch: TrajectoryBatch, *, state=None, validate: bool = T
         if state is not None:
             raise ValueError(f"estimator {name!r} takes no state")
         return _jitted_pipeline(pipe)(batch)
-    spec(name, "estimator")
+    params = spec(name, "estimator").canonical(params)
     check_hyper_params(name, params)
     if validate:
         batch.validate()
