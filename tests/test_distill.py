@@ -1,6 +1,7 @@
-"""Tests of family (f) distillation (jaxrl_agent/losses/distill.py): references in both layouts
-and every aggregation mode, gradients against finite differences of the reference, P15
-stop-gradient, teacher = student, P5 padding, degenerate batches, each method's invariants,
+"""Tests of the distillation methods (jaxrl_agent/losses/distill.py and
+jaxrl_agent/estimators/distill.py): references in both layouts and every aggregation mode,
+gradients against finite differences of the reference, stop-gradient of every teacher and
+signal input, teacher = student, NaN in padding, degenerate batches, each method's invariants,
 clear errors, and shard invariance on 8 host devices."""
 
 import functools
@@ -64,9 +65,9 @@ EST_SETTINGS = (
     ("credit", {}),
     ("credit", {"level": "sequence", "beta": 2.0}),
     ("credit", {"variant": "mean"}),
-    ("seed", {"lam": 0.3}),
+    ("seed", {"weight": 0.3}),
     ("seed", {"student": "contrast_logprobs", "clip": 0.4}),
-    ("cny", {"lam": 2.0}),
+    ("cny", {"weight": 2.0}),
 )
 
 
@@ -214,13 +215,16 @@ def test_every_registered_name_has_a_reference():
 
 def test_pipeline_composes_a_transform():
     batch, _ = _fixed()
-    pipe = E.Pipeline.build("grpo", then=[("seed", {"lam": 0.5})])
+    pipe = E.Pipeline.build("grpo", then=[("seed", {"weight": 0.5})])
     adv = jax.jit(pipe)(batch)
-    want = ref.seed(ref.host(batch), np.asarray(E.get("grpo")(batch).token), lam=0.5)
+    want = ref.seed(ref.host(batch), np.asarray(E.get("grpo")(batch).token), weight=0.5)
     _close(adv.token, want["token"])
+    # ``lam`` is the former name of ``weight``: a pipeline that still uses it gets the same.
+    former = jax.jit(E.Pipeline.build("grpo", then=[("seed", {"lam": 0.5})]))(batch)
+    np.testing.assert_array_equal(np.asarray(former.token), np.asarray(adv.token))
 
 
-# ----------------------------------------------------------------------------- P15, P5
+# ----------------------------------------------------------------------------- no gradient, padding
 
 
 def _float_leaves(batch):
@@ -255,7 +259,7 @@ def _signal_grads(lp, batch):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_no_gradient_into_teacher_or_signals(layout):
-    """P15: every teacher, behaviour, reward, gap, credit and weight input is stop-gradient."""
+    """Every teacher, behaviour, reward, gap, credit and weight input is stop-gradient."""
     batch, lp = _fixed(layout, seed=3)
     for grads in _signal_grads(lp, batch):
         for name, g in grads.items():
@@ -287,7 +291,7 @@ def _nan_padding(batch, lp):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nan_in_padding_changes_nothing(layout):
-    """P5: NaN in every padded entry (log-probs, extras, outcome) changes no value or gradient."""
+    """NaN in every padded entry (log-probs, extras, outcome) changes no value or gradient."""
     batch, lp = _fixed(layout, seed=5, num_traj=6)
     bad_batch, bad_lp = _nan_padding(batch, lp)
     for (p0, g0), (p1, g1) in zip(_losses(lp, batch), _losses(bad_lp, bad_batch)):
@@ -320,9 +324,8 @@ def _one_per_loss(lp, batch):
             seen.add(name)
             out.append(LOSSES[name](lp, batch, agg="traj_mean_token_mean", **_lib_kw(name, hp)))
     gate = batch.extras["gate"]
-    out.append(D.sdar(lp, batch.replace(extras={k: v for k, v in batch.extras.items()
-                                                 if k != "gate"}),
-                      gate="external", gate_values=gate))
+    no_gate = batch.replace(extras={k: v for k, v in batch.extras.items() if k != "gate"})
+    out.append(D.confidence_gated_distillation(lp, no_gate, gate="external", gate_values=gate))
     return out
 
 
@@ -357,7 +360,8 @@ def test_extra_padding_changes_nothing():
     for p0, p1 in zip(_one_per_loss_jit(lp, small), _one_per_loss_jit(jnp.asarray(move(lp)), big)):
         _close(p1[0], p0[0], atol=1e-5)
         _close(p1[1], p0[1], atol=0)
-    _close(_one_per_loss_jit(lp, small)[-1][0], D.sdar(lp, small, gate="external")[0],
+    _close(_one_per_loss_jit(lp, small)[-1][0],
+           D.confidence_gated_distillation(lp, small, gate="external")[0],
            atol=1e-6)  # gate_values= is the same external gate as the extras field
 
 
@@ -382,7 +386,7 @@ def _teacher_is_student(lp, batch):
     base = E.get("grpo")(batch)
     b_opd = b.replace(old_logprobs=lp)
     out["opd"] = E.get("opd")(b_opd).token
-    out["seed"] = (base.token, E.spec("seed").fn(base, b_opd, lam=0.7).token)
+    out["seed"] = (base.token, E.spec("seed").fn(base, b_opd, weight=0.7).token)
     out["cny"] = (base.token, E.spec("cny").fn(base, b_opd).token)
     out["credit"] = (E.get("credit")(b).token, E.get("credit")(b, level="sequence").token)
     return out
@@ -434,10 +438,10 @@ def test_sdl_nonnegative():
 def test_sdar_gate_bounds_gradient_and_off_gate_is_cross_entropy():
     batch, lp = _fixed(seed=10)
     m = np.asarray(batch.action_mask)
-    g = jax.grad(lambda x: D.sdar(x, batch)[0])(lp)
+    g = jax.grad(lambda x: D.confidence_gated_distillation(x, batch)[0])(lp)
     g = np.asarray(g)[m]
     assert np.all((g < 0) & (g > -1))
-    ce = jax.grad(lambda x: D.sdar(x, batch, gate="none")[0])(lp)
+    ce = jax.grad(lambda x: D.confidence_gated_distillation(x, batch, gate="none")[0])(lp)
     np.testing.assert_array_equal(np.asarray(ce), np.where(m, -1.0, 0.0))
 
 
@@ -447,9 +451,10 @@ def test_edge_gate_needs_positive_gain():
     # E-trajectories score lower than every F one: no group admits distillation
     worse = np.where(view > 0.5, -5.0, 5.0).astype(np.float32)
     b = batch.replace(outcome=jnp.asarray(worse))
-    total, denom = D.edge(lp, b)
+    total, denom = D.gain_gated_experience_distillation(lp, b)
     assert float(total) == 0.0 and float(denom) == 0.0
-    assert not np.any(np.asarray(jax.grad(lambda x: D.edge(x, b)[0])(lp)))
+    grad = jax.grad(lambda x: D.gain_gated_experience_distillation(x, b)[0])(lp)
+    assert not np.any(np.asarray(grad))
     better = batch.replace(outcome=jnp.asarray(-worse))
     admit, gain = D.edge_admitted(better)
     assert np.asarray(admit).any() and np.all(np.asarray(gain)[np.asarray(admit)] > 0)
@@ -462,7 +467,7 @@ def test_ucob_antisymmetric_and_zero_gap():
     neg = batch.replace(extras=dict(batch.extras, return_gap=-gap))
 
     def loss(a, b_, bb):
-        return D.ucob(a, bb, other_logprobs=b_)[0]
+        return D.return_gap_bidirectional_distillation(a, bb, other_logprobs=b_)[0]
 
     v1, (ga1, gb1) = jax.value_and_grad(loss, argnums=(0, 1))(lp, other, batch)
     v2, (ga2, gb2) = jax.value_and_grad(loss, argnums=(0, 1))(other, lp, neg)
@@ -471,7 +476,8 @@ def test_ucob_antisymmetric_and_zero_gap():
     _close(gb1, ga2, atol=1e-6)
     assert np.any(np.asarray(ga1)) and np.any(np.asarray(gb1))
     zero = batch.replace(extras=dict(batch.extras, return_gap=jnp.zeros_like(gap)))
-    v0, g0 = jax.value_and_grad(lambda x: D.ucob(x, zero, other_logprobs=other)[0])(lp)
+    v0, g0 = jax.value_and_grad(lambda x: D.return_gap_bidirectional_distillation(
+        x, zero, other_logprobs=other)[0])(lp)
     assert float(v0) == 0.0 and not np.any(np.asarray(g0))
 
 
@@ -482,7 +488,7 @@ def test_icsd_weights_properties():
     w, c = weights(lp, batch)
     w, c = np.asarray(w), np.asarray(c)
     nb = ref.host(batch)
-    # P8 per turn: sum c w = sum c
+    # mass conservation per turn: sum c w = sum c
     _close(ref._turn_of_tokens(nb, w * c), ref._turn_of_tokens(nb, c), atol=1e-5)
     # u < 0 gives w < 1 before the mass step, u > 0 gives w > 1
     raw, _ = weights(lp, batch, normalize_mass=False, w_min=0.0)
@@ -496,7 +502,7 @@ def test_icsd_weights_properties():
     a = np.asarray(batch.extras["advantages"])[nb["row_traj"]][:, None]
     u = np.exp(np.asarray(lp) - old) * a * (g - gbar_tok)
     assert np.all(raw[m & (u < -1e-4)] < 1) and np.all(raw[m & (u > 1e-4)] > 1)
-    # A = 0 everywhere: w = 1 exactly before the mass step (P10), and after it up to rounding
+    # A = 0 everywhere: w = 1 exactly before the mass step, and after it up to rounding
     zero = batch.replace(extras=dict(batch.extras, advantages=jnp.zeros_like(
         batch.extras["advantages"])))
     w0, _ = weights(lp, zero, normalize_mass=False)
@@ -510,7 +516,8 @@ def _craft_off_and_k3(lp, batch):
     out = []
     for agg in AGGS:
         def off(x):
-            return D.craft(x, batch, cti=False, controller=False, polarize=False, agg=agg)
+            return D.counterfactual_sign_aware_distillation(x, batch, cti=False, controller=False,
+                                                            polarize=False, agg=agg)
 
         def base(x):
             return L.k3(x, batch, ref_logprobs=batch.extras["teacher_logprobs"], agg=agg)
@@ -535,8 +542,8 @@ def test_craft_each_pillar_switch_matters():
     for cti in (False, True):
         for ctl in (False, True):
             for pol in (False, True):
-                outs[(cti, ctl, pol)] = D.craft(lp, batch, cti=cti, controller=ctl,
-                                                polarize=pol, controller_state=STATE)[0]
+                outs[(cti, ctl, pol)] = D.counterfactual_sign_aware_distillation(
+                    lp, batch, cti=cti, controller=ctl, polarize=pol, controller_state=STATE)[0]
     for i in range(3):
         for key, val in outs.items():
             if key[i]:
@@ -591,7 +598,7 @@ def test_treeopsd_target_gradient_and_finite_difference():
     assert np.abs(target).max() <= delta
 
     def loss(x):
-        return D.treeopsd(x, batch, beta=beta, delta=delta)[0]
+        return D.tree_credit_log_ratio_regression(x, batch, beta=beta, delta=delta)[0]
 
     # zero gradient at the target ratio
     at = jnp.asarray(np.asarray(old) + target)
@@ -640,41 +647,42 @@ def test_clear_errors():
     batch, lp = _fixed(seed=20)
     bare = batch.replace(extras={})
     with pytest.raises(ValueError, match="teacher_logprobs"):
-        D.sdl(lp, bare)
+        D.ratio_weighted_reverse_kl(lp, bare)
     with pytest.raises(ValueError, match="teacher_logprobs"):
         E.get("opd")(bare)
     with pytest.raises(ValueError, match="negative_logprobs"):
         E.get("credit")(batch.replace(extras={"teacher_logprobs": batch.extras[
             "teacher_logprobs"]}))
     with pytest.raises(ValueError, match="view"):
-        D.edge(lp, bare)
+        D.gain_gated_experience_distillation(lp, bare)
     with pytest.raises(ValueError, match="return_gap"):
-        D.ucob(lp, bare.replace(extras={"other_logprobs": batch.extras["other_logprobs"]}))
+        D.return_gap_bidirectional_distillation(
+            lp, bare.replace(extras={"other_logprobs": batch.extras["other_logprobs"]}))
     with pytest.raises(ValueError, match="gate must be one of"):
-        D.sdar(lp, batch, gate="hard")
+        D.confidence_gated_distillation(lp, batch, gate="hard")
     with pytest.raises(ValueError, match="gate_beta"):
-        D.sdar(lp, batch, gate_beta=0.0)
+        D.confidence_gated_distillation(lp, batch, gate_beta=0.0)
     with pytest.raises(ValueError, match="beta"):
         E.get("opd")(batch, beta=-1.0)
     with pytest.raises(ValueError, match="controller_state"):
-        D.craft(lp, batch, controller=True)
+        D.counterfactual_sign_aware_distillation(lp, batch, controller=True)
     with pytest.raises(ValueError, match="level"):
-        D.craft(lp, batch, level="turn")
+        D.counterfactual_sign_aware_distillation(lp, batch, level="turn")
     with pytest.raises(ValueError, match="delta"):
-        D.treeopsd(lp, batch, delta=0.0)
+        D.tree_credit_log_ratio_regression(lp, batch, delta=0.0)
     with pytest.raises(ValueError, match="w_min"):
-        D.icsd(lp, batch, w_min=1.5)
+        D.influence_weighted_distillation(lp, batch, w_min=1.5)
     with pytest.raises(ValueError, match="shape"):
-        D.sdl(lp[:, :5], batch)
+        D.ratio_weighted_reverse_kl(lp[:, :5], batch)
     with pytest.raises(ValueError, match="shape"):
-        D.sdl(lp, batch, teacher_logprobs=lp[:, :5])
+        D.ratio_weighted_reverse_kl(lp, batch, teacher_logprobs=lp[:, :5])
     with pytest.raises(ValueError, match=r"\[N, K\]"):
         D.weighted_sft(lp, batch.replace(extras=dict(batch.extras, weight=jnp.ones(3))),
                        weights="weight")
     with pytest.raises(ValueError, match="mask"):
         E.spec("cny").fn(E.get("grpo")(batch), batch, mask=None)
     with pytest.raises(ValueError, match="agg mode"):
-        D.sdl(lp, batch, agg="mean")
+        D.ratio_weighted_reverse_kl(lp, batch, agg="mean")
     with pytest.raises(ValueError, match="M >= 1"):
         E.get("credit")(batch.replace(extras=dict(
             batch.extras, negative_logprobs=batch.extras["teacher_logprobs"])))
@@ -717,7 +725,7 @@ def _sharded(lp, batch):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_shard_invariance(layout):
-    """P16: over 8 devices (groups whole per shard) every loss and its gradient equals the
+    """Over 8 devices (groups whole per shard) every loss and its gradient equals the
     unsharded run; ICSD's batch std is psummed."""
     assert len(jax.devices()) == 8
     recs = random_records(np.random.default_rng(21), num_traj=16, num_groups=8)

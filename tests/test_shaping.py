@@ -1,11 +1,12 @@
-"""Family (d): dense reward / potential shaping (jaxrl_agent/estimators/shaping.py).
+"""Dense reward / potential shaping (jaxrl_agent/estimators/shaping.py).
 
 Every registered name is compared with the loop references of tests/reference/shaping_ref.py
 on hypothesis batches (both layouts; colliding states from tests.strategies.step_records,
 extras from small discrete sets so ties are exact), then the methods' own invariants:
-P11 telescoping, the GRPO invariance of PBRS, VTCA conservation, P10 reductions (bit-identical),
-P17 bounds, A2TGPO's variance-does-not-drift property, P15 stop-gradient, padding with NaN,
-shard invariance on 8 host devices, degenerate inputs and clear errors.
+telescoping potentials, the GRPO invariance of PBRS, VTCA conservation, reductions to the
+base estimator (bit-identical), bounds, A2TGPO's variance-does-not-drift property,
+stop-gradient signals, padding with NaN, shard invariance on 8 host devices, degenerate inputs
+and clear errors.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
-from jaxrl_agent.batch import LAYOUTS, pack_records
+from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.estimators import shaping as S
+from jaxrl_agent.rollout.records import pack_records
 from tests.registered import defined_in
 from tests.reference import estimators_ref as eref
 from tests.reference import shaping_ref as ref
@@ -33,7 +35,7 @@ from tests.strategies import PAD, step_records
 EX = settings(max_examples=12, deadline=None)
 Q = np.array([-1.0, -0.5, 0.0, 0.25, 0.5, 1.0])
 U = np.array([0.0, 0.25, 0.5, 0.75, 1.0])
-J = 3  # rubric items (J != K, see the report on zero_padding)
+J = 3  # rubric items (J != K, so [N, J] and [N, K] fields differ in shape)
 
 CONFIGS = {
     "pbrs": ("pbrs", {}),
@@ -54,12 +56,12 @@ CONFIGS = {
     "v_rubrics": ("v_rubrics", {}),
     "v_rubrics_prefix": ("v_rubrics", dict(mode="prefix", scale=0.5)),
     "rtg": ("reward_to_go", {}),
-    "rtg_group": ("reward_to_go", dict(baseline="group", scale_std=True)),
-    "rtg_score": ("reward_to_go", dict(score="score", scale_std=True)),
+    "rtg_group": ("reward_to_go", dict(baseline="group", normalize=True)),
+    "rtg_score": ("reward_to_go", dict(score="score", normalize=True)),
     "pica": ("pica", {}),
-    "pica_joint": ("pica", dict(norm="joint", gamma=0.9)),
+    "pica_joint": ("pica", dict(normalize="joint", gamma=0.9)),
     "pica_weighted": ("pica", dict(f1_weight=0.5, ig_weight=2.0)),
-    "pica_rewards": ("pica", dict(potential=None, scale_std=False, f1_weight=0.5,
+    "pica_rewards": ("pica", dict(potential=None, std_normalize=False, f1_weight=0.5,
                                   ig_weight=2.0)),
     "trace": ("trace", {}),
     "trace_group_acc": ("trace", dict(normalize="group", accumulate=True)),
@@ -72,28 +74,28 @@ CONFIGS = {
     "vtca": ("vtca", {}),
     "vtca_cohort": ("vtca", dict(normalize="cohort", rho=0.5, eta=0.5)),
     "procredit": ("procredit", {}),
-    "procredit_state": ("procredit", dict(cohort="state", scale_std=False)),
+    "procredit_state": ("procredit", dict(cohort="state", normalize=False)),
     "a2tgpo": ("a2tgpo", {}),
     "a2tgpo_g": ("a2tgpo", dict(gamma=0.8, weight=0.5)),
     "cast": ("cast", {}),
     "cast_slog": ("cast", dict(transform="signed_log")),
-    "cast_id": ("cast", dict(transform="identity", norm="none")),
+    "cast_id": ("cast", dict(transform="identity", normalize="none")),
     "oprl": ("oprl", {}),
     "oprl_state_old": ("oprl", dict(cohort="state", ref="old_logprobs")),
     "step_gain": ("step_gain", {}),
-    "step_gain_mean": ("step_gain", dict(scale_std=False)),
+    "step_gain_mean": ("step_gain", dict(normalize=False)),
     "ups": ("ups", {}),
     "ups_group": ("ups", dict(center="group")),
     "capo": ("capo", {}),
     "capo_both": ("capo", dict(reward_correct=True)),
 }
 
-# P10: each of these must return the base advantage bit for bit.
+# Reductions: each of these must return the base advantage bit for bit.
 NULL = {
     "trace": dict(beta=0.0), "spae": dict(alpha=0.0, c_sat=1.0),
     "efca": dict(fb_coef=0.0, loop_coef=0.0), "vtca": dict(eta=0.0),
     "procredit": dict(weight=0.0), "a2tgpo": dict(weight=0.0), "oprl": dict(weight=0.0),
-    "step_gain": dict(weight=0.0), "ups": dict(lam=0.0), "capo": dict(kappa=0.0),
+    "step_gain": dict(weight=0.0), "ups": dict(weight=0.0), "capo": dict(kappa=0.0),
     "cast": dict(oracle="zero_oracle"),
 }
 
@@ -280,7 +282,7 @@ def test_every_registered_name_has_a_reference_and_a_config():
         assert E.spec(name).kind == ref.KINDS[name]
 
 
-# ----------------------------------------------------------------------------- P10, P11
+# ----------------------------------------------------------------------------- reductions, telescoping
 
 
 @pytest.mark.parametrize("layout", ["concatenated"])
@@ -295,7 +297,7 @@ _potential_rewards = jax.jit(S.potential_rewards, static_argnames=("gamma", "fin
 
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_pbrs_telescopes(gamma):
-    """P11: sum_k gamma^k F_k = gamma^{K_i} Phi_{K_i} - Phi_0, whatever the middle states."""
+    """sum_k gamma^k F_k = gamma^{K_i} Phi_{K_i} - Phi_0, whatever the middle states."""
     recs = np_records(5)
     b = pack(recs, "per_step")[0]
     f = np.asarray(_potential_rewards(b, gamma=gamma))
@@ -446,13 +448,14 @@ def test_vtca_hand_example():
 def test_pica_gamma_zero_gives_own_info_gain_plus_outcome():
     recs = np_records(23)
     b = pack(recs, "concatenated")[0]
-    adv = jax.tree.map(np.asarray, jax.jit(functools.partial(S.pica, gamma=0.0))(b))
+    pica = S.pivot_info_gain_advantage
+    adv = jax.tree.map(np.asarray, jax.jit(functools.partial(pica, gamma=0.0))(b))
     exp = ref.pica(recs, gamma=0.0)
     got = eref.place(exp, pack(recs, "concatenated")[1], shapes_of(b))["turn"][0]
     np.testing.assert_allclose(adv.turn, got, atol=1e-4)
     # gamma = 0: A_k - A_last = IG~_k, its own info gain only; gamma = 1 accumulates the later
     # ones: A1_k - A1_{k+1} = IG~_k = A0_k - A0_last on every intermediate turn
-    a1 = np.asarray(jax.jit(functools.partial(S.pica, gamma=1.0))(b).turn)
+    a1 = np.asarray(jax.jit(functools.partial(pica, gamma=1.0))(b).turn)
     a0 = adv.turn
     moved = False
     for i, k_i in enumerate(np.asarray(b.turn_mask).sum(axis=1)):
@@ -553,11 +556,11 @@ def test_spa_bonus_is_a_bounded_indicator_and_decomposition_loss():
     assert np.abs(np.asarray(g)).sum() > 0  # trains the estimator
 
 
-# ----------------------------------------------------------------------------- P15, P5, P16
+# ----------------------------------------------------------------------------- gradients, padding, sharding
 
 
 def test_signals_carry_no_gradient():
-    """P15: the gradient of every output with respect to every signal field is 0."""
+    """The gradient of every output with respect to every signal field is 0."""
     b = pack(np_records(43), "concatenated")[0]
     floats = {k: v for k, v in b.extras.items() if np.asarray(v).dtype.kind == "f"}
 
@@ -713,7 +716,7 @@ def test_missing_extras_are_named(plain, name):
     ("pbrs", {"gamma": 1.5}, "gamma must lie in"),
     ("trace", {"normalize": "z"}, "normalize must be one of"),
     ("trace", {"eps": 0.0}, "eps must be > 0"),
-    ("pica", {"norm": "both"}, "norm must be one of"),
+    ("pica", {"normalize": "both"}, "normalize must be one of"),
     ("reward_to_go", {"baseline": "x"}, "baseline must be one of"),
     ("vtca", {"rho": 1.5}, "rho must lie in"),
     ("efca", {"window": -1}, "window must be"),

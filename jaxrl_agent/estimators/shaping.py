@@ -1,6 +1,7 @@
-"""Family (d): dense reward and potential shaping, and the dense add-ons built on it.
+"""Dense reward and potential shaping, and the dense add-ons built on it.
 
-Three kinds of functions live here (see ``registry``):
+Three kinds of functions live here (see ``jaxrl_agent.registry``; the registered names, used
+in configs, are given in parentheses):
 
 * shaping ``f(batch, *, ..., axis_name=None) -> TrajectoryBatch``: writes shaped
   ``turn_rewards`` [N, K], ``outcome`` [N] and/or ``extras['token_rewards']`` [R, T] for the
@@ -12,6 +13,8 @@ Three kinds of functions live here (see ``registry``):
   per-turn factor applied to) a base estimator's advantage, A'[i, k] = A[i, k] + w d[i, k]
   (``trace``, ``spae``, ``efca``, ``vtca``, ``procredit``, ``a2tgpo``, ``cast``, ``oprl``,
   ``step_gain``, ``ups``, ``capo``).
+
+Shapes: N trajectories, K turns, R token rows of length T (see ``jaxrl_agent.batch``).
 
 Potential convention (PBRS): ``extras[potential]`` [N, K] is Phi(s_k), the potential of the
 state *before* action k, and ``extras[final_potential]`` [N] is Phi after the last turn
@@ -30,8 +33,9 @@ per shard); batch-wide statistics (CAST's RMS, ``normalize="batch"``) psum over 
 Where a method needs an LLM judge, a solver or a reward model at run time, the function
 consumes its outputs (labels, scores, log-probs) as arrays.
 
-[X] marks formulas that are our own concrete reading (the paper's abstract gives the idea in
-words, not the formula); the paper is named.
+Sources: each docstring names its paper. Where a method is pinned to the authors' public
+code, the repository and file are named. Where the paper describes a step only in words, the
+docstring says that the formula is our reading of it.
 """
 
 from __future__ import annotations
@@ -248,17 +252,32 @@ def _check_norm(by):
 
 
 @register("pbrs", kind="shaping")
-def pbrs(batch: TrajectoryBatch, *, potential: str = "potential",
-         final_potential: str = "final_potential", gamma: float = 1.0, scale: float = 1.0,
-         to_outcome: bool = False, axis_name=None) -> TrajectoryBatch:
+def potential_based_shaping(batch: TrajectoryBatch, *, potential: str = "potential",
+                            final_potential: str = "final_potential", gamma: float = 1.0,
+                            scale: float = 1.0, to_outcome: bool = False,
+                            axis_name=None) -> TrajectoryBatch:
     """Potential-based reward shaping (Ng, Harada & Russell 1999): r'_k = r_k + scale F_k.
 
     F_k = gamma Phi_{k+1} - Phi_k (``potential_rewards``). With ``to_outcome=True`` the
     discounted sum of the shaping, sum_k gamma^k scale F_k = scale (gamma^{K_i} Phi_{K_i} -
     Phi_0), is also added to ``outcome`` (for trajectory-level estimators such as GRPO: with
     Phi(terminal) = 0 and gamma = 1 each return moves by -scale Phi_0 only, so GRPO
-    advantages within a group that shares s_0 are unchanged). Multi-agent potentials (LLM-MARL,
-    d15): give each agent's turns its own Phi_i in the same [N, K] field.
+    advantages within a group that shares s_0 are unchanged). Multi-agent potentials (as in
+    multi-agent LLM RL): give each agent's turns its own Phi_i in the same [N, K] field.
+
+    Args:
+      batch: reads ``turn_rewards`` [N, K], ``outcome`` [N], ``extras[potential]`` [N, K] and
+        ``extras[final_potential]`` [N] (absent -> 0).
+      potential: extras name of Phi(s_k) before action k, [N, K].
+      final_potential: extras name of Phi after the last turn, [N].
+      gamma: discount in [0, 1].
+      scale: weight of the shaping term (any real).
+      to_outcome: also add the discounted sum of the term to ``outcome``.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      The batch with ``turn_rewards`` [N, K] = r + scale F (and ``outcome`` [N] moved with
+      ``to_outcome``); 0 off the valid turns.
     """
     check_unit("gamma", gamma)
     b = segments.local_view(batch, axis_name)
@@ -271,19 +290,29 @@ def pbrs(batch: TrajectoryBatch, *, potential: str = "potential",
     return out
 
 
-# ----------------------------------------------------------------------------- d1
+# ----------------------------------------------------------------------------- verifier density
 
 
 @register("uniform", kind="shaping")
-def uniform(batch: TrajectoryBatch, *, score: str = "outcome", replace: bool = True,
-            axis_name=None) -> TrajectoryBatch:
-    """Uniform redistribution (verifier-information-density paper, d1) [X].
+def uniform_reward_redistribution(batch: TrajectoryBatch, *, score: str = "outcome",
+                                  replace: bool = True, axis_name=None) -> TrajectoryBatch:
+    """Uniform redistribution of a trajectory score over its turns (the uniform arm of the
+    verifier-information-density paper).
 
-    r[i, k] = S_i / K_i on every valid turn, from the continuous trajectory score
-    S = ``extras[score]`` [N] (default the outcome). The turn rewards sum to S_i (mass
-    conservation). With ``replace=False`` the term is added to the existing turn rewards. Follow
-    it with a turn-return reader (``returns``, ``step_group``, ``turn_gae``) for the dense arm;
-    trajectory-level GRPO on the outcome is unchanged by it.
+    This is our reading of the paper, which describes the step in words:
+    r[i, k] = S_i / K_i on every valid turn, from the continuous trajectory score S. The turn
+    rewards sum to S_i (mass conservation). Follow it with a turn-return reader (``returns``,
+    ``step_group``, ``turn_gae``) for the dense arm; trajectory-level GRPO on the outcome is
+    unchanged by it.
+
+    Args:
+      batch: reads ``extras[score]`` [N] (or ``outcome`` [N]) and ``turn_rewards`` [N, K].
+      score: name of the trajectory score S [N]; ``"outcome"`` (default) reads the outcome.
+      replace: True writes r as the turn rewards; False adds it to the existing ones.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      The batch with ``turn_rewards`` [N, K] shaped; 0 off the valid turns.
     """
     b = segments.local_view(batch, axis_name)
     s = traj_field(b, score, "uniform", "continuous trajectory score S_i, [N]")
@@ -291,19 +320,33 @@ def uniform(batch: TrajectoryBatch, *, score: str = "outcome", replace: bool = T
     return _set_turn_rewards(batch, b, r, replace)
 
 
-@register("reward_to_go")
+@register("reward_to_go", renamed={"scale_std": "normalize"})
 def reward_to_go(batch: TrajectoryBatch, *, score: str = "outcome", baseline: str = "cohort",
-                 scale_std: bool = False, eps: float = 1e-6, axis_name=None) -> Advantages:
-    """The reward-to-go arm of the verifier-density paper [X].
+                 normalize: bool = False, eps: float = 1e-6, axis_name=None) -> Advantages:
+    """The reward-to-go arm of the verifier-information-density paper.
 
+    This is our reading of the paper, which describes the step in words:
     G[i, k] = sum_{j >= k} S_i / K_i = S_i (K_i - k) / K_i (uniform redistribution of the
-    score S = ``extras[score]``, default the outcome). Advantage:
+    score S). Advantage:
       ``baseline="cohort"``: A = G - mean of G over the (task group, turn index k) cohort
-        (divided by its unbiased std + eps with ``scale_std``; a singleton cohort gives 0);
+        (divided by its unbiased std + eps with ``normalize``; a singleton cohort gives 0);
       ``baseline="group"``: A = (S_i - b_g) (K_i - k) / K_i with b_g = mean_g S (the group
-        baseline scaled by the remaining fraction; ``scale_std`` divides S_i - b_g by the
+        baseline scaled by the remaining fraction; ``normalize`` divides S_i - b_g by the
         group std + eps; a singleton group gives 0).
     Non-increasing in k for S >= 0 (before the baseline).
+
+    Args:
+      batch: reads ``extras[score]`` [N] (or ``outcome`` [N]), ``group_ids`` [N],
+        ``turn_mask`` [N, K].
+      score: name of the trajectory score S [N]; ``"outcome"`` (default) reads the outcome.
+      baseline: ``"cohort"`` or ``"group"`` (above).
+      normalize: divide by the peer std + eps (False: centre only).
+      eps: > 0, added to the std.
+      axis_name: mesh axis of a sharded batch (groups are whole per shard).
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] = A and ``token`` [R, T] (A of each token's turn);
+      0 off the valid turns / action tokens.
     """
     check_choice("baseline", baseline, ("cohort", "group"))
     check_positive("eps", eps)
@@ -313,11 +356,11 @@ def reward_to_go(batch: TrajectoryBatch, *, score: str = "outcome", baseline: st
     frac = jnp.where(_valid(b), (kk - jnp.arange(b.num_turns)[None, :]) / jnp.maximum(kk, 1.0),
                      0.0)
     if baseline == "cohort":
-        a = normalize_turns(s[:, None] * frac, b, by="cohort", scale_std=scale_std, eps=eps)
+        a = normalize_turns(s[:, None] * frac, b, by="cohort", scale_std=normalize, eps=eps)
     else:
         mean, std, count = segments.group_stats(s, b.group_ids, b.traj_mask)
         d = s - mean
-        if scale_std:
+        if normalize:
             d = d / (std + eps)
         a = jnp.where(count > 1, d, 0.0)[:, None] * frac
     return _turn_advantages(a, b)
@@ -336,13 +379,14 @@ def verifier_density(exposed, valid=None):
     return jnp.sum(exposed * valid, axis=-1) / jnp.maximum(c, 1.0)
 
 
-# ----------------------------------------------------------------------------- d2 TRACE
+# ----------------------------------------------------------------------------- TRACE
 
 
 def trace_rewards(batch: TrajectoryBatch, *, potential: str = "potential",
                   final_potential: str = "final_potential", length: str | None = None,
                   axis_name=None):
-    """TRACE's log-ratio TD rewards [N, K] [X]: r_k = lp_gold[k+1] - lp_gold[k].
+    """TRACE's log-ratio TD rewards [N, K]: r_k = lp_gold[k+1] - lp_gold[k] (our reading of
+    the paper, which describes the step in words).
 
     lp_gold[k] = log p_ref(gold answer | x, h_{<k}) is ``extras[potential]`` [N, K] (the
     state before action k; k = 0 is the prompt alone) and lp_gold[K_i] is
@@ -360,31 +404,52 @@ def trace_rewards(batch: TrajectoryBatch, *, potential: str = "potential",
 
 
 @register("trace", kind="transform")
-def trace(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potential",
-          final_potential: str = "final_potential", beta: float = 0.5,
-          normalize: str = "cohort", accumulate: bool = False, length: str | None = None,
-          eps: float = 1e-6, axis_name=None) -> Advantages:
-    """TRACE: Turn-level Reward Assignment via Credit Estimation (log-ratio TD credit, d2) [X].
+def gold_logprob_turn_credit(adv: Advantages, batch: TrajectoryBatch, *,
+                             potential: str = "potential",
+                             final_potential: str = "final_potential", beta: float = 0.5,
+                             normalize: str = "cohort", accumulate: bool = False,
+                             length: str | None = None, eps: float = 1e-6,
+                             axis_name=None) -> Advantages:
+    """TRACE: Turn-level Reward Assignment via Credit Estimation (log-ratio TD credit).
 
+    This is our reading of the paper, which describes the step in words:
     A'[i, k] = A[i, k] + beta z(r)[i, k] with r = ``trace_rewards`` (a frozen reference
     model's gold-answer log-prob at each tool-call boundary, consumed as arrays) and z the
     ``normalize`` z-score of ``normalize_turns`` (``"cohort"``: same group and turn index;
     ``"group"``: pooled over the group's turns; ``"none"``: raw r). ``accumulate=True``
     adds the turn reward-to-go of z(r), sum_{j >= k} z(r)_j, instead. No critic, no labels;
     a redundant tool call (unchanged evidence) gives r = 0. Compose with ``grpo``.
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[potential]`` [N, K] (lp_gold before action k),
+        ``extras[final_potential]`` [N] (required) and, with ``length``, ``extras[length]``
+        [N]; ``group_ids`` [N] and ``state_keys`` [N, K] for the peer sets.
+      potential: extras name of lp_gold[k], [N, K].
+      final_potential: extras name of lp_gold after the last turn, [N].
+      beta: >= 0, weight of the term.
+      normalize: peer set of the z-score: ``"cohort"``, ``"group"``, ``"state"``,
+        ``"batch"`` or ``"none"`` (see ``normalize_turns``).
+      accumulate: use the reward-to-go of z(r) instead of z(r).
+      length: optional extras name of the gold answer's token count [N] (lp_gold / length).
+      eps: > 0, added to the std.
+      axis_name: mesh axis; ``normalize="batch"`` reduces over it.
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     check_nonneg("beta", beta)
     _check_norm(normalize)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
-    z = normalize_turns(trace_rewards(b, potential=potential, final_potential=final_potential, length=length), b,
-                        by=normalize, eps=eps, axis_name=axis_name)
+    r = trace_rewards(b, potential=potential, final_potential=final_potential, length=length)
+    z = normalize_turns(r, b, by=normalize, eps=eps, axis_name=axis_name)
     if accumulate:
         z = segments.reverse_scan(z, 1.0, axis=1)
     return add_turn_term(adv, b, beta * z)
 
 
-# ----------------------------------------------------------------------------- d3 PiCA
+# ----------------------------------------------------------------------------- PiCA
 
 
 def _pica_stats(x, gid, valid, n):
@@ -396,31 +461,48 @@ def _pica_stats(x, gid, valid, n):
     return mean, std
 
 
-@register("pica")
-def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: float = 1.0,
-         norm: str = "separate", scale_std: bool = True, f1_weight: float = 1.0,
-         ig_weight: float = 1.0, eps: float = 1e-6, axis_name=None) -> Advantages:
-    """PiCA: pivot-based credit assignment with PBRS. P: novdream/PiCA
+@register("pica", renamed={"norm": "normalize", "scale_std": "std_normalize"})
+def pivot_info_gain_advantage(batch: TrajectoryBatch, *, potential: str | None = "potential",
+                              gamma: float = 1.0, normalize: str = "separate",
+                              std_normalize: bool = True, f1_weight: float = 1.0,
+                              ig_weight: float = 1.0, eps: float = 1e-6,
+                              axis_name=None) -> Advantages:
+    """PiCA: pivot-based credit assignment with PBRS. Pinned to the public code novdream/PiCA
     ``Search-R1/verl/trainer/ppo/core_algos.py`` (``compute_grpo_outcome_advantage``).
 
     Rewards: the info gain IG_k = Phi_{k+1} - Phi_k of every intermediate turn
-    k < K_i - 1 (Phi = a step reward model's success probability, ``extras[potential]``
-    [N, K]; ``potential=None`` reads IG from ``turn_rewards`` instead) and the outcome F1 =
+    k < K_i - 1 (Phi = a step reward model's success probability) and the outcome F1 =
     ``outcome`` on the last turn; the curriculum weights ``f1_weight`` / ``ig_weight`` scale
     the two normalised parts.
-    Normalisation within the task group: ``norm="separate"`` z-scores F1 over the group's
-    trajectories and IG pooled over all the group's intermediate turns; ``"joint"`` pools
-    both. mean, population std sqrt(E[(x - mean)^2] + 1e-8), a pool of one entry gets std 1;
-    x~ = (x - mean) / (std + eps) (``scale_std=False``: x - mean; ``eps`` is ours, on top of
-    the source's 1e-8 inside the sqrt).
+    Normalisation within the task group: ``normalize="separate"`` z-scores F1 over the
+    group's trajectories and IG pooled over all the group's intermediate turns; ``"joint"``
+    pools both. mean, population std sqrt(E[(x - mean)^2] + 1e-8), a pool of one entry gets
+    std 1; x~ = (x - mean) / (std + eps) (``std_normalize=False``: x - mean; ``eps`` is ours,
+    on top of the source's 1e-8 inside the sqrt).
     Backward accumulation over the intermediate turns: A_turn_k = IG~_k + gamma A_turn_{k+1};
     A[i, k] = A_turn_k + F1~_i for intermediate turns and F1~_i for the last turn.
     Deviation, stated: the code finds turns as non-zero reward positions (an IG of exactly 0
     merges its turn into the next); here turns come from the batch, so every intermediate
     turn is in the IG pool.
+
+    Args:
+      batch: reads ``extras[potential]`` [N, K] (or ``turn_rewards`` [N, K] with
+        ``potential=None``), ``outcome`` [N], ``group_ids`` [N].
+      potential: extras name of Phi before action k, [N, K]; None reads IG_k directly from
+        ``turn_rewards``.
+      gamma: discount of the backward accumulation, in [0, 1].
+      normalize: ``"separate"`` or ``"joint"`` pools (above).
+      std_normalize: divide by the pool std + eps (False: centre only).
+      f1_weight: weight of the normalised outcome part.
+      ig_weight: weight of the normalised info-gain part.
+      eps: > 0, added to the std.
+      axis_name: mesh axis of a sharded batch (groups are whole per shard).
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] = A and ``token`` [R, T]; 0 off the valid turns.
     """
     check_unit("gamma", gamma)
-    check_choice("norm", norm, ("separate", "joint"))
+    check_choice("normalize", normalize, ("separate", "joint"))
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     n, k = b.turn_mask.shape
@@ -434,7 +516,7 @@ def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: 
     f1 = _sg(jnp.where(b.traj_mask, b.outcome.astype(F32), 0.0))
     g = jnp.clip(b.group_ids, 0, n - 1)
     g_turn = jnp.broadcast_to(g[:, None], (n, k)).reshape(-1)
-    if norm == "separate":
+    if normalize == "separate":
         m_f, s_f = _pica_stats(f1, g, b.traj_mask, n)
         m_i, s_i = _pica_stats(ig.reshape(-1), g_turn, inter.reshape(-1), n)
     else:
@@ -445,7 +527,7 @@ def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: 
 
     def z(x, mean, std):
         d = x - mean
-        return d / (std + eps) if scale_std else d
+        return d / (std + eps) if std_normalize else d
 
     # curriculum weights on the normalised parts (before it, the z-score would cancel them)
     f1n = jnp.where(b.traj_mask, f1_weight * z(f1, m_f[g], s_f[g]), 0.0)
@@ -455,11 +537,11 @@ def pica(batch: TrajectoryBatch, *, potential: str | None = "potential", gamma: 
     return _turn_advantages(a, b)
 
 
-# ----------------------------------------------------------------------------- d4 SPAE
+# ----------------------------------------------------------------------------- SPAE
 
 
 def spae_potential(acc, conf):
-    """SPAE's step potential Phi = 1.5 acc conf + 0.5 acc - conf (P: cii030/SPAE-RL
+    """SPAE's step potential Phi = 1.5 acc conf + 0.5 acc - conf (public code cii030/SPAE-RL
     ``inference/probe_mechanism_example.py``); in [-1, 1] for acc, conf in [0, 1], -1 when
     confident and wrong. ``acc``/``conf``: the probe's averaged ground-truth probability and
     confidence exp(-entropy) after the step."""
@@ -469,11 +551,14 @@ def spae_potential(acc, conf):
 
 
 @register("spae", kind="transform")
-def spae(adv: Advantages, batch: TrajectoryBatch, *, potential: str | None = "step_potential",
-         acc: str = "acc", conf: str = "conf", alpha: float = 0.1, c_sat: float = 1.0,
-         saturation: float = 0.9, axis_name=None) -> Advantages:
-    """SPAE: Step Potential Advantage Estimation [X advantage; P potential].
+def step_potential_advantage(adv: Advantages, batch: TrajectoryBatch, *,
+                             potential: str | None = "step_potential", acc: str = "acc",
+                             conf: str = "conf", alpha: float = 0.1, c_sat: float = 1.0,
+                             saturation: float = 0.9, axis_name=None) -> Advantages:
+    """SPAE: Step Potential Advantage Estimation.
 
+    The potential is pinned to the public code (``spae_potential``); the advantage is our
+    reading of the paper, which describes the step in words:
     Phi_k = the probe potential measured *after* step k: ``extras[potential]`` [N, K], or
     with ``potential=None`` ``spae_potential(extras[acc], extras[conf])``.
     DeltaPhi_k = Phi_k - Phi_{k-1} (0 for the first step); saturation: the first step with
@@ -481,6 +566,21 @@ def spae(adv: Advantages, batch: TrajectoryBatch, *, potential: str | None = "st
     (s = 1 up to and including it). A'_t = A_t s(k(t)) + alpha DeltaPhi_{k(t)}: potential
     gains amplified, drops penalised, post-saturation checking damped. alpha = 0 and
     c_sat = 1 give the base exactly (reduction to the base estimator).
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[potential]`` [N, K], or ``extras[acc]`` and ``extras[conf]``
+        [N, K] (in [0, 1]) with ``potential=None``.
+      potential: extras name of Phi after step k, [N, K]; None computes it from acc, conf.
+      acc: extras name of the probe's ground-truth probability after step k, [N, K].
+      conf: extras name of the probe's confidence exp(-entropy) after step k, [N, K].
+      alpha: >= 0, weight of the potential difference.
+      c_sat: factor on the advantage of steps after saturation.
+      saturation: potential threshold that marks the solution reached.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K].
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -500,13 +600,14 @@ def spae(adv: Advantages, batch: TrajectoryBatch, *, potential: str | None = "st
     return _scale_turns(adv, b, s, None if alpha == 0 else alpha * dphi)
 
 
-# ----------------------------------------------------------------------------- d5 EFCA
+# ----------------------------------------------------------------------------- EFCA
 
 
 def efca_weights(batch: TrajectoryBatch, *, feedback: str = "feedback", fb_coef: float = 0.5,
                  loop_coef: float = 0.5, window: int = 3, w_min: float = 0.0,
                  w_max: float = 2.0, axis_name=None):
-    """EFCA's per-turn return weights [N, K] [X].
+    """EFCA's per-turn return weights [N, K] (our reading of the paper, which describes the
+    step in words).
 
     h_k = 1[(state_key_k, action_key_k) occurred at one of the last ``window`` turns
     k - window .. k - 1, i.e. W turns; an open window (k-W, k) would be one shorter]
@@ -536,34 +637,55 @@ def efca_weights(batch: TrajectoryBatch, *, feedback: str = "feedback", fb_coef:
 
 
 @register("efca", kind="transform")
-def efca(adv: Advantages, batch: TrajectoryBatch, *, feedback: str = "feedback",
-         fb_coef: float = 0.5, loop_coef: float = 0.5, window: int = 3, w_min: float = 0.0,
-         w_max: float = 2.0, renormalize: bool = False, axis_name=None) -> Advantages:
-    """EFCA: Environmental-Feedback Credit Assignment, multi-timescale [X].
+def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
+                                feedback: str = "feedback", fb_coef: float = 0.5,
+                                loop_coef: float = 0.5, window: int = 3, w_min: float = 0.0,
+                                w_max: float = 2.0, renormalize: bool = False,
+                                axis_name=None) -> Advantages:
+    """EFCA: Environmental-Feedback Credit Assignment, multi-timescale.
 
-    Return reweighting applied to the base advantage: A'[i, k] = w_k A[i, k] with w from
+    This is our reading of the paper, which describes the step in words:
+    return reweighting applied to the base advantage, A'[i, k] = w_k A[i, k] with w from
     ``efca_weights`` (short-term feedback and medium-term loop/stall signals). For a
     trajectory-level base A_i = A(R_i) this is the advantage of the reweighted return
-    w_k G_k up to the baseline (our reading). ``renormalize=True`` rescales w to token mean 1
-    per trajectory first (``allocation.token_weights``): an allocation, so mass conservation and
+    w_k G_k up to the baseline. ``renormalize=True`` rescales w to token mean 1 per
+    trajectory first (``allocation.token_weights``): an allocation, so mass conservation and
     sign preservation hold.
     fb_coef = loop_coef = 0 gives the base exactly (reduction to the base estimator) when w_min
     <= 1 <= w_max.
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[feedback]`` [N, K] in {-1, 0, 1}, ``state_keys`` and
+        ``action_keys`` [N, K].
+      feedback: extras name of the parsed environment feedback, [N, K].
+      fb_coef: weight of the feedback term.
+      loop_coef: weight of the repeat/stall penalty.
+      window: int >= 0, how many earlier turns a repeated (state, action) is looked for in.
+      w_min: lower clip of w, >= 0.
+      w_max: upper clip of w, >= w_min.
+      renormalize: rescale w to token mean 1 per trajectory.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K], reweighted.
     """
     b = segments.local_view(batch, axis_name)
-    w = efca_weights(b, feedback=feedback, fb_coef=fb_coef, loop_coef=loop_coef, window=window, w_min=w_min, w_max=w_max)
+    w = efca_weights(b, feedback=feedback, fb_coef=fb_coef, loop_coef=loop_coef, window=window,
+                     w_min=w_min, w_max=w_max)
     if renormalize:
         return allocation.apply_token_weights(adv, allocation.token_weights(w, b), b)
     return _scale_turns(adv, b, jnp.where(_valid(b), w, 1.0))
 
 
-# ----------------------------------------------------------------------------- d6 VTCA
+# ----------------------------------------------------------------------------- VTCA
 
 
 def vtca_credit(batch: TrajectoryBatch, *, progress: str = "progress",
                 final_progress: str = "final_progress", edges: str = "edges",
                 rho: float = 0.3, axis_name=None):
-    """VTCA's per-turn credit c [N, K] (WorkRover, d6) [X].
+    """VTCA's per-turn credit c [N, K] (WorkRover; our reading of the paper, which describes
+    the step in words).
 
     Delta_k = p_{k+1} - p_k (``progress`` before action k, ``final_progress`` = p_{K_i},
     required). Prerequisite edges ``extras[edges]`` [N, E, 3] (src, dst, type): src is a
@@ -603,17 +725,36 @@ def vtca_credit(batch: TrajectoryBatch, *, progress: str = "progress",
 
 
 @register("vtca", kind="transform")
-def vtca(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progress",
-         final_progress: str = "final_progress", edges: str = "edges", rho: float = 0.3,
-         eta: float = 1.0, normalize: str = "none", eps: float = 1e-6,
-         axis_name=None) -> Advantages:
-    """VTCA: Verifier-to-Turn Credit Assignment (WorkRover, d6) [X].
+def prerequisite_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
+                                 progress: str = "progress",
+                                 final_progress: str = "final_progress", edges: str = "edges",
+                                 rho: float = 0.3, eta: float = 1.0, normalize: str = "none",
+                                 eps: float = 1e-6, axis_name=None) -> Advantages:
+    """VTCA: Verifier-to-Turn Credit Assignment (WorkRover).
 
+    This is our reading of the paper, which describes the step in words:
     A'[i, k] = A[i, k] + eta c~_k with c = ``vtca_credit`` (deterministic workspace-progress
     checks after every turn, a bounded share rho of positive progress passed to prerequisite
     turns) and c~ = ``normalize_turns(c, by=normalize)`` (default ``"none"``: c itself;
     ``"cohort"`` for the cohort-normalised option). eta = 0 gives the base (reduction to the
     base estimator).
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[progress]`` [N, K] (p_k before action k),
+        ``extras[final_progress]`` [N] (required) and ``extras[edges]`` [N, E, 3]
+        (src turn, dst turn, type; rows of -1 are padding).
+      progress: extras name of p_k, [N, K].
+      final_progress: extras name of p_{K_i}, [N].
+      edges: extras name of the prerequisite edges, [N, E, 3].
+      rho: share of positive progress passed to prerequisites, in [0, 1].
+      eta: weight of the term.
+      normalize: peer set of the z-score of c (see ``normalize_turns``); ``"none"`` keeps c.
+      eps: > 0, added to the std.
+      axis_name: mesh axis; ``normalize="batch"`` reduces over it.
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     _check_norm(normalize)
     check_positive("eps", eps)
@@ -624,22 +765,38 @@ def vtca(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progress",
     return add_turn_term(adv, b, eta * c)
 
 
-# ----------------------------------------------------------------------------- d7 ProCredit
+# ----------------------------------------------------------------------------- ProCredit
 
 
-@register("procredit", kind="transform")
-def procredit(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progress",
-              final_progress: str = "final_progress", weight: float = 1.0,
-              cohort: str = "cohort", scale_std: bool = True, eps: float = 1e-6,
-              axis_name=None) -> Advantages:
-    """ProCredit [X]: progress rewards across attempts and turns.
+@register("procredit", kind="transform", renamed={"scale_std": "normalize"})
+def remaining_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
+                              progress: str = "progress",
+                              final_progress: str = "final_progress", weight: float = 1.0,
+                              cohort: str = "cohort", normalize: bool = True,
+                              eps: float = 1e-6, axis_name=None) -> Advantages:
+    """ProCredit: progress rewards across attempts and turns.
 
-    r_k = p_{k+1} - p_k (acceptance checks re-run after every turn; ``progress`` before
-    action k, ``final_progress`` = p_{K_i} required); G_k = sum_{j >= k} r_j = p_K - p_k;
-    A'[i, k] = A[i, k] + weight (G_k - mean_S G) / (std_S G + eps) with S the
-    ``cohort`` peers (``"cohort"``: attempts of the same task at the same turn index;
-    ``"state"``: a GiGPO state key; unbiased std, singleton 0). Flat progress gives a zero
-    turn term; all-failed groups still get signal through progress.
+    This is our reading of the paper, which describes the step in words:
+    r_k = p_{k+1} - p_k (acceptance checks re-run after every turn); G_k = sum_{j >= k} r_j =
+    p_K - p_k; A'[i, k] = A[i, k] + weight (G_k - mean_S G) / (std_S G + eps) with S the
+    ``cohort`` peers (unbiased std, singleton 0). Flat progress gives a zero turn term;
+    all-failed groups still get signal through progress.
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[progress]`` [N, K] (p_k before action k) and
+        ``extras[final_progress]`` [N] (required); ``group_ids`` [N], ``state_keys`` [N, K].
+      progress: extras name of p_k, [N, K].
+      final_progress: extras name of p_{K_i}, [N].
+      weight: weight of the term (0 gives the base).
+      cohort: peer set: ``"cohort"`` (attempts of the same task at the same turn index) or
+        ``"state"`` (same task group and state key, as GiGPO's anchor).
+      normalize: divide by the peer std + eps (False: centre only).
+      eps: > 0, added to the std.
+      axis_name: mesh axis of a sharded batch (groups are whole per shard).
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     check_choice("cohort", cohort, ("cohort", "state"))
     check_positive("eps", eps)
@@ -647,11 +804,11 @@ def procredit(adv: Advantages, batch: TrajectoryBatch, *, progress: str = "progr
     p = turn_field(b, progress, "procredit", "progress p_k before action k, [N, K]")
     fin = traj_field(b, final_progress, "procredit", "final progress p_K, [N]")
     g = jnp.where(_valid(b), fin[:, None] - p, 0.0)
-    term = normalize_turns(g, b, by=cohort, scale_std=scale_std, eps=eps)
+    term = normalize_turns(g, b, by=cohort, scale_std=normalize, eps=eps)
     return add_turn_term(adv, b, weight * term)
 
 
-# ----------------------------------------------------------------------------- d8 A2TGPO
+# ----------------------------------------------------------------------------- A2TGPO
 
 
 def variance_rescaled_returns(x, valid, gamma=1.0):
@@ -670,17 +827,33 @@ def _a2tgpo_ig(b, potential, final_potential, eps):
 
 
 @register("a2tgpo", kind="transform")
-def a2tgpo(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potential",
-           final_potential: str = "final_potential", gamma: float = 1.0,
-           weight: float = 1.0, eps: float = 1e-6, axis_name=None) -> Advantages:
-    """A2TGPO: Agentic Turn-Group PO [S; X constants].
+def rescaled_info_gain_credit(adv: Advantages, batch: TrajectoryBatch, *,
+                              potential: str = "potential",
+                              final_potential: str = "final_potential", gamma: float = 1.0,
+                              weight: float = 1.0, eps: float = 1e-6,
+                              axis_name=None) -> Advantages:
+    """A2TGPO: Agentic Turn-Group Policy Optimization.
 
+    As the paper describes it; its constants are our choice.
     IG_k = log pi(gt | h_k) - log pi(gt | h_{k-1}): the policy's own gold-answer log-prob at
-    each state, ``extras[potential]`` [N, K] before action k, ``final_potential`` after the
-    last turn (required); (i) IG~ = (IG - mean_(g,k)) / (std_(g,k) + eps) over the same task
-    and turn index (unbiased std, singleton 0); (ii) A_IG = ``variance_rescaled_returns(IG~,
-    gamma)``; A' = A + weight A_IG. The adaptive clip range (iii) is ``a2tgpo_clip_range``,
-    consumed by ``losses.policy.ppo(clip_low=, clip_high=)``.
+    each state; (i) IG~ = (IG - mean_(g,k)) / (std_(g,k) + eps) over the same task and turn
+    index (unbiased std, singleton 0); (ii) A_IG = ``variance_rescaled_returns(IG~, gamma)``;
+    A' = A + weight A_IG. The adaptive clip range (iii) is ``a2tgpo_clip_range``, consumed by
+    ``losses.policy.ppo(clip_low=, clip_high=)``.
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[potential]`` [N, K] (log pi(gt | h) before action k) and
+        ``extras[final_potential]`` [N] (after the last turn, required); ``group_ids`` [N].
+      potential: extras name of the gold-answer log-prob before action k, [N, K].
+      final_potential: extras name of the gold-answer log-prob after the last turn, [N].
+      gamma: discount of the rescaled accumulation, in [0, 1].
+      weight: weight of the term (0 gives the base).
+      eps: > 0, added to the std.
+      axis_name: mesh axis of a sharded batch (groups are whole per shard).
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     check_unit("gamma", gamma)
     check_positive("eps", eps)
@@ -693,7 +866,8 @@ def a2tgpo_clip_range(batch: TrajectoryBatch, *, potential: str = "potential",
                       final_potential: str = "final_potential", eps0: float = 0.2,
                       kappa: float = 0.5, eps_min: float = 0.1, eps_max: float = 0.3,
                       eps: float = 1e-6, axis_name=None):
-    """A2TGPO's adaptive turn-level clip range [R, T] (d8 iii) [X constants].
+    """A2TGPO's adaptive turn-level clip range [R, T] (step iii of the method; the constants
+    are our choice).
 
     eps_k = clip(eps0 (1 + kappa tanh(IG~_k)), eps_min, eps_max), broadcast onto turn k's
     action tokens (0 elsewhere): informative turns get a wider trust region. Monotone in
@@ -710,7 +884,7 @@ def a2tgpo_clip_range(batch: TrajectoryBatch, *, potential: str = "potential",
     return segments.turn_to_token(jnp.where(_valid(b), e, 0.0), b)
 
 
-# ----------------------------------------------------------------------------- d9 CAST
+# ----------------------------------------------------------------------------- CAST
 
 
 def _odd_transform(a, transform):
@@ -721,30 +895,44 @@ def _odd_transform(a, transform):
     return a
 
 
-@register("cast", kind="transform")
-def cast(adv: Advantages, batch: TrajectoryBatch, *, oracle: str = "oracle_advantage",
-         alpha: float = 0.3, transform: str = "asinh", norm: str = "rms", eps: float = 1e-8,
-         axis_name=None) -> Advantages:
-    """CAST: credit from solver teachers. P: Wloner0809/CAST
+@register("cast", kind="transform", renamed={"norm": "normalize"})
+def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
+                         oracle: str = "oracle_advantage", alpha: float = 0.3,
+                         transform: str = "asinh", normalize: str = "rms", eps: float = 1e-8,
+                         axis_name=None) -> Advantages:
+    """CAST: credit from solver teachers. Pinned to the public code Wloner0809/CAST
     ``rllm/trainer/verl/oracle_advantage_mapping.py`` (``mapping_cast``, ``_ablate``).
 
-    a_k = ``extras[oracle]`` [N, K], the solver's per-turn oracle advantage (Sokoban:
-    N(s_k) - N(s_{k+1}); Minesweeper: +-K(s_t)). g = asinh(a) (``transform``: ``"asinh"``,
-    ``"identity"``, ``"signed_log"``); RMS = sqrt(mean of g^2 over every valid turn of the
-    batch, zeros included; psum over ``axis_name``); A'[i, k] = A_i + alpha g / (RMS + eps)
-    (``norm="none"``: alpha g). The reference base is GRPO with groups of std < 1e-6 set to
-    0 (compose with ``grpo``). a = 0 gives the base (reduction to the base estimator); the batch
-    RMS of the term is alpha; sign flips where |A_i| is small are allowed.
+    a_k = the solver's per-turn oracle advantage (Sokoban: N(s_k) - N(s_{k+1});
+    Minesweeper: +-K(s_t)). g = asinh(a) (or the chosen ``transform``); RMS = sqrt(mean of
+    g^2 over every valid turn of the batch, zeros included; psum over ``axis_name``);
+    A'[i, k] = A_i + alpha g / (RMS + eps) (``normalize="none"``: alpha g). The reference
+    base is GRPO with groups of std < 1e-6 set to 0 (compose with ``grpo``). a = 0 gives the
+    base (reduction to the base estimator); the batch RMS of the term is alpha; sign flips
+    where |A_i| is small are allowed.
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[oracle]`` [N, K].
+      oracle: extras name of the solver's oracle advantage per turn, [N, K].
+      alpha: weight of the term.
+      transform: ``"asinh"``, ``"identity"`` or ``"signed_log"`` (sign(a) log(1 + |a|)).
+      normalize: ``"rms"`` (divide by the batch RMS + eps) or ``"none"``.
+      eps: > 0, added to the RMS.
+      axis_name: mesh axis; the RMS reduces over it.
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     check_choice("transform", transform, ("asinh", "identity", "signed_log"))
-    check_choice("norm", norm, ("rms", "none"))
+    check_choice("normalize", normalize, ("rms", "none"))
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
     g = jnp.where(valid, _odd_transform(turn_field(b, oracle, "cast", "solver oracle "
                                                    "advantage per turn, [N, K]"), transform),
                   0.0)
-    if norm == "rms":
+    if normalize == "rms":
         ss = segments.psum(jnp.sum(g * g), axis_name)
         cnt = segments.psum(jnp.sum(valid.astype(F32)), axis_name)
         rms = jnp.where(cnt > 0, segments.safe_sqrt(ss / jnp.maximum(cnt, 1.0)), 1.0)
@@ -752,21 +940,32 @@ def cast(adv: Advantages, batch: TrajectoryBatch, *, oracle: str = "oracle_advan
     return add_turn_term(adv, b, alpha * g)
 
 
-# ----------------------------------------------------------------------------- d10 SPA
+# ----------------------------------------------------------------------------- SPA
 
 
 @register("spa", kind="shaping")
-def spa(batch: TrajectoryBatch, *, contribution: str = "contribution",
-        grounded: str = "grounded", bonus: float = 0.5, replace: bool = True,
-        axis_name=None) -> TrajectoryBatch:
-    """SPA: Stepwise Progress Attribution. P: WangHanLinHenry/SPA-RL-Agent
-    ``prm/rl_data_org.py``.
+def progress_attribution_rewards(batch: TrajectoryBatch, *, contribution: str = "contribution",
+                                 grounded: str = "grounded", bonus: float = 0.5,
+                                 replace: bool = True, axis_name=None) -> TrajectoryBatch:
+    """SPA: Stepwise Progress Attribution. Pinned to the public code
+    WangHanLinHenry/SPA-RL-Agent ``prm/rl_data_org.py``.
 
     r_k = c_k + bonus 1[action k grounded/valid] and the final turn gets another + bonus,
-    with c = ``extras[contribution]`` [N, K] the trained progress estimator's per-turn
-    contributions (``spa_decomposition_loss`` trains it) and ``extras[grounded]`` [N, K]
-    (> 0.5 = grounded). Replaces the turn rewards (``replace=False`` adds); follow with a
-    turn-level estimator (``turn_gae``).
+    with c the trained progress estimator's per-turn contributions
+    (``spa_decomposition_loss`` trains it). Follow with a turn-level estimator
+    (``turn_gae``).
+
+    Args:
+      batch: reads ``extras[contribution]`` [N, K], ``extras[grounded]`` [N, K] and
+        ``turn_rewards`` [N, K].
+      contribution: extras name of the per-turn progress contributions c, [N, K].
+      grounded: extras name of the grounded/valid indicator (> 0.5 = grounded), [N, K].
+      bonus: bonus for a grounded action and for the final turn.
+      replace: True writes r as the turn rewards; False adds it to the existing ones.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      The batch with ``turn_rewards`` [N, K] shaped; 0 off the valid turns.
     """
     b = segments.local_view(batch, axis_name)
     c = turn_field(b, contribution, "spa", "per-turn progress contributions, [N, K]")
@@ -787,7 +986,7 @@ def spa_decomposition_loss(contributions, batch: TrajectoryBatch, *, axis_name=N
     return segments.psum(jnp.sum(err * err), axis_name) / jnp.maximum(n, 1.0)
 
 
-# ----------------------------------------------------------------------------- d11 ReBel
+# ----------------------------------------------------------------------------- ReBel
 
 
 SCHEDULES = ("linear", "cosine", "exp", "constant")
@@ -824,8 +1023,8 @@ def rebel_component_weights(step, *, total_steps: int, schedule: str = "linear",
     """ReBel's decaying component weights (cw_state, cw_task, cw_pred, cw_format).
 
     d = ``decay_weight(step, schedule, start=1, end=min_weight)``; consistency terms (state
-    and prediction) get d^consistency_exp, task progress d^progress_exp, format d [X:
-    our reading of the decay exponents]. Non-increasing in step after warm-up.
+    and prediction) get d^consistency_exp, task progress d^progress_exp, format d (the
+    decay exponents are our reading of the paper). Non-increasing in step after warm-up.
     """
     d = decay_weight(step, total_steps=total_steps, schedule=schedule, start=1.0,
                      end=min_weight, warmup=warmup)
@@ -843,12 +1042,15 @@ def rebel_reward(r_state, r_task, r_pred, r_format, weights=(1.0, 1.0, 1.0, 1.0)
 
 
 @register("rebel", kind="shaping")
-def rebel(batch: TrajectoryBatch, *, state: str = "belief_state", task: str = "belief_task",
-          pred: str = "belief_pred", format: str = "belief_format", w_state: float = 0.3,
-          w_task: float = 0.4, w_pred: float = 0.3, w_format: float = 0.1,
-          cw_state: float = 1.0, cw_task: float = 1.0, cw_pred: float = 1.0,
-          cw_format: float = 1.0, replace: bool = False, axis_name=None) -> TrajectoryBatch:
-    """ReBel belief-consistency reward. P: Fateyetian/Rebel ``belief_tracker.py``.
+def belief_consistency_rewards(batch: TrajectoryBatch, *, state: str = "belief_state",
+                               task: str = "belief_task", pred: str = "belief_pred",
+                               format: str = "belief_format", w_state: float = 0.3,
+                               w_task: float = 0.4, w_pred: float = 0.3, w_format: float = 0.1,
+                               cw_state: float = 1.0, cw_task: float = 1.0,
+                               cw_pred: float = 1.0, cw_format: float = 1.0,
+                               replace: bool = False, axis_name=None) -> TrajectoryBatch:
+    """ReBel belief-consistency reward. Pinned to the public code Fateyetian/Rebel
+    ``belief_tracker.py``.
 
     r_int[i, k] = w_state r_state cw_state + w_task r_task cw_task + w_pred r_pred cw_pred +
     w_format r_format cw_format from four per-turn component scores [N, K] in [0, 1] (state
@@ -857,6 +1059,18 @@ def rebel(batch: TrajectoryBatch, *, state: str = "belief_state", task: str = "b
     added to the turn rewards. The decaying weights cw_* come from
     ``rebel_component_weights(step, ...)``; they are static here (one compile per value):
     inside a jitted train step call ``rebel_reward`` with traced weights instead.
+
+    Args:
+      batch: reads ``extras[state]``, ``extras[task]``, ``extras[pred]``, ``extras[format]``
+        [N, K] (component scores in [0, 1]) and ``turn_rewards`` [N, K].
+      state, task, pred, format: extras names of the four component scores, [N, K].
+      w_state, w_task, w_pred, w_format: fixed coefficients of the components.
+      cw_state, cw_task, cw_pred, cw_format: decaying component weights, in [0, 1].
+      replace: True writes r_int as the turn rewards; False (default) adds it.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      The batch with ``turn_rewards`` [N, K] shaped; 0 off the valid turns.
     """
     b = segments.local_view(batch, axis_name)
     what = "component score in [0, 1] per turn, [N, K]"
@@ -867,7 +1081,7 @@ def rebel(batch: TrajectoryBatch, *, state: str = "belief_state", task: str = "b
     return _set_turn_rewards(batch, b, r, replace)
 
 
-# ----------------------------------------------------------------------------- d12 OPRL
+# ----------------------------------------------------------------------------- OPRL
 
 
 def implicit_step_rewards(batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
@@ -882,28 +1096,46 @@ def implicit_step_rewards(batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
     return jnp.where(_valid(b), beta * segments.token_to_turn(lp - lr, b), 0.0)
 
 
-@register("oprl", kind="transform")
-def oprl(adv: Advantages, batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
-         ref: str = "ref_logprobs", beta: float = 0.1, weight: float = 1.0,
-         cohort: str = "cohort", scale_std: bool = True, eps: float = 1e-6,
-         axis_name=None) -> Advantages:
-    """OPRL: Online Process Reward Learning [S].
+@register("oprl", kind="transform", renamed={"scale_std": "normalize"})
+def implicit_process_reward_credit(adv: Advantages, batch: TrajectoryBatch, *,
+                                   prm: str = "prm_logprobs", ref: str = "ref_logprobs",
+                                   beta: float = 0.1, weight: float = 1.0,
+                                   cohort: str = "cohort", normalize: bool = True,
+                                   eps: float = 1e-6, axis_name=None) -> Advantages:
+    """OPRL: Online Process Reward Learning, as the paper describes it.
 
     Step rewards r = ``implicit_step_rewards`` (the implicit PRM pi_phi, trained by
     trajectory-level DPO elsewhere, consumed as log-probs), normalised within step groups
-    (``cohort``: ``"cohort"`` = same task and turn index, ``"state"`` = same state key;
-    unbiased std, singleton 0): A = A_ep + weight A_step. weight = 0 gives the base (reduction
-    to the base estimator).
+    (unbiased std, singleton 0): A = A_ep + weight A_step. weight = 0 gives the base
+    (reduction to the base estimator).
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[prm]`` and ``extras[ref]`` [R, T] (``old_logprobs`` [R, T] when
+        ``ref="old_logprobs"``); ``group_ids`` [N], ``state_keys`` [N, K].
+      prm: extras name of the implicit PRM's log-probs of the sampled tokens, [R, T].
+      ref: extras name of the reference log-probs, [R, T]; ``"old_logprobs"`` reads the
+        batch's behaviour log-probs.
+      beta: scale of the implicit reward.
+      weight: weight of the term (0 gives the base).
+      cohort: step groups: ``"cohort"`` (same task and turn index) or ``"state"`` (same
+        task group and state key).
+      normalize: divide by the peer std + eps (False: centre only).
+      eps: > 0, added to the std.
+      axis_name: mesh axis of a sharded batch (groups are whole per shard).
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     check_choice("cohort", cohort, ("cohort", "state"))
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     r = implicit_step_rewards(b, prm=prm, ref=ref, beta=beta)
     return add_turn_term(adv, b, weight * normalize_turns(r, b, by=cohort,
-                                                         scale_std=scale_std, eps=eps))
+                                                         scale_std=normalize, eps=eps))
 
 
-# ----------------------------------------------------------------------------- d13 RED
+# ----------------------------------------------------------------------------- RED
 
 
 def prefix_score_rewards(batch: TrajectoryBatch, *, scores: str = "prefix_scores",
@@ -927,55 +1159,99 @@ def prefix_score_rewards(batch: TrajectoryBatch, *, scores: str = "prefix_scores
 
 
 @register("red", kind="shaping")
-def red(batch: TrajectoryBatch, *, scores: str = "prefix_scores",
-        initial_score: str = "initial_score", scale: float = 1.0,
-        axis_name=None) -> TrajectoryBatch:
-    """RED: token reward redistribution [S]: adds scale ``prefix_score_rewards`` to
-    ``extras['token_rewards']`` (token-level PBRS with Phi = the off-the-shelf reward
-    model's prefix score; read by ``reinforce_pp``, ``gae`` via ``segments.token_rewards``).
-    Also covers Grad2Reward-style token rewards when the caller supplies the scores."""
+def token_reward_redistribution(batch: TrajectoryBatch, *, scores: str = "prefix_scores",
+                                initial_score: str = "initial_score", scale: float = 1.0,
+                                axis_name=None) -> TrajectoryBatch:
+    """RED: token reward redistribution, as the paper describes it.
+
+    Adds scale ``prefix_score_rewards`` to ``extras['token_rewards']`` (token-level PBRS with
+    Phi = the off-the-shelf reward model's prefix score; read by ``reinforce_pp``, ``gae``
+    via ``segments.token_rewards``). Also covers Grad2Reward-style token rewards when the
+    caller supplies the scores.
+
+    Args:
+      batch: reads ``extras[scores]`` [R, T], ``extras[initial_score]`` [N] (absent -> 0)
+        and ``extras['token_rewards']`` [R, T] where present.
+      scores: extras name of the reward model's score of each action-token prefix, [R, T].
+      initial_score: extras name of RM(x, empty), [N].
+      scale: weight of the token rewards.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      The batch with ``extras['token_rewards']`` [R, T] added to; 0 off the action tokens.
+    """
     b = segments.local_view(batch, axis_name)
-    return _add_token_rewards(batch, b, scale * prefix_score_rewards(b, scores=scores, initial_score=initial_score))
+    r = prefix_score_rewards(b, scores=scores, initial_score=initial_score)
+    return _add_token_rewards(batch, b, scale * r)
 
 
-# ----------------------------------------------------------------------------- d14 step gain
+# ----------------------------------------------------------------------------- step gain
 
 
-@register("step_gain", kind="transform")
+@register("step_gain", kind="transform", renamed={"scale_std": "normalize"})
 def step_gain(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "potential",
               final_potential: str = "final_potential", weight: float = 1.0,
-              scale_std: bool = True, eps: float = 1e-6, axis_name=None) -> Advantages:
-    """Gain-based step advantages (Stepwise-Flow-GRPO; the generic "step gain", d14) [S].
+              normalize: bool = True, eps: float = 1e-6, axis_name=None) -> Advantages:
+    """Gain-based step advantages (Stepwise-Flow-GRPO, and the generic "step gain"), as the
+    paper describes them.
 
-    R_hat = intermediate reward estimates at each state (``extras[potential]`` before action
-    k, ``final_potential`` = R_hat_K required); gain g_k = R_hat_{k+1} - R_hat_k (telescopes
-    to R_hat_K - R_hat_0), normalised per (task group, step index) (unbiased std, singleton
-    0); A' = A + weight g~.
+    R_hat = intermediate reward estimates at each state; gain g_k = R_hat_{k+1} - R_hat_k
+    (telescopes to R_hat_K - R_hat_0), normalised per (task group, step index) (unbiased std,
+    singleton 0); A' = A + weight g~.
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[potential]`` [N, K] (R_hat before action k) and
+        ``extras[final_potential]`` [N] (R_hat_K, required); ``group_ids`` [N].
+      potential: extras name of R_hat before action k, [N, K].
+      final_potential: extras name of R_hat after the last turn, [N].
+      weight: weight of the term (0 gives the base).
+      normalize: divide by the cohort std + eps (False: centre only).
+      eps: > 0, added to the std.
+      axis_name: mesh axis of a sharded batch (groups are whole per shard).
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     g = _potential_rewards(b, potential, final_potential, 1.0, True, "step_gain")
     return add_turn_term(adv, b, weight * normalize_turns(g, b, by="cohort",
-                                                         scale_std=scale_std, eps=eps))
+                                                         scale_std=normalize, eps=eps))
 
 
-# ----------------------------------------------------------------------------- d15
+# ------------------------------------------------------------------ verifier and judge rewards
 
 
 @register("vpr", kind="shaping")
-def vpr(batch: TrajectoryBatch, *, label: str = "verified", scale: float = 1.0,
-        to: str = "outcome", replace: bool = False, axis_name=None) -> TrajectoryBatch:
-    """Verifier/judge-derived per-turn process rewards (d15, VPR and kin) [S].
+def verified_process_rewards(batch: TrajectoryBatch, *, label: str = "verified",
+                             scale: float = 1.0, to: str = "outcome", replace: bool = False,
+                             axis_name=None) -> TrajectoryBatch:
+    """Verifier/judge-derived per-turn process rewards (VPR and kin), as the papers describe
+    them.
 
-    x = ``extras[label]`` [N, K] (VPR: 1[oracle verifies action k]); ``to="outcome"``:
+    x = ``extras[label]`` (VPR: 1[oracle verifies action k]); ``to="outcome"``:
     R_total = R + scale sum_k x_k; ``"turns"``: r_k += scale x_k (``replace=True``: r_k =
-    scale x_k); ``"both"``: both. Settings for other d15 entries: DiscoPO label = new verified
+    scale x_k); ``"both"``: both. Settings for related methods: DiscoPO label = new verified
     evidence-graph nodes per turn (normalised by the caller); ABC-GRPO label = clue-anchored
     step score, to="turns", replace=True, then ``step_group(key="turn", target="reward")``;
     MAPPA label = per-action judge reward, to="turns", then ``step_group(key="turn_key")``
     with the agent id as turn_key; CALM label = 1[judge: subgoal achieved at option end],
     to="turns"; CoACT label = 1[same next action] + lambda length reduction; decaying PRM
     reward label = PRM score, scale = ``decay_weight(step, ...)``.
+
+    Args:
+      batch: reads ``extras[label]`` [N, K], ``turn_rewards`` [N, K], ``outcome`` [N].
+      label: extras name of the per-turn verification label or score, [N, K].
+      scale: weight of the label.
+      to: ``"outcome"``, ``"turns"`` or ``"both"`` (above).
+      replace: with ``to`` in (``"turns"``, ``"both"``), write scale x as the turn rewards
+        instead of adding it.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      The batch with ``turn_rewards`` [N, K] and/or ``outcome`` [N] shaped; 0 off the valid
+      turns / trajectories.
     """
     check_choice("to", to, ("outcome", "turns", "both"))
     b = segments.local_view(batch, axis_name)
@@ -990,14 +1266,29 @@ def vpr(batch: TrajectoryBatch, *, label: str = "verified", scale: float = 1.0,
 
 
 @register("nasa", kind="shaping")
-def nasa(batch: TrajectoryBatch, *, evidence: str = "evidence", necessity: str = "necessity",
-         threshold: float = 0.5, scale: float = 1.0, replace: bool = False,
-         axis_name=None) -> TrajectoryBatch:
-    """NASA-GRPO tool-level reward (AdaVDR, d15) [X].
+def evidence_necessity_rewards(batch: TrajectoryBatch, *, evidence: str = "evidence",
+                               necessity: str = "necessity", threshold: float = 0.5,
+                               scale: float = 1.0, replace: bool = False,
+                               axis_name=None) -> TrajectoryBatch:
+    """NASA-GRPO tool-level reward (AdaVDR).
 
-    u_k = evidence_contribution_k * necessity_k (both >= 0, ``extras`` [N, K]), normalised
-    within the trajectory to sum 1 (uniform 1/K_i when all are 0), times the outcome sign
-    s_i = +1 if R_i > ``threshold``, -1 if below, 0 at it: r_k += scale s_i u_k / sum u.
+    This is our reading of the paper, which describes the step in words:
+    u_k = evidence_contribution_k * necessity_k (both clipped at >= 0), normalised within the
+    trajectory to sum 1 (uniform 1/K_i when all are 0), times the outcome sign s_i = +1 if
+    R_i > ``threshold``, -1 if below, 0 at it: r_k += scale s_i u_k / sum u.
+
+    Args:
+      batch: reads ``extras[evidence]`` and ``extras[necessity]`` [N, K], ``outcome`` [N],
+        ``turn_rewards`` [N, K].
+      evidence: extras name of each tool call's evidence contribution (>= 0), [N, K].
+      necessity: extras name of each tool call's necessity (>= 0), [N, K].
+      threshold: outcome above it counts as success, below it as failure.
+      scale: weight of the term.
+      replace: True writes the term as the turn rewards; False (default) adds it.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      The batch with ``turn_rewards`` [N, K] shaped; 0 off the valid turns.
     """
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
@@ -1012,12 +1303,28 @@ def nasa(batch: TrajectoryBatch, *, evidence: str = "evidence", necessity: str =
                              replace)
 
 
-@register("ups", kind="transform")
-def ups(adv: Advantages, batch: TrajectoryBatch, *, align: str = "alignment",
-        lam: float = 0.5, center: str = "trajectory", axis_name=None) -> Advantages:
-    """UPS-GRPO (SCOUT, d15) [X]: A_k = A_outcome + lam (r_align,k - mean), with the
-    tool-grounded temporal alignment rewards ``extras[align]`` [N, K] centred over the
-    trajectory's turns (``center="trajectory"``) or the task group's turns (``"group"``)."""
+@register("ups", kind="transform", renamed={"lam": "weight"})
+def centered_alignment_credit(adv: Advantages, batch: TrajectoryBatch, *,
+                              align: str = "alignment", weight: float = 0.5,
+                              center: str = "trajectory", axis_name=None) -> Advantages:
+    """UPS-GRPO (SCOUT).
+
+    This is our reading of the paper, which describes the step in words:
+    A_k = A_outcome + weight (r_align,k - mean), with the tool-grounded temporal alignment
+    rewards r_align centred over the trajectory's turns (``center="trajectory"``) or the
+    task group's turns (``"group"``).
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[align]`` [N, K]; ``group_ids`` [N] with ``center="group"``.
+      align: extras name of the alignment reward per turn, [N, K].
+      weight: weight of the centred alignment term (0 gives the base).
+      center: ``"trajectory"`` or ``"group"`` (above).
+      axis_name: mesh axis of a sharded batch (groups are whole per shard).
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    """
     check_choice("center", center, ("trajectory", "group"))
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
@@ -1028,17 +1335,34 @@ def ups(adv: Advantages, batch: TrajectoryBatch, *, align: str = "alignment",
     else:
         d = normalize_turns(x, b, by="group", scale_std=False)
         d = jnp.where(valid, d, 0.0)
-    return add_turn_term(adv, b, lam * d)
+    return add_turn_term(adv, b, weight * d)
 
 
 @register("capo", kind="transform")
-def capo(adv: Advantages, batch: TrajectoryBatch, *, verdict: str = "step_verdict",
-         kappa: float = 0.5, reward_correct: bool = False, fail_below: float = 0.5,
-         axis_name=None) -> Advantages:
-    """CAPO-GenPRM [X]: A'_t = A_t - kappa 1[step k(t) flagged wrong] (+ kappa for
-    steps flagged correct in failed responses, R_i < ``fail_below``, with
-    ``reward_correct``). ``extras[verdict]`` [N, K]: the majority vote of N generated step
-    critiques, -1 wrong, +1 correct, 0 no verdict. kappa = 0 gives the base."""
+def step_verdict_penalty(adv: Advantages, batch: TrajectoryBatch, *,
+                         verdict: str = "step_verdict", kappa: float = 0.5,
+                         reward_correct: bool = False, fail_below: float = 0.5,
+                         axis_name=None) -> Advantages:
+    """CAPO-GenPRM step penalties from generated critiques.
+
+    This is our reading of the paper, which describes the step in words:
+    A'_t = A_t - kappa 1[step k(t) flagged wrong] (+ kappa for steps flagged correct in
+    failed responses, R_i < ``fail_below``, with ``reward_correct``). The verdict is the
+    majority vote of several generated step critiques, -1 wrong, +1 correct, 0 no verdict.
+    kappa = 0 gives the base.
+
+    Args:
+      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
+      batch: reads ``extras[verdict]`` [N, K] in {-1, 0, 1} and ``outcome`` [N].
+      verdict: extras name of the majority-vote step verdict, [N, K].
+      kappa: >= 0, size of the penalty (and bonus).
+      reward_correct: also add kappa to steps voted correct in failed responses.
+      fail_below: outcome below which a response counts as failed.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    """
     check_nonneg("kappa", kappa)
     b = segments.local_view(batch, axis_name)
     v = turn_field(b, verdict, "capo", "majority-vote step verdict in {-1, 0, 1}, [N, K]")
@@ -1064,17 +1388,32 @@ def action_ordinals(batch: TrajectoryBatch, *, axis_name=None):
 
 
 @register("v_rubrics", kind="shaping")
-def v_rubrics(batch: TrajectoryBatch, *, scores: str = "rubric_scores",
-              starts: str = "rubric_start", ends: str = "rubric_end", mode: str = "span",
-              scale: float = 1.0, axis_name=None) -> TrajectoryBatch:
-    """V-Rubrics prefix-localised rubric credit [X], as token rewards.
+def rubric_span_rewards(batch: TrajectoryBatch, *, scores: str = "rubric_scores",
+                        starts: str = "rubric_start", ends: str = "rubric_end",
+                        mode: str = "span", scale: float = 1.0,
+                        axis_name=None) -> TrajectoryBatch:
+    """V-Rubrics prefix-localised rubric credit, as token rewards.
 
-    Rubric item j of trajectory i has score ``extras[scores]`` [N, J] and an evidence span of
-    action-token positions (``action_ordinals``) [``extras[starts]``, ``extras[ends]``]
-    ([N, J] each; end < 0: unlocalised). ``mode="span"`` credits the span, ``"prefix"`` the
-    prefix [0, end]; an unlocalised item, or a span with no token of the trajectory, goes to
-    all its tokens. Each item's score is split evenly over its tokens, so the token rewards
-    of a trajectory sum to scale sum_j s_j. Added to ``extras['token_rewards']``.
+    This is our reading of the paper, which describes the step in words:
+    rubric item j of trajectory i has score s_ij and an evidence span of action-token
+    positions (``action_ordinals``) [start_ij, end_ij] (end < 0: unlocalised).
+    ``mode="span"`` credits the span, ``"prefix"`` the prefix [0, end]; an unlocalised item,
+    or a span with no token of the trajectory, goes to all its tokens. Each item's score is
+    split evenly over its tokens, so the token rewards of a trajectory sum to
+    scale sum_j s_j. Added to ``extras['token_rewards']``.
+
+    Args:
+      batch: reads ``extras[scores]``, ``extras[starts]``, ``extras[ends]`` [N, J] (J rubric
+        items) and ``extras['token_rewards']`` [R, T] where present.
+      scores: extras name of the item scores, [N, J].
+      starts: extras name of each item's first evidence token (action ordinal), [N, J].
+      ends: extras name of each item's last evidence token (< 0: unlocalised), [N, J].
+      mode: ``"span"`` or ``"prefix"`` (above).
+      scale: weight of the token rewards.
+      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
+
+    Returns:
+      The batch with ``extras['token_rewards']`` [R, T] added to; 0 off the action tokens.
     """
     check_choice("mode", mode, ("span", "prefix"))
     b = segments.local_view(batch, axis_name)
@@ -1106,9 +1445,13 @@ def v_rubrics(batch: TrajectoryBatch, *, scores: str = "rubric_scores",
 
 
 __all__ = sorted({
-    "pbrs", "uniform", "spa", "rebel", "red", "vpr", "nasa", "v_rubrics", "reward_to_go", "pica",
-    "trace", "spae", "efca", "vtca", "procredit", "a2tgpo", "cast", "oprl", "step_gain", "ups",
-    "capo",
+    "potential_based_shaping", "uniform_reward_redistribution", "progress_attribution_rewards",
+    "belief_consistency_rewards", "token_reward_redistribution", "verified_process_rewards",
+    "evidence_necessity_rewards", "rubric_span_rewards", "reward_to_go",
+    "pivot_info_gain_advantage", "gold_logprob_turn_credit", "step_potential_advantage",
+    "feedback_weighted_advantage", "prerequisite_progress_credit", "remaining_progress_credit",
+    "rescaled_info_gain_credit", "solver_oracle_credit", "implicit_process_reward_credit",
+    "step_gain", "centered_alignment_credit", "step_verdict_penalty",
     "potential_rewards", "potential_differences", "normalize_turns", "add_turn_term",
     "verifier_density", "trace_rewards", "spae_potential", "efca_weights", "vtca_credit",
     "variance_rescaled_returns", "a2tgpo_clip_range", "spa_decomposition_loss",

@@ -17,12 +17,15 @@ in padded entries changes nothing, neither the value nor the gradient (padding i
 The same teacher signals as advantages (estimators ``opd``, ``credit``; transforms ``seed``,
 ``cny``) live in ``jaxrl_agent.estimators.distill``. Here, the losses ``f(logprobs, batch, *,
 hp, agg="token_mean", agg_constant=None, axis_name=None) -> (sum, denominator)``, aggregated
-by ``aggregation.aggregate`` (add the pairs over micro-batches and devices, divide once):
-``sdl``, ``sdar``, ``edge``, ``ucob``, ``icsd``, ``craft``, ``treeopsd``, ``t_reg``,
-``weighted_sft`` (ASPO / InT / ABC-SFT).
+by ``aggregation.aggregate`` (add the pairs over micro-batches and devices, divide once),
+registered under the names ``sdl``, ``sdar``, ``edge``, ``ucob``, ``icsd``, ``craft``,
+``treeopsd``, ``t_reg`` and ``weighted_sft`` (ASPO / InT / ABC-SFT).
 
-Status: P = follows a public implementation (the file is named), X = our proposed
-definition of a formula the paper gives only in words (marked [X] with the paper).
+Shapes: N trajectories x K turns ([N, K]), stored as R token rows of length T ([R, T]).
+
+Where a loss follows a public implementation, its docstring names the repository and file.
+Where a paper describes its loss only in words, the docstring says that the formula is our
+reading of the paper.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def _finish(per_token, batch, agg, agg_constant, axis_name, mask=None):
     return aggregate(per_token, batch, agg, constant=agg_constant, axis_name=axis_name)
 
 
-# ============================================================================= f2 SDL
+# ============================================================================= SDL
 
 
 def sdl_tokens(lp, lt, lold):
@@ -91,17 +94,37 @@ def sdl_tokens(lp, lt, lold):
 
 
 @register("sdl", kind="loss")
-def sdl(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-        behavior: str = "old_logprobs", teacher_logprobs=None, agg: str = "token_mean",
-        agg_constant=None, axis_name=None):
+def ratio_weighted_reverse_kl(logprobs, batch: TrajectoryBatch, *,
+                              teacher: str = "teacher_logprobs", behavior: str = "old_logprobs",
+                              teacher_logprobs=None, agg: str = "token_mean",
+                              agg_constant=None, axis_name=None):
     """SDL: reverse-KL self-distillation with an on-policy ratio.
 
         l = lp_S - lp_T,  k3 = exp(-l) - 1 + l  (-l clamped at 20),
         rho = exp(min(lp_S - lp_old, 10)),  loss_t = rho k3.
 
-    Status P: TU2021/UCOB ``verl/trainer/ppo/skillsd_utils.py::compute_sdl_loss`` (the trainer
-    scales it by ``sdl_coef`` = 0.1 there). lp_T and lp_old are stop-gradient; rho is not.
+    Follows the public implementation TU2021/UCOB
+    ``verl/trainer/ppo/skillsd_utils.py::compute_sdl_loss`` (the trainer scales it by
+    ``sdl_coef`` = 0.1 there). lp_T and lp_old are stop-gradient; rho is not.
     loss >= 0, and 0 with zero gradient iff lp_S = lp_T on the sampled tokens.
+
+    Args:
+      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
+        input that carries gradient).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``row_traj`` [R, T],
+        extras[``teacher``] [R, T] and ``behavior`` [R, T].
+      teacher: extras field of lp_T [R, T].
+      behavior: field of lp_old [R, T] (default ``batch.old_logprobs``).
+      teacher_logprobs: optional [R, T] array of lp_T used instead of extras[``teacher``].
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
+        the pair returned is this shard's share (add the pairs over the axis yourself).
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
+      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
+      and devices, then divide once).
     """
     check_mode(agg)
     b = segments.local_view(batch, axis_name)
@@ -111,7 +134,7 @@ def sdl(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
     return _finish(sdl_tokens(lp, lt, lold), batch, agg, agg_constant, axis_name)
 
 
-# ============================================================================= f3 SDAR
+# ============================================================================= SDAR
 
 
 def _sign_field(b, gate_delta_sign, who):
@@ -134,26 +157,49 @@ def sdar_gate(lp_sg, lt, gate_beta, sign=None):
 
 
 @register("sdar", kind="loss")
-def sdar(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-         gate: str = "sigmoid", gate_beta: float = 5.0, gate_field: str = "gate",
-         gate_delta_sign=None, weight=None, teacher_logprobs=None, gate_values=None,
-         agg: str = "token_mean", agg_constant=None, axis_name=None):
+def confidence_gated_distillation(logprobs, batch: TrajectoryBatch, *,
+                                  teacher: str = "teacher_logprobs", gate: str = "sigmoid",
+                                  gate_beta: float = 5.0, gate_field: str = "gate",
+                                  gate_delta_sign=None, weight=None, teacher_logprobs=None,
+                                  gate_values=None, agg: str = "token_mean",
+                                  agg_constant=None, axis_name=None):
     """SDAR confidence-gated teacher distillation.
 
         g_t = sigmoid(gate_beta * s (lp_T - sg(lp_S))) (detached),  loss_t = w g_t (lp_T - lp_S)
 
-    so the gradient -w g_t pushes lp_S up where the teacher is more confident. Status P:
-    TU2021/UCOB ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss``.
+    so the gradient -w g_t pushes lp_S up where the teacher is more confident. Follows the
+    public implementation TU2021/UCOB ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss``.
 
     Args:
+      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
+        input that carries gradient).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
+        ``turn_mask`` [N, K], ``traj_mask`` [N], extras[``teacher``] [R, T] and the optional
+        fields below.
+      teacher: extras field of lp_T [R, T].
       gate: ``"sigmoid"`` (above), ``"none"`` (g = 1: plain sampled-token cross-entropy toward
         the teacher, the source's ``gate_enable=False``), ``"external"`` (g =
         extras[``gate_field``] per token/turn/trajectory, or the array ``gate_values``, e.g.
         ADRS's TVA modulation; stop-gradient).
+      gate_beta: sharpness of the sigmoid gate, > 0.
+      gate_field: extras field of the external gate, [R, T], [N, K] or [N].
       gate_delta_sign: None, a number, or an extras field ([N], [N, K] or [R, T]) s that
         multiplies the gate's delta (UCOB dual-view training flips it); the optimised
         direction is unchanged.
-      weight: optional extras field of a per-sample / per-turn / per-token weight w.
+      weight: optional extras field of a per-sample / per-turn / per-token weight w ([N],
+        [N, K] or [R, T]; stop-gradient); None = 1.
+      teacher_logprobs: optional [R, T] array of lp_T used instead of extras[``teacher``].
+      gate_values: optional array of the external gate ([R, T], [N, K] or [N]) used instead
+        of extras[``gate_field``].
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
+        the pair returned is this shard's share (add the pairs over the axis yourself).
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
+      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
+      and devices, then divide once).
 
     Props: g in (0, 1); |d loss_t / d lp_S| = w g_t; lp_S = lp_T gives loss 0 but gradient
     -w g_t (the gate is 1/2 there): SDAR keeps pulling toward the teacher's sampled tokens.
@@ -176,7 +222,7 @@ def sdar(logprobs, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
     return _finish(per_token, batch, agg, agg_constant, axis_name)
 
 
-# ============================================================================= f4 EDGE
+# ============================================================================= EDGE
 
 
 def edge_admitted(batch: TrajectoryBatch, *, view: str = "view", score: str = "outcome",
@@ -209,11 +255,15 @@ def edge_admitted(batch: TrajectoryBatch, *, view: str = "view", score: str = "o
 
 
 @register("edge", kind="loss")
-def edge(logprobs, batch: TrajectoryBatch, *, view: str = "view", score: str = "outcome",
-         teacher: str = "old_logprobs", above_f_mean: bool = False, teacher_logprobs=None,
-         agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """EDGE experience distillation for guided exploration. [X] our formula
-    (EDGE paper: "experience-distillation for guided exploration", read from its abstract).
+def gain_gated_experience_distillation(logprobs, batch: TrajectoryBatch, *, view: str = "view",
+                                       score: str = "outcome", teacher: str = "old_logprobs",
+                                       above_f_mean: bool = False, teacher_logprobs=None,
+                                       agg: str = "token_mean", agg_constant=None,
+                                       axis_name=None):
+    """EDGE experience distillation for guided exploration.
+
+    This is our reading of the EDGE paper ("experience-distillation for guided
+    exploration"), whose abstract describes the loss in words.
 
     Each group mixes experience-conditioned (E, extras[``view``] = 1) and experience-free (F)
     rollouts. Delta_g = mean_E R - mean_F R (R = ``score``, default the outcome); only when
@@ -226,6 +276,30 @@ def edge(logprobs, batch: TrajectoryBatch, *, view: str = "view", score: str = "
     and the teacher = the experience-conditioned behaviour log-probs (default
     ``old_logprobs``). Aggregated over the admitted tokens only (mean per distilled token).
     The RL loss is applied to all trajectories separately. The experience bank is host-side.
+
+    Args:
+      logprobs: [R, T] lp_S,noexp, the student's current log-probs of the sampled tokens
+        without the experience in context (the only input that carries gradient).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``row_traj`` [R, T],
+        ``group_ids``, ``traj_mask`` [N], extras[``view``] [N], ``score`` [N] and
+        ``teacher`` [R, T].
+      view: extras field [N] of the view label: 1 (> 0.5) = experience-conditioned (E),
+        0 = experience-free (F).
+      score: the per-trajectory return R [N]: ``"outcome"`` (``batch.outcome``) or an extras
+        field.
+      teacher: field of lp_T [R, T] (default ``batch.old_logprobs``).
+      above_f_mean: also require R_i > mean_F R for an E-trajectory to be distilled.
+      teacher_logprobs: optional [R, T] array of lp_T used instead of the ``teacher`` field.
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
+        the pair returned is this shard's share (add the pairs over the axis yourself).
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated by
+      ``aggregation.aggregate`` over the action tokens of the admitted trajectories only
+      (add the pairs over micro-batches and devices, then divide once); (0, 0) when none
+      is admitted.
 
     Props: no distillation (0, 0) when no group has Delta_g > 0; loss and gradient 0 when the
     experience does not change the log-probs (lp_S,noexp = lp_T).
@@ -240,23 +314,28 @@ def edge(logprobs, batch: TrajectoryBatch, *, view: str = "view", score: str = "
     return _finish(kl_k3(lp, lt), batch, agg, agg_constant, axis_name, mask=on)
 
 
-# ============================================================================= f5 UCOB
+# ============================================================================= UCOB
 
 
 @register("ucob", kind="loss")
-def ucob(logprobs, batch: TrajectoryBatch, *, other: str = "other_logprobs",
-         gap: str = "return_gap", gate: str = "sigmoid", gate_beta: float = 5.0,
-         other_logprobs=None, agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """UCOB credit-aware bidirectional self-distillation. Status P-partial: the gated
-    term follows TU2021/UCOB ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss`` (target
-    view with gradient, detached reference view); the direction rule and the |gap|
-    weight are [X] (our reading of the UCOB paper).
+def return_gap_bidirectional_distillation(logprobs, batch: TrajectoryBatch, *,
+                                          other: str = "other_logprobs",
+                                          gap: str = "return_gap", gate: str = "sigmoid",
+                                          gate_beta: float = 5.0, other_logprobs=None,
+                                          agg: str = "token_mean", agg_constant=None,
+                                          axis_name=None):
+    """UCOB credit-aware bidirectional self-distillation.
+
+    The gated term follows the public implementation TU2021/UCOB
+    ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss`` (target view with gradient,
+    detached reference view); the direction rule and the |gap| weight are our reading of the
+    UCOB paper, which describes them in words.
 
     Two views (prompt contexts) of the same task and anchor state score the same tokens:
     lp_a = ``logprobs`` (this row's view, differentiable) and lp_b = ``other`` (the other
     view; extras field, detached, or ``other_logprobs=`` which may carry gradient). The gap
     d = R_b - R_a (extras[``gap``], [N] or [N, K]: return-to-go of the other view minus this
-    one, b21) picks the direction: the higher-return view is the teacher (detached), the
+    one) picks the direction: the higher-return view is the teacher (detached), the
     lower one the target, weighted by |d|:
 
         hi, lo = (b, a) if d > 0 else (a, b)
@@ -266,6 +345,27 @@ def ucob(logprobs, batch: TrajectoryBatch, *, other: str = "other_logprobs",
     and swaps the gradients (the direction flips with sign(d)); d = 0 gives zero loss and
     zero gradient. With d < 0 and ``other`` read from extras the token carries value but no
     gradient (its target view is not differentiable here).
+
+    Args:
+      logprobs: [R, T] lp_a, this row's view's current log-probs of the sampled tokens
+        (differentiable).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
+        ``turn_mask`` [N, K], ``traj_mask`` [N], extras[``other``] [R, T] and extras[``gap``].
+      other: extras field of lp_b [R, T] (detached).
+      gap: extras field of d, [N], [N, K] or [R, T] (stop-gradient).
+      gate: ``"sigmoid"`` (g_t above) or ``"none"`` (g = 1).
+      gate_beta: sharpness of the sigmoid gate, > 0.
+      other_logprobs: optional [R, T] array of lp_b used instead of extras[``other``]; it
+        keeps its gradient.
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
+        the pair returned is this shard's share (add the pairs over the axis yourself).
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
+      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
+      and devices, then divide once).
     """
     check_mode(agg)
     check_choice("gate", gate, UCOB_GATES)
@@ -286,7 +386,7 @@ def ucob(logprobs, batch: TrajectoryBatch, *, other: str = "other_logprobs",
     return _finish(per_token, batch, agg, agg_constant, axis_name)
 
 
-# ============================================================================= f6 ICSD
+# ============================================================================= ICSD
 
 
 def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
@@ -296,7 +396,8 @@ def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
                  teacher_logprobs=None, axis_name=None):
     """ICSD's influence-calibrated weights w [R, T] and trust allocation c [R, T] (detached).
 
-    [X] our formula (ICSD: "Influence Calibration for Self-Distillation"):
+    This is our reading of the ICSD paper ("Influence Calibration for Self-Distillation"),
+    which describes the weights in words:
       g_t = lp_T - lp_S;  g_bar_k = token mean of g over turn k (the E_pi[g] term);
       u_t = rho_t A_t (g_t - g_bar_k(t)),  rho_t = exp(lp_S - lp_old) (1 at the first epoch);
       w_t = clip(1 + tanh(u_t / (std_batch(u) + eps)), w_min, 2);
@@ -335,17 +436,46 @@ def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
 
 
 @register("icsd", kind="loss")
-def icsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
-         advantage_field: str = "advantages", teacher: str = "teacher_logprobs",
-         behavior: str = "old_logprobs", trust: str = "sdar", gate_beta: float = 5.0,
-         w_min: float = 0.5, eps: float = 1e-8, teacher_logprobs=None, agg: str = "token_mean",
-         agg_constant=None, axis_name=None):
-    """ICSD distillation loss: sum_t c_t w_t l_t with (w, c) from ``icsd_weights``
-    (detached, batch-adaptive, per-turn mass of c w preserved) and l_t the SDAR term
-    lp_T - lp_S (``trust="sdar"``, c = the SDAR gate) or the SDL term rho k3 (``"sdl"``,
-    c = 1). [X] our formula (ICSD paper). Needs the base advantages A
-    (``advantages=``: an [R, T] array or ``Advantages``; else extras[``advantage_field``]).
+def influence_weighted_distillation(logprobs, batch: TrajectoryBatch, *, advantages=None,
+                                    advantage_field: str = "advantages",
+                                    teacher: str = "teacher_logprobs",
+                                    behavior: str = "old_logprobs", trust: str = "sdar",
+                                    gate_beta: float = 5.0, w_min: float = 0.5,
+                                    eps: float = 1e-8, teacher_logprobs=None,
+                                    agg: str = "token_mean", agg_constant=None, axis_name=None):
+    """ICSD influence-calibrated self-distillation: sum_t c_t w_t l_t.
+
+    (w, c) come from ``icsd_weights`` (detached, batch-adaptive, per-turn mass of c w
+    preserved) and l_t is the SDAR term lp_T - lp_S (``trust="sdar"``, c = the SDAR gate) or
+    the SDL term rho k3 (``"sdl"``, c = 1). This is our reading of the ICSD paper, which
+    describes the loss in words.
     The batch std of u is psummed over ``axis_name`` (shard-invariant).
+
+    Args:
+      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
+        input that carries gradient).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
+        ``turn_mask`` [N, K], ``traj_mask`` [N], extras[``teacher``] [R, T], ``behavior``
+        [R, T] and, without ``advantages=``, extras[``advantage_field``].
+      advantages: optional base advantages A: an [R, T] array or ``Advantages`` (its
+        ``token``); stop-gradient.
+      advantage_field: extras field of A ([R, T], [N, K] or [N]) when ``advantages`` is None.
+      teacher: extras field of lp_T [R, T].
+      behavior: field of lp_old [R, T] (default ``batch.old_logprobs``).
+      trust: ``"sdar"`` or ``"sdl"`` (see above).
+      gate_beta: sharpness of the SDAR gate, > 0.
+      w_min: lower clip of the weights, in [0, 1].
+      eps: > 0, added to the batch std of u.
+      teacher_logprobs: optional [R, T] array of lp_T used instead of extras[``teacher``].
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: the batch std of u is psummed over it and
+        trajectory indices are made block-local; the pair returned is this shard's share.
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
+      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
+      and devices, then divide once).
     """
     check_mode(agg)
     w, c = icsd_weights(logprobs, batch, advantages=advantages, advantage_field=advantage_field,
@@ -362,7 +492,7 @@ def icsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
     return _finish(c * w * per_token, batch, agg, agg_constant, axis_name)
 
 
-# ============================================================================= f8 CRAFT
+# ============================================================================= CRAFT
 
 
 class CraftState(NamedTuple):
@@ -381,7 +511,8 @@ def craft_init(lambda_distill: float = 1.0, lambda_kl: float = 1.0,
 
 def craft_controller(state: CraftState, activity, *, beta: float = 0.9, eta: float = 0.1,
                      target: float = 0.5, converse: bool = False) -> CraftState:
-    """CRAFT Pillar 2, the asymmetric controller, as a pure state update. [X] (CRAFT paper):
+    """CRAFT Pillar 2, the asymmetric controller, as a pure state update. This is our reading
+    of the CRAFT paper, which describes the controller in words:
 
         a_bar' = beta a_bar + (1 - beta) activity
         lambda_distill' = lambda_distill exp(+s eta (a_bar' - target))
@@ -405,12 +536,12 @@ def craft_credit(logprobs, batch: TrajectoryBatch, *, advantages=None,
                  teacher_logprobs=None, axis_name=None):
     """CRAFT Pillar 1, counterfactual token importance: signed credit c [R, T] (detached).
 
-    [X] our formula (CRAFT paper; the estimator is modelled on the SNIS bootstrap
-    of gitrxh/ADRS-arxiv ``cce_utils.py``). Anchor groups S: the task group of trajectories
-    (``level="group"``) or, per step, the turns of one group with equal ``state_keys``
-    (``level="step"``; ``allocation.craft_cti`` calls this anchor ``"state"``). Each member m
-    has delta_m = sum over its tokens of (lp_T - lp_S) and
-    advantage A_m (its token mean of the base advantage):
+    This is our reading of the CRAFT paper, which describes the credit in words; the
+    estimator is modelled on the SNIS bootstrap of gitrxh/ADRS-arxiv ``cce_utils.py``.
+    Anchor groups S: the task group of trajectories (``level="group"``) or, per step, the
+    turns of one group with equal ``state_keys`` (``level="step"``; the ``craft_cti``
+    transform calls this anchor ``"state"``). Each member m has delta_m = sum over its tokens of
+    (lp_T - lp_S) and advantage A_m (its token mean of the base advantage):
 
         w_m = exp(delta_m / temperature)  (self-normalised, shifted by the group max)
         CTI(S) = sum_m w_m A_m / sum_m w_m - mean_m A_m
@@ -471,7 +602,7 @@ def craft_credit(logprobs, batch: TrajectoryBatch, *, advantages=None,
 def forward_kl_sampled(lp, lt):
     """Sampled-token estimator of the forward KL(pi_T || pi_S) on tokens drawn from pi_S:
     r log r - (r - 1), r = exp(d), d = clip(lt - lp, -20, 20), value capped at 10 (as
-    ``kl_k3``). The teacher-weighted r log r of our CRAFT formula plus the zero-mean control
+    ``kl_k3``). The teacher-weighted r log r of our reading of CRAFT plus the zero-mean control
     variate -(r - 1) (E_{pi_S}[r - 1] = 0): >= 0, and value and gradient are 0 at lp = lt."""
     d = jnp.clip(lt - lp, -LOG_CLAMP, LOG_CLAMP)
     r = jnp.exp(d)
@@ -479,14 +610,19 @@ def forward_kl_sampled(lp, lt):
 
 
 @register("craft", kind="loss")
-def craft(logprobs, batch: TrajectoryBatch, *, advantages=None,
-          advantage_field: str = "advantages", teacher: str = "teacher_logprobs",
-          cti: bool = True, controller: bool = False, polarize: bool = True,
-          level: str = "group", temperature: float = 1.0, credit: str = "sign",
-          controller_state: CraftState | None = None, teacher_logprobs=None,
-          agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """CRAFT counterfactual, sign-aware self-distillation. [X] our formula
-    (CRAFT paper, read from its abstract).
+def counterfactual_sign_aware_distillation(logprobs, batch: TrajectoryBatch, *,
+                                           advantages=None,
+                                           advantage_field: str = "advantages",
+                                           teacher: str = "teacher_logprobs", cti: bool = True,
+                                           controller: bool = False, polarize: bool = True,
+                                           level: str = "group", temperature: float = 1.0,
+                                           credit: str = "sign",
+                                           controller_state: CraftState | None = None,
+                                           teacher_logprobs=None, agg: str = "token_mean",
+                                           agg_constant=None, axis_name=None):
+    """CRAFT counterfactual, sign-aware self-distillation.
+
+    This is our reading of the CRAFT paper's abstract, which describes the method in words.
 
     Baseline (every pillar off): plain reverse-KL self-distillation ``kl_k3(lp_S, lp_T)`` per
     token, the same numbers as ``losses.k3(logprobs, batch, ref_logprobs=lp_T)``.
@@ -502,6 +638,35 @@ def craft(logprobs, batch: TrajectoryBatch, *, advantages=None,
     The switches are Python-static flags: a pillar switched off removes its operations from
     the program, so with all three off loss and gradient are bit-identical to the baseline.
     Teacher = student gives zero loss and zero gradient.
+
+    Args:
+      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
+        input that carries gradient).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
+        ``turn_mask``, ``state_keys`` (``level="step"``) [N, K], ``group_ids``, ``traj_mask``
+        [N], extras[``teacher``] [R, T] and, with ``cti`` and without ``advantages=``,
+        extras[``advantage_field``].
+      advantages: optional base advantages A for Pillar 1: an [R, T] array or
+        ``Advantages``; stop-gradient.
+      advantage_field: extras field of A ([R, T], [N, K] or [N]) when ``advantages`` is None.
+      teacher: extras field of lp_T [R, T].
+      cti: Pillar 1 on/off (static).
+      controller: Pillar 2 on/off (static); on, ``controller_state`` is required.
+      polarize: Pillar 3 on/off (static).
+      level: anchor groups of the credit: ``"group"`` or ``"step"`` (see ``craft_credit``).
+      temperature: > 0, of the SNIS weights.
+      credit: ``"sign"`` or ``"scaled"`` (see ``craft_credit``).
+      controller_state: a ``CraftState`` (``craft_init`` / ``craft_controller``).
+      teacher_logprobs: optional [R, T] array of lp_T used instead of extras[``teacher``].
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
+        the pair returned is this shard's share (add the pairs over the axis yourself).
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
+      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
+      and devices, then divide once).
     """
     check_mode(agg)
     if controller and controller_state is None:
@@ -528,7 +693,7 @@ def craft(logprobs, batch: TrajectoryBatch, *, advantages=None,
     return _finish(per_token, batch, agg, agg_constant, axis_name)
 
 
-# ============================================================================= f9 TreeOPSD
+# ============================================================================= TreeOPSD
 
 
 def treeopsd_target(credit, *, beta: float = 1.0, delta: float = 1.0):
@@ -537,13 +702,16 @@ def treeopsd_target(credit, *, beta: float = 1.0, delta: float = 1.0):
 
 
 @register("treeopsd", kind="loss")
-def treeopsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
-             credit: str = "tree_credit", behavior: str = "old_logprobs", beta: float = 1.0,
-             delta: float = 1.0, agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """TreeOPSD tree-aware posterior self-distillation. [X] our formula
-    (TreeOPSD paper, read from its abstract).
+def tree_credit_log_ratio_regression(logprobs, batch: TrajectoryBatch, *, advantages=None,
+                                     credit: str = "tree_credit",
+                                     behavior: str = "old_logprobs", beta: float = 1.0,
+                                     delta: float = 1.0, agg: str = "token_mean",
+                                     agg_constant=None, axis_name=None):
+    """TreeOPSD tree-aware posterior self-distillation.
 
-    Turn credit c_k = V(child) - V(node) from tree Monte-Carlo backups (b8; pass the tree
+    This is our reading of the TreeOPSD paper's abstract, which describes the loss in words.
+
+    Turn credit c_k = V(child) - V(node) from tree Monte-Carlo backups (pass a tree
     estimator's ``advantages=`` or give extras[``credit``] as [N, K] / [N] / [R, T]); the
     teacher pi*(y) ∝ pi_b(y) exp(l*) with the bounded target l* = clip(c / beta, -delta,
     delta) relative to the frozen behaviour policy pi_b (``behavior``):
@@ -552,6 +720,28 @@ def treeopsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
 
     At pi_theta = pi_b the gradient is -l* d lp, the PG direction with advantage l*; it
     vanishes once the ratio reaches the target (no overshoot across mini-batches).
+
+    Args:
+      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
+        input that carries gradient).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
+        ``turn_mask`` [N, K], ``traj_mask`` [N], ``behavior`` [R, T] and, without
+        ``advantages=``, extras[``credit``].
+      advantages: optional credit c: an [R, T] array or ``Advantages`` (its ``token``);
+        stop-gradient.
+      credit: extras field of c ([N, K], [N] or [R, T]) when ``advantages`` is None.
+      behavior: field of lp_b [R, T] (default ``batch.old_logprobs``).
+      beta: > 0, temperature of the target (c / beta).
+      delta: > 0, bound of the target log-ratio.
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
+        the pair returned is this shard's share (add the pairs over the axis yourself).
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
+      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
+      and devices, then divide once).
     """
     check_mode(agg)
     check_positive("beta", beta)
@@ -564,10 +754,7 @@ def treeopsd(logprobs, batch: TrajectoryBatch, *, advantages=None,
     return _finish(0.5 * jnp.square(lp - lb - target), batch, agg, agg_constant, axis_name)
 
 
-# ============================================================================= f11 CREDIT
-
-
-# ============================================================================= f12 T-REG
+# ============================================================================= T-REG
 
 
 def t_reg_weights(batch: TrajectoryBatch, r, s, temperature):
@@ -586,13 +773,15 @@ def t_reg_weights(batch: TrajectoryBatch, r, s, temperature):
 
 
 @register("t_reg", kind="loss")
-def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
-          bad: str = "contrast_logprobs", reference="ref_logprobs", sign: str = "outcome",
-          temperature: float = 1.0, agg: str = "token_mean", agg_constant=None,
-          axis_name=None):
-    """T-REG token-level reward regulariser. [X] our formula (the paper gives it in
-    words; Zhou et al. 2025, "T-REG: Preference Optimization with Token-Level Reward
-    Regularization", arXiv 2412.02685):
+def token_reward_regularizer(logprobs, batch: TrajectoryBatch, *,
+                             good: str = "teacher_logprobs", bad: str = "contrast_logprobs",
+                             reference="ref_logprobs", sign: str = "outcome",
+                             temperature: float = 1.0, agg: str = "token_mean",
+                             agg_constant=None, axis_name=None):
+    """T-REG token-level reward regulariser.
+
+    This is our reading of the paper, which describes it in words (Zhou et al. 2025, "T-REG:
+    Preference Optimization with Token-Level Reward Regularization", arXiv 2412.02685):
 
         r_t = lp(y_t | x, good instruction) - lp(y_t | x, bad instruction)   (self-generated)
         w_t = n_i softmax_{t in i}(s_i r_t / temperature)                     (mean 1 per i)
@@ -600,10 +789,33 @@ def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
 
     s_i = sign of extras[``sign``] (default the outcome: +1 chosen / -1 rejected, 0 = no
     regularisation; 0/1 outcomes therefore regularise only the chosen responses: give a
-    +-1 field for both sides). The implicit DPO token reward lp_S - lp_ref is pushed up on the chosen
-    response's tokens, and down on the rejected one's, in proportion to the self-generated
-    token rewards, so the sequence-level reward is distributed consistently with them.
+    +-1 field for both sides). The implicit DPO token reward lp_S - lp_ref is pushed up on
+    the chosen response's tokens, and down on the rejected one's, in proportion to the
+    self-generated token rewards, so the sequence-level reward is distributed consistently
+    with them.
     ``reference=None``: lp_ref = 0 (the gradient is the same). Uniform r gives w = 1.
+
+    Args:
+      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
+        input that carries gradient).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
+        ``turn_mask`` [N, K], ``traj_mask`` [N], extras[``good``], extras[``bad``],
+        extras[``reference``] [R, T] and ``sign``.
+      good: extras field of lp(y_t | x, good instruction) [R, T].
+      bad: extras field of lp(y_t | x, bad instruction) [R, T].
+      reference: extras field of lp_ref [R, T], or None (lp_ref = 0).
+      sign: field whose sign is s_i: ``"outcome"`` (``batch.outcome``) or an extras field
+        ([N], [N, K] or [R, T]).
+      temperature: > 0, of the token-weight softmax.
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
+        the pair returned is this shard's share (add the pairs over the axis yourself).
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
+      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
+      and devices, then divide once).
     """
     check_mode(agg)
     check_positive("temperature", temperature)
@@ -616,13 +828,13 @@ def t_reg(logprobs, batch: TrajectoryBatch, *, good: str = "teacher_logprobs",
     return _finish(-s * w * (lp - ref), batch, agg, agg_constant, axis_name)
 
 
-# ============================================================================= f13 weighted SFT
+# ============================================================================= weighted SFT
 
 
 @register("weighted_sft", kind="loss")
 def weighted_sft(logprobs, batch: TrajectoryBatch, *, weights=None, mask=None,
                  agg: str = "token_mean", agg_constant=None, axis_name=None):
-    """Weighted SFT on the sampled tokens (f13: ASPO / InT / ABC-SFT; Status S):
+    """Weighted SFT on the sampled tokens (ASPO / InT / ABC-SFT, as their papers describe them).
 
         loss_t = -w_t lp_S(y_t)   over the tokens of ``mask`` (default all action tokens)
 
@@ -630,8 +842,26 @@ def weighted_sft(logprobs, batch: TrajectoryBatch, *, weights=None, mask=None,
       (optionally the prefix too); aggregated over the masked tokens only.
     * ABC-SFT: ``weights`` = extras field of the clue-anchored step score s_k per turn [N, K]
       (or per trajectory [N] / per token [R, T]); stop-gradient.
-    * ASPO's feedback self-distillation is the f3 loss: use ``sdar`` with the annotated
+    * ASPO's feedback self-distillation is the SDAR loss: use ``sdar`` with the annotated
       teacher's log-probs.
+
+    Args:
+      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
+        input that carries gradient).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
+        ``turn_mask`` [N, K], ``traj_mask`` [N] and the optional fields below.
+      weights: optional extras field of w ([R, T], [N, K] or [N]; stop-gradient); None = 1.
+      mask: optional extras field of a token mask [R, T] (bool, or > 0.5); None = every
+        action token.
+      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
+      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
+        the pair returned is this shard's share (add the pairs over the axis yourself).
+
+    Returns:
+      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated by
+      ``aggregation.aggregate`` over the action tokens of ``mask`` only (add the pairs over
+      micro-batches and devices, then divide once).
     """
     check_mode(agg)
     b = segments.local_view(batch, axis_name)

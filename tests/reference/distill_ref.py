@@ -1,4 +1,5 @@
-"""Slow reference for family (f) distillation (jaxrl_agent/losses/distill.py), from the formulas.
+"""Slow reference for the distillation methods (jaxrl_agent/losses/distill.py and
+jaxrl_agent/estimators/distill.py), from the formulas.
 
 Independent of ``jaxrl_agent``: plain Python loops over tokens, turns, trajectories and groups
 (dicts), in float64, on a host copy of a batch (``host(batch)``: a dict of numpy arrays).
@@ -115,12 +116,12 @@ def opd(nb, *, beta=1.0, teacher="teacher_logprobs", behavior="old_logprobs", ma
     return _out(nb, tok)
 
 
-def seed(nb, base_token, *, lam=1.0, teacher="teacher_logprobs", student="old_logprobs",
+def seed(nb, base_token, *, weight=1.0, teacher="teacher_logprobs", student="old_logprobs",
          mask=None, clip=None):
     lt, ls, on = _field(nb, teacher), _field(nb, student), _mask_field(nb, mask)
     tok = np.zeros(on.shape)
     for r, t in _tokens(nb):
-        tok[r, t] = base_token[r, t] + (lam * _clip(lt[r, t] - ls[r, t], clip) if on[r, t]
+        tok[r, t] = base_token[r, t] + (weight * _clip(lt[r, t] - ls[r, t], clip) if on[r, t]
                                         else 0.0)
     return _out(nb, tok)
 

@@ -1,7 +1,8 @@
-"""Slow references for family (d) shaping (jaxrl_agent/estimators/shaping.py).
+"""Slow references for dense reward / potential shaping (jaxrl_agent/estimators/shaping.py).
 
 Plain Python over the rollout *records* (dict-of-groups, loops, float64), written from the
-formulas in the docstrings / METHODS.md d1-d15; nothing here imports the library.
+formulas in the docstrings; nothing here imports the library. Each reference is keyed by
+the registered name and takes the same hyper-parameters as the package function.
 
 Signatures (by kind of the registered name):
   shaping    ``ref(records, **hp) -> ShapeOut``: per record the shaped turn rewards (one
@@ -226,13 +227,13 @@ def v_rubrics(records, *, scores="rubric_scores", starts="rubric_start", ends="r
 # ----------------------------------------------------------------------------- estimators
 
 
-def reward_to_go(records, *, score="outcome", baseline="cohort", scale_std=False, eps=1e-6):
+def reward_to_go(records, *, score="outcome", baseline="cohort", normalize=False, eps=1e-6):
     trajs = parse_steps(records)
     s = [_tr(rec, score) for rec in records]
     g = [[si * (len(r["turns"]) - k) / len(r["turns"]) for k in range(len(r["turns"]))]
          for si, r in zip(s, records)]
     if baseline == "cohort":
-        return _out(records, _normalize(records, g, "cohort", scale_std, eps))
+        return _out(records, _normalize(records, g, "cohort", normalize, eps))
     groups = {}
     for i, tr in enumerate(trajs):
         groups.setdefault(tr.group, []).append(s[i])
@@ -244,14 +245,14 @@ def reward_to_go(records, *, score="outcome", baseline="cohort", scale_std=False
             out.append([0.0] * k)
             continue
         d = s[i] - _mean(xs)
-        if scale_std:
+        if normalize:
             d = d / (_std(xs) + eps)
         out.append([d * (k - j) / k for j in range(k)])
     return _out(records, out)
 
 
-def pica(records, *, potential="potential", gamma=1.0, norm="separate", scale_std=True,
-         f1_weight=1.0, ig_weight=1.0, eps=1e-6):
+def pica(records, *, potential="potential", gamma=1.0, normalize="separate",
+         std_normalize=True, f1_weight=1.0, ig_weight=1.0, eps=1e-6):
     trajs = parse_steps(records)
     f1 = [tr.outcome for tr in trajs]
     ig = []
@@ -279,11 +280,11 @@ def pica(records, *, potential="potential", gamma=1.0, norm="separate", scale_st
 
     def z(x, ms):
         d = x - ms[0]
-        return d / (ms[1] + eps) if scale_std else d
+        return d / (ms[1] + eps) if std_normalize else d
 
     out = []
     for i, tr in enumerate(trajs):
-        if norm == "separate":
+        if normalize == "separate":
             sf, si = stats(pools_f[tr.group]), stats(pools_i[tr.group])
         else:
             sf = si = stats(pools_f[tr.group] + pools_i[tr.group])
@@ -384,9 +385,9 @@ def vtca(records, base, *, progress="progress", final_progress="final_progress",
 
 
 def procredit(records, base, *, progress="progress", final_progress="final_progress",
-              weight=1.0, cohort="cohort", scale_std=True, eps=1e-6):
+              weight=1.0, cohort="cohort", normalize=True, eps=1e-6):
     g = [[_tr(rec, final_progress) - p for p in _te(rec, progress)] for rec in records]
-    z = _normalize(records, g, cohort, scale_std, eps)
+    z = _normalize(records, g, cohort, normalize, eps)
     return _out(records, _add(base, [[weight * x for x in v] for v in z]))
 
 
@@ -415,14 +416,14 @@ def a2tgpo_clip_range(records, *, potential="potential", final_potential="final_
              for x, t in zip(v, rec["turns"])] for v, rec in zip(z, records)]
 
 
-def cast(records, base, *, oracle="oracle_advantage", alpha=0.3, transform="asinh", norm="rms",
-         eps=1e-8):
+def cast(records, base, *, oracle="oracle_advantage", alpha=0.3, transform="asinh",
+         normalize="rms", eps=1e-8):
     fn = {"asinh": math.asinh, "identity": lambda a: a,
           "signed_log": lambda a: math.copysign(math.log1p(abs(a)), a) if a else 0.0}[transform]
     g = [[fn(a) for a in _te(rec, oracle)] for rec in records]
     allg = [x for v in g for x in v]
     rms = math.sqrt(sum(x * x for x in allg) / len(allg)) if allg else 1.0
-    scale = 1.0 / (rms + eps) if norm == "rms" else 1.0
+    scale = 1.0 / (rms + eps) if normalize == "rms" else 1.0
     return _out(records, _add(base, [[alpha * x * scale for x in v] for v in g]))
 
 
@@ -437,26 +438,26 @@ def implicit_step_rewards(rec, prm="prm_logprobs", ref="ref_logprobs", beta=0.1)
 
 
 def oprl(records, base, *, prm="prm_logprobs", ref="ref_logprobs", beta=0.1, weight=1.0,
-         cohort="cohort", scale_std=True, eps=1e-6):
+         cohort="cohort", normalize=True, eps=1e-6):
     r = [implicit_step_rewards(rec, prm, ref, beta) for rec in records]
-    z = _normalize(records, r, cohort, scale_std, eps)
+    z = _normalize(records, r, cohort, normalize, eps)
     return _out(records, _add(base, [[weight * x for x in v] for v in z]))
 
 
 def step_gain(records, base, *, potential="potential", final_potential="final_potential",
-              weight=1.0, scale_std=True, eps=1e-6):
+              weight=1.0, normalize=True, eps=1e-6):
     g = [_diffs(_te(rec, potential), _tr(rec, final_potential)) for rec in records]
-    z = _normalize(records, g, "cohort", scale_std, eps)
+    z = _normalize(records, g, "cohort", normalize, eps)
     return _out(records, _add(base, [[weight * x for x in v] for v in z]))
 
 
-def ups(records, base, *, align="alignment", lam=0.5, center="trajectory"):
+def ups(records, base, *, align="alignment", weight=0.5, center="trajectory"):
     x = [_te(rec, align) for rec in records]
     if center == "trajectory":
         d = [[a - _mean(v) for a in v] for v in x]
     else:
         d = _normalize(records, x, "group", False)
-    return _out(records, _add(base, [[lam * a for a in v] for v in d]))
+    return _out(records, _add(base, [[weight * a for a in v] for v in d]))
 
 
 def capo(records, base, *, verdict="step_verdict", kappa=0.5, reward_correct=False,
