@@ -170,6 +170,7 @@ def cmd_credit(args) -> int:
         stage_params[stage][hp] = params.pop(key)
     try:
         spec = estimators.spec(args.estimator, "estimator")
+        params = spec.canonical(params)
         estimators.check_hyper_params(args.estimator, params)
         pipe = estimators.Pipeline.build(
             args.estimator, params, shaping=[(n, stage_params[n]) for n in args.shaping or []],

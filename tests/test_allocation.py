@@ -1,11 +1,11 @@
-"""Family (e): the allocation primitive and the re-allocation / add-on transforms
+"""The allocation primitive and the re-allocation / add-on transforms
 (jaxrl_agent/estimators/allocation.py), the ADRS shaping and the R3L estimator.
 
 Every setting runs inside one jitted program per batch shape (``run_all``) and is compared with
 the float64 loops of tests/reference/allocation_ref.py on hypothesis batches in both layouts;
-then the invariants of METHODS.md: P8 mass conservation at the stated level, P9 signs, P10
-bit-identical reductions, P17 bounds, P15 stop-gradient, padding (NaN and extra padding),
-degenerate inputs, shard invariance on 8 host CPU devices, and clear errors.
+then the methods' invariants: mass conservation at the stated level, sign preservation,
+bit-identical reductions to the base, weight bounds, stop-gradient, padding (NaN and extra
+padding), degenerate inputs, shard invariance on 8 host CPU devices, and clear errors.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
-from jaxrl_agent.batch import LAYOUTS, pack_records
+from jaxrl_agent.batch import LAYOUTS
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators import allocation as A
 from tests.reference import allocation_ref as aref
 from tests.registered import defined_in
@@ -45,7 +46,7 @@ CONFIGS = {
     "sh_tok": ("shuffled_control", dict(weights="tw", seed=5, floor=0.1)),
     "sh_tok_turn": ("reallocate", dict(weights="tw", level="turn", shuffle=True, seed=7)),
     "trial": ("trial", {}),
-    "trial_sh": ("trial", dict(lam=0.3, shuffle=True, seed=2)),
+    "trial_sh": ("trial", dict(weight=0.3, shuffle=True, seed=2)),
     "stepopsd": ("stepopsd", {}),
     "stepopsd_tok": ("stepopsd", dict(lambda_mix=1.0, alpha_clip=0.8, token_dist=True)),
     "cort": ("cort", {}),
@@ -60,27 +61,27 @@ CONFIGS = {
     "pbsd_add": ("pbsd", dict(mode="additive", alpha=0.2)),
     "pbsd_sh": ("pbsd", dict(shuffle=True, seed=4, alpha=1.0)),
     "dcsd": ("dcsd", {}),
-    "dcsd_t": ("dcsd", dict(q_init=0.0, lam=0.5, temperature=0.5)),
+    "dcsd_t": ("dcsd", dict(q_init=0.0, weight=0.5, temperature=0.5)),
     "verpo": ("verpo", {}),
-    "verpo_l": ("verpo", dict(eta=0.5, lam=0.2)),
+    "verpo_l": ("verpo", dict(eta=0.5, shrink=0.2)),
     "taco": ("taco", {}),
-    "taco_cur": ("taco", dict(logprobs="lp_cur", alpha=0.5, lam=0.5)),
+    "taco_cur": ("taco", dict(logprobs="lp_cur", alpha=0.5, damping=0.5)),
     "eapo": ("eapo", {}),
     "eapo_sh": ("eapo", dict(a=2.0, shuffle=True, seed=1)),
     "fipo": ("fipo", dict(current="lp_cur")),
     "fipo_k3": ("fipo", dict(current="lp_cur", kl="k3", gamma=0.9, alpha=0.25, clip=2.0)),
     "craft": ("craft_cti", {}),
-    "craft_step": ("craft_cti", dict(anchor="step", scale="relative", temperature=2.0, lam=0.5)),
+    "craft_step": ("craft_cti", dict(anchor="step", scale="relative", temperature=2.0, weight=0.5)),
     "adrs": ("adrs", {}),
-    "adrs_l2": ("adrs", dict(tva="completion", gate_norm=True, target="turn")),
+    "adrs_l2": ("adrs", dict(tva="completion", gate_normalize=True, target="turn")),
     "adrs_l1": ("adrs", dict(tva="pas", baseline="global", normalize="per_seq")),
     "adrs_none": ("adrs", dict(tva="none", normalize="none", gate_field="gate")),
-    "adrs_gn": ("adrs", dict(gate_norm=True, gamma=0.9, eta=0.5, update_outcome=False,
+    "adrs_gn": ("adrs", dict(gate_normalize=True, gamma=0.9, eta=0.5, update_outcome=False,
                              gate_field="gate")),
     "r3l": ("r3l", {}),
-    "r3l_lae": ("r3l", dict(baseline="logavgexp", tau=0.5, r_max=None, step_norm=True)),
+    "r3l_lae": ("r3l", dict(baseline="logavgexp", tau=0.5, r_max=None, normalize=True)),
 }
-# settings that must give the base advantages bit for bit (P10) on every batch; the others do
+# settings that must give the base advantages bit for bit on every batch; the others do
 # on a batch whose teacher equals the student (test_reductions_and_degenerate_inputs)
 IDENTITY = ("re_ones",)
 # one program per batch shape: the big-padding, sharded and gradient programs run this subset
@@ -88,7 +89,7 @@ IDENTITY = ("re_ones",)
 SUBSET = ("re_group", "re_tok_clip", "sh_turn", "sh_tok", "sh_tok_turn", "trial", "stepopsd_tok",
           "cort", "rvco", "agentopsd_grp", "pbsd_add", "dcsd", "verpo", "taco_cur", "eapo",
           "fipo", "craft", "adrs", "adrs_l2", "adrs_l1", "r3l_lae")
-# re-allocations: A' = A w with w >= 0 and token mean 1 at a level (P8, P9)
+# re-allocations: A' = A w with w >= 0 and token mean 1 at a level (mass conservation, signs)
 CONSERVING = {"re_turn": "trajectory", "re_group": "group",
               "re_tok_clip": "trajectory", "sh_turn": "trajectory", "sh_tok": "trajectory",
               "sh_tok_turn": "turn", "stepopsd": "trajectory", "stepopsd_tok": "trajectory",
@@ -98,7 +99,7 @@ CONSERVING = {"re_turn": "trajectory", "re_group": "group",
               "agentopsd_grp": "trajectory", "pbsd": "trajectory", "eapo": "trajectory",
               "eapo_sh": "trajectory"}
 SIGN_KEEPING = tuple(CONSERVING) + ("verpo", "verpo_l", "taco", "taco_cur", "fipo", "fipo_k3")
-# weight bounds (P17): cid -> (lo, hi) of A'/A where A != 0
+# weight bounds: cid -> (lo, hi) of A'/A where A != 0
 BOUNDS = {"re_group": (0.5, 1.5), "re_tok_clip": (0.5, 2.0), "stepopsd": (0.5, 1.5),
           "cort": (0.2, 2.0), "cort_abs": (0.5, 1.5), "cort_sh": (0.2, 2.0),
           "agentopsd": (0.2, 3.0),
@@ -146,7 +147,7 @@ _LP = st.sampled_from([-3.0, -2.0, -1.5, -1.0, -0.5, -0.25, 0.0])
 
 @st.composite
 def alloc_records(draw, min_traj=1, max_traj=8, binary=None):
-    """Records with every signal the family reads, on coarse grids (well-conditioned ties)."""
+    """Records with every signal the module reads, on coarse grids (well-conditioned ties)."""
     binary = draw(st.booleans()) if binary is None else binary
     n = draw(st.integers(min_traj, max_traj))
     ng = draw(st.integers(1, min(n, 3)))
@@ -314,7 +315,7 @@ def test_mass_signs_bounds_and_reductions(recs, layout):
     res = run_all(batch)
     base = res["base"].token
     am = np.asarray(batch.action_mask)
-    for cid, level in CONSERVING.items():  # P8 at the level (trajectory-constant base)
+    for cid, level in CONSERVING.items():  # mass at the level (trajectory-constant base)
         tok = res[cid].token
         # group level conserves the group's mass of A w; the base is constant per trajectory,
         # so check the group mass of w through A = 1 (the primitive on ones)
@@ -324,17 +325,17 @@ def test_mass_signs_bounds_and_reductions(recs, layout):
         want = _segment_sums(base, batch, index, recs, level)
         for key in got:
             assert abs(got[key] - want[key]) <= 1e-4 * (1 + abs(want[key])), (cid, key)
-    for cid in SIGN_KEEPING:  # P9
+    for cid in SIGN_KEEPING:  # sign preservation
         tok = res[cid].token
         ok = (np.sign(tok) == np.sign(base)) | (tok == 0)
         assert ok[am].all(), cid
-    for cid, (lo, hi) in BOUNDS.items():  # P17: A'/A within the weight bounds
+    for cid, (lo, hi) in BOUNDS.items():  # A'/A within the weight bounds
         tok, nz = res[cid].token, am & (np.abs(base) > 1e-6)
         ratio = tok[nz] / base[nz]
         assert (ratio >= lo - 1e-5).all(), (cid, ratio.min())
         if hi is not None:
             assert (ratio <= hi + 1e-5).all(), (cid, ratio.max())
-    for cid in IDENTITY:  # P10: bit for bit (the turn view is the token mean per turn)
+    for cid in IDENTITY:  # bit for bit (the turn view is the token mean per turn)
         np.testing.assert_array_equal(res[cid].token, base, err_msg=cid)
         np.testing.assert_allclose(res[cid].turn, res["base"].turn, rtol=1e-6, err_msg=cid)
     neg = am & (base <= 0)  # TACO never touches non-positive advantages
@@ -559,10 +560,10 @@ def test_padding_invariance(recs, layout):
 
 
 def test_reductions_and_degenerate_inputs():
-    """P10: with the teacher equal to the student (and current = old log-probs, a constant
-    high entropy) every transform gives the base advantages bit for bit. Singleton and
-    zero-variance groups stay finite; an all-padding batch (no valid action token) gives
-    finite outputs and exact zeros."""
+    """Reduction to the base: with the teacher equal to the student (and current = old
+    log-probs, a constant high entropy) every transform gives the base advantages bit for bit.
+    Singleton and zero-variance groups stay finite; an all-padding batch (no valid action
+    token) gives finite outputs and exact zeros."""
     rng = np.random.default_rng(3)
     recs = _random_records(rng, [1, 3, 2, 1])
     for r in recs[1:4]:
@@ -600,12 +601,13 @@ def test_reductions_and_degenerate_inputs():
 
 @jax.jit
 def _r3l_and_adrs0(batch):
-    return (A.r3l(batch, alpha=1.0, r_max=None).turn, A.r3l(batch, alpha=3.0, r_max=None).turn,
-            A.r3l(batch).turn, A.adrs(batch, eta=0.0))
+    r3l = A.positive_amplified_outcome
+    return (r3l(batch, alpha=1.0, r_max=None).turn, r3l(batch, alpha=3.0, r_max=None).turn,
+            r3l(batch).turn, A.gated_teacher_reward(batch, eta=0.0))
 
 
 def test_r3l_amplification_and_adrs_eta_zero():
-    """R3L: P1 fails by design, sum_{A>0} A / sum_{A<0} |A| grows by alpha; successes get
+    """R3L: zero sum fails by design, sum_{A>0} A / sum_{A<0} |A| grows by alpha; successes get
     exactly 1 (even in an all-success group). ADRS with eta = 0 leaves every field."""
     recs = _random_records(np.random.default_rng(5), [4, 3, 1])
     for r, v in zip(recs, [0.0, 0.2, 0.5, 0.9, 1.0, 1.0, 1.0, 0.3]):
@@ -617,8 +619,8 @@ def test_r3l_amplification_and_adrs_eta_zero():
     pos = lambda a: a[a > 0].sum() / np.abs(a[a < 0]).sum()  # noqa: E731
     assert pos(a1) > 0
     np.testing.assert_allclose(pos(a3) / pos(a1), 3.0, rtol=1e-5)
-    assert not np.isclose(a3.sum(), 0.0)  # P1 fails by design
-    np.testing.assert_array_equal(np.sign(a3), np.sign(a1))  # P9
+    assert not np.isclose(a3.sum(), 0.0)  # zero sum fails by design
+    np.testing.assert_array_equal(np.sign(a3), np.sign(a1))  # sign preservation
     for i in (4, 5, 6):  # the all-success group
         assert capped[index.traj[i], 0] == 1.0
         assert a1[i] == 0.0
@@ -660,8 +662,8 @@ def test_rvco_temperature_limits():
     b = jax.tree.map(jnp.asarray, batch)
     base = E.get("grpo")(b)
     ones = base.replace(token=jnp.where(b.action_mask, 1.0, 0.0))
-    hard = np.asarray(A.rvco(ones, b, tau=1e-4, beta=0.2).token)
-    soft = np.asarray(A.rvco(ones, b, tau=1e6, beta=0.2).token)
+    hard = np.asarray(A.visual_evidence_reweight(ones, b, tau=1e-4, beta=0.2).token)
+    soft = np.asarray(A.visual_evidence_reweight(ones, b, tau=1e6, beta=0.2).token)
     for spans in index.spans:
         w = np.concatenate([hard[r, a:c] for r, a, c in spans])
         n = len(w)
@@ -674,7 +676,7 @@ def test_rvco_temperature_limits():
 
 
 def test_signals_stop_gradients():
-    """P15: the transform outputs carry no gradient to teacher, reference, entropy, probe,
+    """Stop-gradient: the transform outputs carry no gradient to teacher, reference, entropy, probe,
     current or old log-prob inputs (nor the shaped rewards)."""
     recs = _random_records(np.random.default_rng(11), [3, 2, 3])
     batch, _ = pack(recs, "concatenated")
@@ -712,29 +714,39 @@ def test_clear_errors():
         with pytest.raises(ValueError, match="teacher_logprobs"):
             E.get(name)(adv, no_teacher)
     with pytest.raises(ValueError, match="teacher_logprobs"):
-        A.adrs(no_teacher)
+        A.gated_teacher_reward(no_teacher)
     with pytest.raises(ValueError, match="entropy"):
-        A.taco(adv, b.replace(extras={}))
+        A.tail_risk_damping(adv, b.replace(extras={}))
     with pytest.raises(ValueError, match="nope"):
-        A.dcsd(adv, b, probe="nope")
+        A.probe_directed_bonus(adv, b, probe="nope")
     with pytest.raises(ValueError, match="weights"):
         A.reallocate(adv, b)  # extras['weights'] missing
     with pytest.raises(ValueError, match="per turn"):
-        A.dcsd(adv, b, probe="tw")  # a token array where a turn array is needed
+        A.probe_directed_bonus(adv, b, probe="tw")  # a token array where a turn array is needed
     with pytest.raises(ValueError, match="per token"):
-        A.cort(adv, b, teacher="w")
+        A.rubric_token_reweight(adv, b, teacher="w")
     with pytest.raises(ValueError, match="ref_logprobs"):
-        A.adrs(b.replace(extras={k: v for k, v in b.extras.items() if k != "ref_logprobs"}),
-               tva="pas")
+        A.gated_teacher_reward(
+            b.replace(extras={k: v for k, v in b.extras.items() if k != "ref_logprobs"}), tva="pas")
     cases = [
-        (A.cort, dict(w_min=0.0)), (A.cort, dict(w_min=1.5, w_max=2.0)), (A.cort, dict(tau=0)),
-        (A.stepopsd, dict(alpha_clip=1.5)), (A.stepopsd, dict(lambda_mix=-1.0)),
-        (A.rvco, dict(beta=2.0)), (A.rvco, dict(tau=0.0)), (A.agentopsd, dict(p0=1.0)),
-        (A.agentopsd, dict(mode="both")), (A.pbsd, dict(w_max=0.5)),
-        (A.taco, dict(alpha=0.0)), (A.taco, dict(lam=1.5)), (A.eapo, dict(a=-1.0)),
-        (A.fipo, dict(alpha=2.0)), (A.fipo, dict(kl="k2")), (A.fipo, dict(gamma=1.5)),
-        (A.craft_cti, dict(anchor="node")), (A.craft_cti, dict(scale="x")),
-        (A.trial, dict(lam=-1.0)), (A.verpo, dict(eta=-0.1)), (A.dcsd, dict(temperature=0.0)),
+        (A.rubric_token_reweight, dict(w_min=0.0)),
+        (A.rubric_token_reweight, dict(w_min=1.5, w_max=2.0)),
+        (A.rubric_token_reweight, dict(tau=0)),
+        (A.step_gap_reweight, dict(alpha_clip=1.5)), (A.step_gap_reweight, dict(lambda_mix=-1.0)),
+        (A.visual_evidence_reweight, dict(beta=2.0)), (A.visual_evidence_reweight, dict(tau=0.0)),
+        (A.belief_revision_reweight, dict(p0=1.0)), (A.belief_revision_reweight, dict(mode="both")),
+        (A.privileged_gap_reweight, dict(w_max=0.5)),
+        (A.tail_risk_damping, dict(alpha=0.0)), (A.tail_risk_damping, dict(damping=1.5)),
+        (A.entropy_reweight, dict(a=-1.0)),
+        (A.future_kl_reweight, dict(alpha=2.0)), (A.future_kl_reweight, dict(kl="k2")),
+        (A.future_kl_reweight, dict(gamma=1.5)),
+        (A.counterfactual_importance_bonus, dict(anchor="node")),
+        (A.counterfactual_importance_bonus, dict(scale="x")),
+        (A.counterfactual_importance_bonus, dict(weight=-0.5)),
+        (A.hindsight_gap_bonus, dict(weight=-1.0)), (A.accepted_evidence_bonus, dict(eta=-0.1)),
+        (A.accepted_evidence_bonus, dict(shrink=-1.0)),
+        (A.probe_directed_bonus, dict(temperature=0.0)),
+        (A.probe_directed_bonus, dict(weight=-1.0)),
         (A.reallocate, dict(clip_min=2.0, clip_max=1.0, weights="w")),
         (A.reallocate, dict(level="row", weights="w")), (A.reallocate, dict(floor=2, weights="w")),
     ]
@@ -745,10 +757,10 @@ def test_clear_errors():
     for hp in (dict(tva="L3"), dict(baseline="x"), dict(normalize="x"), dict(target="x"),
                dict(eta=-1.0)):
         with pytest.raises(ValueError, match=next(iter(hp))):
-            A.adrs(b, **hp)
+            A.gated_teacher_reward(b, **hp)
     for hp in (dict(baseline="max"), dict(tau=0.0), dict(score="tw")):
         with pytest.raises(ValueError, match=next(iter(hp)) if "score" not in hp else "tw"):
-            A.r3l(b, **hp)
+            A.positive_amplified_outcome(b, **hp)
     with pytest.raises(ValueError, match="shape"):
         A.token_weights(jnp.ones((3, 3)), b)
     with pytest.raises(ValueError, match="per='token'"):
@@ -760,8 +772,8 @@ def test_clear_errors():
 
 @pytest.mark.parametrize("layout", ["concatenated"])
 def test_shard_invariance(layout):
-    """P16: groups whole per block, 8 host devices: equal to the unsharded run (the batch-wide
-    statistics of FIPO and ADRS are psummed; the shuffle keys are global)."""
+    """Shard invariance: groups whole per block, 8 host devices: equal to the unsharded run
+    (the batch-wide statistics of FIPO and ADRS are psummed; the shuffle keys are global)."""
     devs = jax.devices()
     assert len(devs) >= 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
     recs = _random_records(np.random.default_rng(2024), [4, 3, 2, 1, 4, 1, 2, 3, 1, 1])
@@ -801,3 +813,24 @@ def test_damped_belief_without_evidence_revises_nothing():
             out = E.compute("grpo", batch, then=[("agentopsd", {"p0": p0, "rho": 0.5,
                                                                  "mode": mode})])
             np.testing.assert_array_equal(np.asarray(out.token), np.asarray(base.token))
+
+
+def test_former_hyper_parameter_names():
+    """Renamed hyper-parameters keep working under their former names through the registry
+    (configs and pipelines): ``lam`` of trial, dcsd and craft_cti is ``weight``, of verpo
+    ``shrink``, of taco ``damping``; adrs ``gate_norm`` is ``gate_normalize``; r3l
+    ``step_norm`` is ``normalize``. Giving both names is an error."""
+    from tests.signals import signal_records
+    for name, old, new in (("trial", "lam", "weight"), ("dcsd", "lam", "weight"),
+                           ("craft_cti", "lam", "weight"), ("verpo", "lam", "shrink"),
+                           ("taco", "lam", "damping"), ("adrs", "gate_norm", "gate_normalize"),
+                           ("r3l", "step_norm", "normalize")):
+        assert E.spec(name).canonical({old: 0.5, "seed": 1}) == {new: 0.5, "seed": 1}, name
+        with pytest.raises(ValueError, match=new):
+            E.spec(name).canonical({old: 0.5, new: 0.5})
+    batch, _ = pack_records(signal_records(seed=2))
+    for name, old, new in (("grpo", dict(then=[("trial", {"lam": 0.3})]),
+                            dict(then=[("trial", {"weight": 0.3})])),
+                           ("r3l", dict(step_norm=True), dict(normalize=True))):
+        got, want = E.compute(name, batch, **old), E.compute(name, batch, **new)
+        np.testing.assert_array_equal(np.asarray(got.token), np.asarray(want.token))

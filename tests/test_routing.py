@@ -1,13 +1,13 @@
-"""Family (e) label-, citation- and graph-driven credit routing (estimators/routing.py).
+"""Label-, citation- and graph-driven credit routing (estimators/routing.py).
 
 Every registered setting in CONFIGS is compared with the loop-over-records reference of
 tests/reference/routing_ref.py in both layouts, on two bases: GRPO (trajectory-constant) and a
 dyadic per-turn base (so "A_i" as the token mean and per-token multiplication are exercised).
-Then the methods' own properties: P8 mass conservation, P9 sign preservation, P10 exact
-reductions on neutral labels, P17 bounds, STAMP's group ranking, the shuffled control's
+Then the methods' own properties: mass conservation, sign preservation, exact
+reductions on neutral labels, bounds, STAMP's group ranking, the shuffled control's
 multiset, ProAS/ECHO/Neos/GGPO masking rules, SkillGate's disjoint channels, Shapley
 efficiency / symmetry / null player, the TRIAGE projection as the least-squares minimiser,
-stop-gradient (P15), padding / permutation invariance with NaN in padding, shard invariance on
+stop-gradient, padding / permutation invariance with NaN in padding, shard invariance on
 8 host CPU devices, degenerate batches and the error messages.
 
 Compile budget: every setting runs inside one jitted function per batch shape.
@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
-from jaxrl_agent.batch import LAYOUTS, Advantages, pack_records
+from jaxrl_agent.batch import LAYOUTS, Advantages
+from jaxrl_agent.rollout.records import pack_records
 from tests.registered import defined_in
 from jaxrl_agent.estimators import routing
 from tests.reference import estimators_ref as ref
@@ -62,7 +63,7 @@ CONFIGS = {
     "vict": ("vict", {}),
     "vict_all": ("vict", {"complete": None, "alpha": 0.5}),
     "echo": ("echo", {}),
-    "echo_n": ("echo", {"renormalize": True, "eta": 2.0}),
+    "echo_n": ("echo", {"normalize": True, "eta": 2.0}),
     "skillgate": ("skillgate", {}),
     "skillgate_raw": ("skillgate", {"normalize": "raw"}),
     "proas": ("proas", {}),
@@ -74,7 +75,7 @@ CONFIGS = {
 }
 ESTIMATOR_CONFIGS = {
     "ccpo": ("ccpo", {}),
-    "ccpo_l": ("ccpo", {"lam": 0.5, "ddof": 0}),
+    "ccpo_l": ("ccpo", {"weight": 0.5, "ddof": 0}),
     "sharp": ("sharp", {}),
     "sharp_t": ("sharp", {"beta": 0.5, "tool_rewards": "tool_rewards", "delta": 0.3}),
 }
@@ -249,7 +250,7 @@ def test_registry_and_pipeline():
     pipe = E.Pipeline.build("grpo", then=[("stamp", {"alpha": 2.5}), ("ggpo", {})])
     got = jax.jit(pipe)(batch)
     out = run_all(batch)  # stamp_a then ggpo, by hand
-    exp = routing.ggpo(jax.tree.map(jnp.asarray, out["stamp_a@grpo"]), batch)
+    exp = routing.redundant_credit_pruning(jax.tree.map(jnp.asarray, out["stamp_a@grpo"]), batch)
     np.testing.assert_array_equal(np.asarray(got.token), np.asarray(exp.token))
 
 
@@ -272,9 +273,9 @@ def _traj_sums(tok, batch):
 @EX
 @given(recs=records())
 def test_mass_sign_and_bounds(layout, recs):
-    """P8 on the GRPO base for the conserving settings (and ProAS's APR on failed rollouts,
-    every shuffled control); P9 token by token for the sign-preserving settings; P17 for
-    TRIAGE; exact zeros off the action mask."""
+    """Mass conservation on the GRPO base for the conserving settings (and ProAS's APR on
+    failed rollouts, every shuffled control); sign preservation token by token for the
+    sign-preserving settings; bounds for TRIAGE; exact zeros off the action mask."""
     batch, index = pack(recs, layout)
     out = run_all(batch)
     am = np.asarray(batch.action_mask)
@@ -374,7 +375,7 @@ def test_shuffle_moves_the_weights():
             t["turn_extras"]["supported_citations"] = float(j)
     batch, _ = pack(recs, "concatenated")
     base = E.get("grpo")(batch)
-    run = jax.jit(routing.stamp, static_argnames=("shuffle",))
+    run = jax.jit(routing.supported_citation_reweight, static_argnames=("shuffle",))
     plain = np.asarray(run(base, batch).token)
     moved = [not np.array_equal(np.asarray(run(base, batch, shuffle=True, seed=s).token), plain)
              for s in range(4)]
@@ -405,10 +406,10 @@ REDUCE = ("stamp", "stamp_a", "iapo_b0", "self_credit", "self_credit_c", "triage
 @EX
 @given(recs=records())
 def test_neutral_labels_give_the_base_exactly(layout, recs):
-    """P10, bit for bit on tokens: no citations, no edges (beta = 0), all-infrastructure
-    roles, constant relevance, no atoms, no selection, no skill tokens, every action
-    reasonable and none deviating, no divergence, nothing redundant. Also the abstain path
-    of VICT and IAPO's failed rollouts without edges under the default beta."""
+    """Reduction to the base, bit for bit on tokens: no citations, no edges (beta = 0),
+    all-infrastructure roles, constant relevance, no atoms, no selection, no skill tokens,
+    every action reasonable and none deviating, no divergence, nothing redundant. Also the
+    abstain path of VICT and IAPO's failed rollouts without edges under the default beta."""
     batch, _ = pack(_neutral(recs), layout)
     out = run_all(batch)
     for kind in BASES:
@@ -476,9 +477,9 @@ def test_skillgate_channels_are_disjoint():
     exe, skill = np.asarray(exe), np.asarray(skill)
     assert not (exe & skill).any() and ((exe | skill) == am).all() and skill.any()
     base = E.get("grpo")(batch)
-    out = np.asarray(routing.skillgate(base, batch, normalize="raw").token)
-    zero_base = routing.skillgate(base.replace(token=jnp.zeros_like(base.token)), batch,
-                                  normalize="raw")
+    out = np.asarray(routing.skill_channel_credit(base, batch, normalize="raw").token)
+    zero_base = routing.skill_channel_credit(base.replace(token=jnp.zeros_like(base.token)),
+                                             batch, normalize="raw")
     zb = np.asarray(zero_base.token)
     assert (zb[exe] == 0).all()  # outcome channel only on execution tokens
     np.testing.assert_array_equal(out[exe], np.asarray(base.token)[exe])
@@ -486,7 +487,7 @@ def test_skillgate_channels_are_disjoint():
     np.testing.assert_array_equal(out[skill], np.broadcast_to(rc, am.shape)[skill])
     no_read = batch.replace(extras={**batch.extras,
                                     "read_correct": jnp.zeros_like(batch.extras["read_correct"])})
-    zs = np.asarray(routing.skillgate(base, no_read).token)
+    zs = np.asarray(routing.skill_channel_credit(base, no_read).token)
     assert (zs[skill] == 0).all()  # a_sel never leaks into the outcome channel and back
 
 
@@ -520,9 +521,9 @@ def test_shapley_values(n):
         routing.shapley_values(np.zeros(6))
 
 
-def test_ccpo_null_agent_and_lam_zero():
+def test_ccpo_null_agent_and_weight_zero():
     """An agent whose removal does not change R gets c_a = 0 (R_a = R): then, and with
-    lam = 0, CCPO is GRPO of R within each (group, agent); with one agent acting everywhere
+    weight = 0, CCPO is GRPO of R within each (group, agent); with one agent acting everywhere
     that is GRPO itself."""
     recs = seeded_records(5)
     for r in recs:
@@ -531,11 +532,10 @@ def test_ccpo_null_agent_and_lam_zero():
             t["turn_extras"]["agent"] = 2.0
     batch, _ = pack(recs, "concatenated")
     grpo = np.asarray(E.get("grpo")(batch).token)
-    for hp in ({}, {"lam": 3.0}):
-        np.testing.assert_allclose(np.asarray(routing.ccpo(batch, **hp).token), grpo, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(routing.ccpo(batch, lam=0.0).token), grpo, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(routing.sharp(batch, beta=0.0).token), grpo,
-                               atol=1e-6)
+    ccpo, sharp = routing.counterfactual_agent_advantage, routing.shapley_agent_advantage
+    for hp in ({}, {"weight": 3.0}, {"weight": 0.0}):
+        np.testing.assert_allclose(np.asarray(ccpo(batch, **hp).token), grpo, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(sharp(batch, beta=0.0).token), grpo, atol=1e-6)
 
 
 def test_triage_constants_are_the_least_squares_minimiser():
@@ -713,7 +713,7 @@ def test_degenerate_inputs(layout):
 
 
 def test_stop_gradient():
-    """P15: the labels carry no gradient into the result."""
+    """Stop-gradient: the labels carry no gradient into the result."""
     recs = seeded_records(2)
     batch, _ = pack(recs, "concatenated")
     batch = jax.tree.map(jnp.asarray, batch)
@@ -796,10 +796,19 @@ def test_bad_shapes_are_named(plain):
     batch, base = plain
     bad = batch.replace(extras={**batch.extras, "role": jnp.zeros((2, 3))})
     with pytest.raises(ValueError, match=r"extras\['role'\] must have shape"):
-        routing.triage(base, bad)
+        routing.segment_role_bonus(base, bad)
     bad = batch.replace(extras={**batch.extras, "edges": jnp.zeros((2, 4, 2), jnp.int32)})
     with pytest.raises(ValueError, match=r"extras\['edges'\] must have shape \[N, E, 3\]"):
-        routing.iapo(base, bad)
+        routing.influence_graph_reweight(base, bad)
     bad = batch.replace(extras={**batch.extras, "coalition_values": jnp.zeros((8, 6))})
     with pytest.raises(ValueError, match="2\\^n entries"):
-        routing.sharp(bad)
+        routing.shapley_agent_advantage(bad)
+
+
+def test_former_hyper_parameter_names():
+    """Renamed hyper-parameters keep working under their former names through the registry:
+    echo's ``renormalize`` is ``normalize``, ccpo's ``lam`` is ``weight``."""
+    for name, old, new in (("echo", "renormalize", "normalize"), ("ccpo", "lam", "weight")):
+        assert E.spec(name).canonical({old: 1.0}) == {new: 1.0}, name
+        with pytest.raises(ValueError, match=new):
+            E.spec(name).canonical({old: 1.0, new: 1.0})

@@ -69,7 +69,7 @@ CONFIGS = {
     "spae": ("spae", {}),
     "spae_accconf": ("spae", dict(potential=None, alpha=0.5, c_sat=0.5, saturation=0.3)),
     "efca": ("efca", {}),
-    "efca_renorm": ("efca", dict(renormalize=True, window=1)),
+    "efca_renorm": ("efca", dict(normalize=True, window=1)),
     "efca_clip": ("efca", dict(fb_coef=1.0, w_min=0.2, w_max=1.5)),
     "vtca": ("vtca", {}),
     "vtca_cohort": ("vtca", dict(normalize="cohort", rho=0.5, eta=0.5)),

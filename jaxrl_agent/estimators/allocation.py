@@ -1,14 +1,23 @@
-"""Family (e): re-allocation of a fixed advantage over turns and tokens.
+"""Re-allocation of a fixed advantage over turns and tokens, and dense credit add-ons.
 
-Every rule here is a *credit transform*: ``f(adv, batch, *, ..., axis_name=None) ->
-Advantages``. It takes the advantages of a base estimator (``grpo(batch)``, ``gigpo(batch)``,
-...) and redistributes them with non-negative weights w:
+Most rules here are *credit transforms*: ``f(adv, batch, *, ..., axis_name=None) ->
+Advantages``. A transform takes the advantages of a base estimator (``grpo(batch)``,
+``gigpo(batch)``, ...) and either redistributes them with non-negative weights w:
 
     A'_t = A_t w'_t,   w'_t >= 0,   sum_{t in s} m_t w'_t = sum_{t in s} m_t   for each segment s
 
-(the token-weighted mean of w' is 1 on every trajectory, turn or group: ``level``). For a
-trajectory-constant base advantage this conserves advantage mass exactly (mass conservation) and
-never flips a sign. The primitive is ``reallocate``; the named methods only compute raw weights.
+(m_t = 1 on action tokens: the token-weighted mean of w' is 1 on every trajectory, turn or
+group, the ``level``), or adds a dense term to them (an add-on, A'_t = A_t + c d_t). A
+re-allocation of a trajectory-constant base advantage conserves each trajectory's advantage
+mass exactly and never flips a sign. The primitive is ``reallocate``; the named methods
+compute raw weights (or the add-on) from their signal and hand them to it. The module also
+holds one shaping rule (``gated_teacher_reward``, registered as ``adrs``) and one estimator
+(``positive_amplified_outcome``, registered as ``r3l``).
+
+Shapes: N trajectories of at most K turns, stored as R token rows of length T (see
+``jaxrl_agent.batch``). Every transform returns ``Advantages`` whose ``token`` [R, T] is zero
+off the action tokens and whose ``turn`` [N, K] is the token mean of ``token`` over each turn;
+value targets pass through unchanged.
 
 Composition: ``reallocate(grpo(batch), batch, weights="w")`` in code, ``estimator.then`` in a
 config, ``jaxrl-agent credit --estimator grpo --then trial`` on the command line.
@@ -296,6 +305,24 @@ def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weigh
     Properties: sum_t m A'_t = A_i sum_t m per trajectory for trajectory-constant A (mass
     conservation); sign(A'_t) in {sign(A_t), 0} (sign preservation); constant weights give A' =
     A exactly (reduction to the base estimator).
+
+    Args:
+      adv: the base advantages; ``token`` [R, T] is reweighted.
+      batch: the batch; reads ``extras[weights]``: raw weights >= 0 per turn [N, K] or per
+        token [R, T] (negative values count as 0; gradient stopped).
+      weights: the name of that extra.
+      level: ``"trajectory"``, ``"turn"`` or ``"group"``: the segment over whose action tokens
+        w' has mean 1.
+      floor: in [0, 1]; w' = floor + (1 - floor) w_hat keeps that share of the mass uniform.
+      clip_min, clip_max: optional bounds on w' (clip_min <= clip_max); the mean stays 1 where
+        the bounds allow it (see ``normalize_weights``).
+      shuffle: permute the raw weights within each trajectory (within each turn at
+        ``level="turn"``) first: the shuffled control.
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A w' and ``turn`` [N, K] its token mean per turn.
     """
     _check_bounds(clip_min, clip_max)
     b = segments.local_view(batch, axis_name)
@@ -316,8 +343,18 @@ def shuffled_control(adv: Advantages, batch: TrajectoryBatch, *, weights: str = 
                      clip_min: float | None = None, clip_max: float | None = None,
                      seed: int = 0, axis_name=None) -> Advantages:
     """``reallocate`` with the raw weights randomly permuted within each trajectory (or turn):
-    the matched-concentration shuffled control. [X] our formula
-    (verifier-information-density paper): same multiset of weights, random placement."""
+    the matched-concentration shuffled control. Same multiset of weights (same entropy and
+    Gini), random placement. This is our reading of the verifier-information-density paper,
+    which describes the control in words: a targeting claim must beat it.
+
+    Args:
+      adv, batch, weights, level, floor, clip_min, clip_max, seed, axis_name: as in
+        ``reallocate`` (``extras[weights]`` [N, K] or [R, T], raw weights >= 0).
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A w' (w' from the permuted weights) and ``turn`` [N, K]
+      its token mean per turn.
+    """
     return reallocate(adv, batch, weights=weights, level=level, floor=floor, clip_min=clip_min,
                       clip_max=clip_max, shuffle=True, seed=seed, axis_name=axis_name)
 
@@ -450,56 +487,92 @@ def _signed_turn_credit(adv, batch, b, x, *, alpha, w_min, w_max, eps, mode, shu
                      clip_max=w_max, shuffle=shuffle, seed=seed, axis_name=axis_name)
 
 
-# ----------------------------------------------------------------------------- e1 TRIAL
+# ----------------------------------------------------------------------------- TRIAL
 
 
-@register("trial", kind="transform")
-def trial(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-          student: str = "old_logprobs", lam: float = 0.1, shuffle: bool = False,
-          seed: int = 0, axis_name=None) -> Advantages:
-    """TRIAL (trajectory-relative hindsight distillation) as an advantage add-on. [X] our formula
-    (TRIAL paper, consistent with its abstract).
+@register("trial", kind="transform", renamed={"lam": "weight"})
+def hindsight_gap_bonus(adv: Advantages, batch: TrajectoryBatch, *,
+                        teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+                        weight: float = 0.1, shuffle: bool = False, seed: int = 0,
+                        axis_name=None) -> Advantages:
+    """TRIAL (trajectory-relative hindsight distillation) as an advantage add-on: the gap
+    between hindsight and ordinary log-probs, scaled per turn.
 
         g_t = lp_hind_t - lp_ord_t                 (``teacher`` - ``student``, detached)
         M_k = mean_{t in k} |g_t|,  mu_k = M_k / (sum_k n_k M_k / sum_k n_k)
-        A'_t = A_t + lam mu_{k(t)} g_t
+        A'_t = A_t + weight mu_{k(t)} g_t
 
-    mu has eligible-token-weighted mean exactly 1 over each trajectory (``token_weights``;
-    uniform when every M_k is equal or 0) and is invariant to scaling g. ``shuffle`` permutes
-    the turn magnitudes M within each trajectory first (the matched shuffled control).
-    ``lam = 0`` gives the base advantage bit for bit.
+    This is our reading of the TRIAL paper, which describes the step in words (the formula
+    is consistent with its abstract). mu has eligible-token-weighted mean exactly 1 over each
+    trajectory (``token_weights``; uniform when every M_k is equal or 0) and is invariant to
+    scaling g. ``weight = 0`` gives the base advantage bit for bit.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each.
+      teacher: the hindsight (teacher) log-probs: the name of an [R, T] extra, or
+        ``"old_logprobs"`` for ``batch.old_logprobs``.
+      student: the ordinary log-probs, named the same way (default the rollout's).
+      weight: >= 0, the coefficient of the add-on.
+      shuffle: permute the turn magnitudes M within each trajectory first (the shuffled
+        control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
-    check_nonneg("lam", lam)
+    check_nonneg("weight", weight)
     b = segments.local_view(batch, axis_name)
     g = _gap(b, teacher, student, "trial")
     mag = segments.token_to_turn(jnp.abs(g), b, "mean")
     if shuffle:
         mag = shuffle_weights(mag, batch, seed=seed, axis_name=axis_name, per="turn")
     mu = token_weights(mag, b, per="turn")
-    if lam == 0:
+    if weight == 0:
         return _set_token(adv, _base_token(adv, b), b)
-    return _set_token(adv, _base_token(adv, b) + lam * mu * g, b)
+    return _set_token(adv, _base_token(adv, b) + weight * mu * g, b)
 
 
-# ----------------------------------------------------------------------------- e2 StepOPSD
+# ----------------------------------------------------------------------------- StepOPSD
 
 
 @register("stepopsd", kind="transform")
-def stepopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-             student: str = "old_logprobs", lambda_mix: float = 0.5, alpha_clip: float = 0.5,
-             eps: float = 1e-6, token_dist: bool = False, shuffle: bool = False, seed: int = 0,
-             axis_name=None) -> Advantages:
-    """StepOPSD: step-aware sign-preserving shaping with a per-step credit budget. [X] our formula
-    (StepOPSD paper).
+def step_gap_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                      teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+                      lambda_mix: float = 0.5, alpha_clip: float = 0.5, eps: float = 1e-6,
+                      token_dist: bool = False, shuffle: bool = False, seed: int = 0,
+                      axis_name=None) -> Advantages:
+    """StepOPSD: step-aware sign-preserving re-allocation with a per-step credit budget, from
+    the mean teacher-student log-prob gap of each step.
 
         s_k = mean_{t in k} (lp_T - lp_S),  s~_k = s_k / (std_k s + eps)   (per trajectory)
         m_k = clip(1 + lambda_mix sign(A_k) s~_k, 1 - alpha_clip, 1 + alpha_clip)
         m <- m renormalised to token mass 1 per trajectory, kept inside the same bounds
         A'_t = A_t m_{k(t)} [ * w_t,  w_t ∝ softplus(sign(A_t) g_t), mean 1 per step ]
 
-    Mass conservation per trajectory, sign preservation (m > 0 for alpha_clip < 1), bounds (m in
-    [1 - alpha_clip, 1 + alpha_clip] when feasible), reduction to the base estimator (lambda_mix
-    = 0 gives A bit for bit, token_dist off).
+    This is our reading of the StepOPSD paper, which describes the step in words. Mass
+    conservation per trajectory, sign preservation (m > 0 for alpha_clip < 1), bounds (m in
+    [1 - alpha_clip, 1 + alpha_clip] when feasible), reduction to the base estimator
+    (lambda_mix = 0 gives A bit for bit, token_dist off). std_k is the unbiased std over the
+    trajectory's valid turns; A_k is ``adv.turn`` (the token mean per turn when it is None).
+
+    Args:
+      adv: the base advantages (``token`` [R, T], ``turn`` [N, K]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each.
+      teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
+      student: the student log-probs, named the same way (default the rollout's).
+      lambda_mix: >= 0, the strength of the step multiplier.
+      alpha_clip: in [0, 1], the half-width of the multiplier's bounds.
+      eps: > 0, added to the std.
+      token_dist: also distribute each step's credit over its tokens (w_t above).
+      shuffle: permute the step multipliers within each trajectory first (the shuffled
+        control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_unit("alpha_clip", alpha_clip)
     check_nonneg("lambda_mix", lambda_mix)
@@ -517,24 +590,44 @@ def stepopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher
     return _set_token(out, out.token * w_tok, b)
 
 
-# ----------------------------------------------------------------------------- e4 CoRT
+# ----------------------------------------------------------------------------- CoRT
 
 
 @register("cort", kind="transform")
-def cort(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-         student: str = "old_logprobs", kappa: float = 0.5, tau: float = 1.0,
-         w_min: float = 0.2, w_max: float = 2.0, absolute: bool = False, shuffle: bool = False,
-         seed: int = 0, axis_name=None) -> Advantages:
-    """CoRT: counterfactual-replay rubric token weights. [X] our formula (CoRT
-    paper).
+def rubric_token_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                          teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+                          kappa: float = 0.5, tau: float = 1.0, w_min: float = 0.2,
+                          w_max: float = 2.0, absolute: bool = False, shuffle: bool = False,
+                          seed: int = 0, axis_name=None) -> Advantages:
+    """CoRT: counterfactual-replay rubric token weights, from the contrast between log-probs
+    with and without the rubric in context.
 
         c_t = lp_rubric_t - lp_free_t   (``teacher`` - ``student``; when the rubric is in the
               rollout prompt use teacher="old_logprobs", student=<criteria-free field>)
         w_t = clip(1 + kappa tanh(c_t / tau), w_min, w_max)   (|c_t| with ``absolute``)
         w   <- mean 1 per response, kept inside [w_min, w_max];  A'_t = A_t w_t
 
-    Mass conservation per response, sign preservation (w_min > 0), bounds, reduction to the base
+    This is our reading of the CoRT paper, which describes the step in words. Mass
+    conservation per response, sign preservation (w_min > 0), bounds, reduction to the base
     estimator (kappa = 0 gives A bit for bit); the weights are monotone in c.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each.
+      teacher: the rubric-conditioned log-probs: the name of an [R, T] extra, or
+        ``"old_logprobs"``.
+      student: the criteria-free log-probs, named the same way.
+      kappa: >= 0, the strength of the weights.
+      tau: > 0, the temperature of the tanh.
+      w_min, w_max: the weight bounds, 0 < w_min <= 1 <= w_max.
+      absolute: use |c_t| (any contrast raises the weight).
+      shuffle: permute the raw token weights within each response first (the shuffled
+        control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A w and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("kappa", kappa)
     check_positive("tau", tau)
@@ -547,7 +640,7 @@ def cort(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
                      shuffle=shuffle, seed=seed, axis_name=axis_name)
 
 
-# ----------------------------------------------------------------------------- e6 RVCO
+# ----------------------------------------------------------------------------- RVCO
 
 
 def _segment_median(x, seg, valid, num_segments):
@@ -570,12 +663,13 @@ def _segment_median(x, seg, valid, num_segments):
 
 
 @register("rvco", kind="transform")
-def rvco(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-         student: str = "old_logprobs", tau: float = 1.0, beta: float = 0.1,
-         absolute: bool = True, eps: float = 1e-6, shuffle: bool = False, seed: int = 0,
-         axis_name=None) -> Advantages:
-    """RVCO: residual visual credit as a budgeted entropic router. [X] our formula
-    (Residual Visual Credit Optimization paper).
+def visual_evidence_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                             teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+                             tau: float = 1.0, beta: float = 0.1, absolute: bool = True,
+                             eps: float = 1e-6, shuffle: bool = False, seed: int = 0,
+                             axis_name=None) -> Advantages:
+    """RVCO (Residual Visual Credit Optimization): token weights as a budgeted entropic router
+    over the visual evidence of each token.
 
         e_t = |lp(y_t | image) - lp(y_t | corrupted image)|   (|``teacher`` - ``student``|;
               signed with absolute=False)
@@ -583,9 +677,28 @@ def rvco(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
         p_t = softmax_t(z_t / tau),  w_t = (1 - beta) N p_t + beta   (N valid tokens)
         A'_t = A_t w_t
 
-    The mean of w is exactly 1 (``token_weights`` with ``floor=beta``). Mass conservation, sign
-    preservation (w >= beta), bounds (w <= (1 - beta) N + beta), invariant to e -> a e + c (a >
-    0); tau -> 0 is hard selection of the argmax, tau -> inf uniform.
+    This is our reading of the RVCO paper, which describes the step in words. The mean of w
+    is exactly 1 (``token_weights`` with ``floor=beta``). Mass conservation, sign preservation
+    (w >= beta), bounds (w <= (1 - beta) N + beta), invariant to e -> a e + c (a > 0);
+    tau -> 0 is hard selection of the argmax, tau -> inf uniform.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each.
+      teacher: the log-probs given the image: the name of an [R, T] extra, or
+        ``"old_logprobs"``.
+      student: the log-probs given the corrupted image, named the same way.
+      tau: > 0, the softmax temperature.
+      beta: in [0, 1], the uniform floor of the weights.
+      absolute: use |teacher - student| (False: the signed difference).
+      eps: > 0, added to the MAD.
+      shuffle: permute the raw token weights within each trajectory first (the shuffled
+        control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A w and ``turn`` [N, K] its token mean per turn.
     """
     check_positive("tau", tau)
     check_unit("beta", beta)
@@ -605,7 +718,7 @@ def rvco(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
                      axis_name=axis_name)
 
 
-# ----------------------------------------------------------------------------- e9 AgentOPSD
+# ----------------------------------------------------------------------------- AgentOPSD
 
 
 def belief_revisions(e, valid, l0, rho: float = 1.0):
@@ -631,13 +744,14 @@ def belief_revisions(e, valid, l0, rho: float = 1.0):
 
 
 @register("agentopsd", kind="transform")
-def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-              student: str = "old_logprobs", p0: float | None = 0.5, rho: float = 1.0,
-              alpha: float = 0.5, w_min: float = 0.2, w_max: float = 3.0, eps: float = 1e-6,
-              mode: str = "reweight", shuffle: bool = False, seed: int = 0,
-              axis_name=None) -> Advantages:
-    """AgentOPSD: a recursive Bayesian belief over turns from teacher-student evidence. [X]
-    our formula (AgentOPSD paper).
+def belief_revision_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                             teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+                             p0: float | None = 0.5, rho: float = 1.0, alpha: float = 0.5,
+                             w_min: float = 0.2, w_max: float = 3.0, eps: float = 1e-6,
+                             mode: str = "reweight", shuffle: bool = False, seed: int = 0,
+                             axis_name=None) -> Advantages:
+    """AgentOPSD: turn credit from the revisions of a recursive Bayesian belief over turns,
+    fed by teacher-student evidence.
 
         e_k = sum_{t in k} (lp_T - lp_S)             (turn log-likelihood ratio)
         l_0 = logit(p0),  l_k = l_0 + rho (l_{k-1} - l_0) + e_k,
@@ -646,12 +760,33 @@ def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
                   renormalised to token mass 1 per trajectory (inside the bounds); A' = A w
         additive: A'_k = A_k + alpha Delta_k
 
+    This is our reading of the AgentOPSD paper, which describes the method in words.
     ``p0=None`` takes the group success rate, mean_g clip(outcome, 0, 1), clipped to
     [1e-3, 1 - 1e-3]. The damping ``rho`` < 1 decays the belief toward the prior, not toward
     0 (our reading of a recursion "l_k = rho l_{k-1} + e_k", which would revise the belief
     with no evidence when p0 != 0.5). Sum_k Delta_k telescopes; e = 0 (teacher =
     student) gives A bit for bit (reduction to the base estimator); mass conservation/sign
     preservation in ``reweight`` mode.
+
+    Args:
+      adv: the base advantages (``token`` [R, T], ``turn`` [N, K]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each (and ``outcome`` [N]
+        with ``p0=None``).
+      teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
+      student: the student log-probs, named the same way (default the rollout's).
+      p0: the prior success probability in (0, 1), or None for the group success rate.
+      rho: >= 0, the damping of the belief toward the prior (1: none).
+      alpha: >= 0, the strength of the credit.
+      w_min, w_max: the weight bounds of ``reweight``, 0 < w_min <= 1 <= w_max.
+      eps: > 0, added to the std.
+      mode: ``"reweight"`` or ``"additive"``.
+      shuffle: permute the turn weights within each trajectory first (the shuffled control;
+        ``reweight`` only).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_choice("mode", mode, ("reweight", "additive"))
     if p0 is not None and not 0.0 < p0 < 1.0:
@@ -675,24 +810,46 @@ def agentopsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
                                axis_name=axis_name)
 
 
-# ----------------------------------------------------------------------------- e10 PBSD
+# ----------------------------------------------------------------------------- PBSD
 
 
 @register("pbsd", kind="transform")
-def pbsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-         student: str = "old_logprobs", alpha: float = 0.5, w_min: float = 0.2,
-         w_max: float = 3.0, eps: float = 1e-6, mode: str = "reweight", shuffle: bool = False,
-         seed: int = 0, axis_name=None) -> Advantages:
-    """PBSD: privileged Bayesian self-distillation turn credit (the Bayes
-    decomposition of the PBSD abstract; the weight map w(s) is [X], as AgentOPSD without recursion).
+def privileged_gap_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                            teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+                            alpha: float = 0.5, w_min: float = 0.2, w_max: float = 3.0,
+                            eps: float = 1e-6, mode: str = "reweight", shuffle: bool = False,
+                            seed: int = 0, axis_name=None) -> Advantages:
+    """PBSD: privileged Bayesian self-distillation turn credit, from the log-prob gain of
+    each turn when the teacher also sees the answer.
 
         s_k = sum_{t in k} (lp(y_t | x, a*, y<t) - lp(y_t | x, y<t)),   sum_k s_k = S
         reweight: w_k = clip(1 + alpha sign(A_k) s_k / (std_k s + eps), w_min, w_max),
                   renormalised to token mass 1 per trajectory;  A' = A w
         additive: A'_k = A_k + alpha s_k / (std_k s + eps)
 
-    The answer-conditioned teacher log-probs are ``teacher``; the student is the rollout
-    policy. Teacher = student gives s = 0 and A bit for bit.
+    s_k is the Bayes decomposition given in the PBSD abstract; the map from s to weights is
+    our reading of the paper, which describes it in words (the map of
+    ``belief_revision_reweight`` without the recursion). The answer-conditioned teacher
+    log-probs are ``teacher``; the student is the rollout policy. Teacher = student gives
+    s = 0 and A bit for bit.
+
+    Args:
+      adv: the base advantages (``token`` [R, T], ``turn`` [N, K]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each.
+      teacher: the answer-conditioned log-probs: the name of an [R, T] extra, or
+        ``"old_logprobs"``.
+      student: the student log-probs, named the same way (default the rollout's).
+      alpha: >= 0, the strength of the credit.
+      w_min, w_max: the weight bounds of ``reweight``, 0 < w_min <= 1 <= w_max.
+      eps: > 0, added to the std.
+      mode: ``"reweight"`` or ``"additive"``.
+      shuffle: permute the turn weights within each trajectory first (the shuffled control;
+        ``reweight`` only).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_choice("mode", mode, ("reweight", "additive"))
     check_nonneg("alpha", alpha)
@@ -704,27 +861,44 @@ def pbsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
                                mode=mode, shuffle=shuffle, seed=seed, axis_name=axis_name)
 
 
-# ----------------------------------------------------------------------------- e12 DCSD
+# ----------------------------------------------------------------------------- DCSD
 
 
-@register("dcsd", kind="transform")
-def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-         student: str = "old_logprobs", probe: str = "probe", q_init: float = 0.5,
-         lam: float = 0.1, temperature: float = 1.0, axis_name=None) -> Advantages:
-    """DCSD: decoupled credit direction and magnitude. [X] our formula (DCSD
-    paper).
+@register("dcsd", kind="transform", renamed={"lam": "weight"})
+def probe_directed_bonus(adv: Advantages, batch: TrajectoryBatch, *,
+                         teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+                         probe: str = "probe", q_init: float = 0.5, weight: float = 0.1,
+                         temperature: float = 1.0, axis_name=None) -> Advantages:
+    """DCSD: decoupled credit direction and magnitude, an add-on whose direction comes from a
+    success probe and whose size from the teacher-student gap.
 
         d_k   = sign(q_k - q_{k-1})   (q = ``extras[probe]`` [N, K], the probed probability of
                 the correct answer after step k; q_{-1} = ``q_init``)
         mag_k = |sum_{t in k} (lp_T - lp_S)| / mean_k |...|   (mean 1 over the trajectory's
                 steps; 0 when every step's gap sums to 0)
         w_t   = n_k softmax_{t in k}(|g_t| / temperature)     (mean 1 within the step)
-        A'_t  = A_t + lam d_{k(t)} mag_{k(t)} w_t
+        A'_t  = A_t + weight d_{k(t)} mag_{k(t)} w_t
 
-    The direction never depends on the teacher; an unchanged probe gives no credit; lam = 0
-    gives A bit for bit. Sign-changing by design (an add-on, not sign preservation).
+    This is our reading of the DCSD paper, which describes the step in words. The direction
+    never depends on the teacher; an unchanged probe gives no credit; weight = 0 gives A bit
+    for bit. Sign-changing by design (an add-on, not sign preservation).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each, and
+        ``extras[probe]`` [N, K].
+      teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
+      student: the student log-probs, named the same way (default the rollout's).
+      probe: the name of the per-turn probed success probability extra, [N, K].
+      q_init: the probe's value before the first step.
+      weight: >= 0, the coefficient of the add-on.
+      temperature: > 0, the softmax temperature within a step.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
-    check_nonneg("lam", lam)
+    check_nonneg("weight", weight)
     check_positive("temperature", temperature)
     b = segments.local_view(batch, axis_name)
     g = _gap(b, teacher, student, "dcsd")
@@ -740,85 +914,128 @@ def dcsd(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_log
     soft = jnp.where(b.action_mask, jnp.exp(a - _turn_max(a, b)), 0.0)
     w = token_weights(soft, b, level="turn", per="token")
     credit = segments.turn_to_token(d * mag, b) * w
-    if lam == 0:
+    if weight == 0:
         return _set_token(adv, _base_token(adv, b), b)
-    return _set_token(adv, _base_token(adv, b) + lam * credit, b)
+    return _set_token(adv, _base_token(adv, b) + weight * credit, b)
 
 
-# ----------------------------------------------------------------------------- e13 VERPO
+# ----------------------------------------------------------------------------- VERPO
 
 
-@register("verpo", kind="transform")
-def verpo(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-          student: str = "old_logprobs", eta: float = 0.1, lam: float = 1.0,
-          axis_name=None) -> Advantages:
-    """VERPO: accepted, cost-shrunk evidence corrections. [X] our formula (VERPO
-    paper).
+@register("verpo", kind="transform", renamed={"lam": "shrink"})
+def accepted_evidence_bonus(adv: Advantages, batch: TrajectoryBatch, *,
+                            teacher: str = "teacher_logprobs", student: str = "old_logprobs",
+                            eta: float = 0.1, shrink: float = 1.0,
+                            axis_name=None) -> Advantages:
+    """VERPO: accepted, cost-shrunk evidence corrections: tokens whose evidence contrast
+    agrees with the sign of their advantage get a larger advantage.
 
         c_t = lp(y_t | x, evidence) - lp(y_t | x)     (``teacher`` - ``student``)
-        accept_t = c_t A_t > 0,  s_t = |c_t| / (1 + lam c_t^2)
+        accept_t = c_t A_t > 0,  s_t = |c_t| / (1 + shrink c_t^2)
         A'_t = A_t + eta sign(A_t) s_t 1[accept_t]
 
-    Only magnitudes grow, in A's direction (sign preservation); eta = 0 gives A bit for bit. The
-    Fisher evidence contrast projection needs hidden states: pass an already corrected c as the
-    teacher field.
+    This is our reading of the VERPO paper, which describes the step in words. Only
+    magnitudes grow, in A's direction (sign preservation); eta = 0 gives A bit for bit. The
+    Fisher evidence contrast projection needs hidden states: pass an already corrected c as
+    the teacher field.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each.
+      teacher: the evidence-conditioned log-probs: the name of an [R, T] extra, or
+        ``"old_logprobs"``.
+      student: the log-probs without the evidence, named the same way.
+      eta: >= 0, the size of the correction.
+      shrink: >= 0, how strongly large contrasts are shrunk (the cost term).
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("eta", eta)
-    check_nonneg("lam", lam)
+    check_nonneg("shrink", shrink)
     b = segments.local_view(batch, axis_name)
     c = _gap(b, teacher, student, "verpo")
     a = _base_token(adv, b)
     accept = (c * a > 0) & b.action_mask
-    s = jnp.abs(c) / (1.0 + lam * c * c)
+    s = jnp.abs(c) / (1.0 + shrink * c * c)
     return _set_token(adv, jnp.where(accept, a + eta * jnp.sign(a) * s, a), b)
 
 
-# ----------------------------------------------------------------------------- e19 TACO
+# ----------------------------------------------------------------------------- TACO
 
 
-@register("taco", kind="transform")
-def taco(adv: Advantages, batch: TrajectoryBatch, *, logprobs: str = "old_logprobs",
-         entropy: str = "entropy", alpha: float = 0.01, lam: float = 0.9,
-         axis_name=None) -> Advantages:
-    """TACO: tail-aware credit calibration. Pinned: xiuyilou/TACO
+@register("taco", kind="transform", renamed={"lam": "damping"})
+def tail_risk_damping(adv: Advantages, batch: TrajectoryBatch, *,
+                      logprobs: str = "old_logprobs", entropy: str = "entropy",
+                      alpha: float = 0.01, damping: float = 0.9,
+                      axis_name=None) -> Advantages:
+    """TACO: tail-aware credit calibration, damping the positive advantage of tokens in the
+    low-probability tail. Pinned: xiuyilou/TACO
     ``verl/trainer/ppo/core_algos.py::compute_taco_token_advantages`` (defaults of
-    ``actor.yaml``: alpha = 0.01, lambda = 0.9).
+    ``actor.yaml``: alpha = 0.01, lambda = 0.9; ``damping`` is the repository's lambda).
 
         risk_t = -log pi(y_t) - H_t + log alpha
-        w_t = 1 - lam (1 - exp(-risk_t)) if risk_t > 0 else 1      (w in (1 - lam, 1])
+        w_t = 1 - damping (1 - exp(-risk_t)) if risk_t > 0 else 1    (w in (1 - damping, 1])
         A'_t = w_t A_t where A_t > 0; A_t unchanged (bit for bit) where A_t <= 0
 
-    ``logprobs`` / ``entropy`` name the sampled-token log-prob and the policy entropy at the
-    token ([R, T]; the repository uses the current forward pass, detached). A dampening, not a
-    re-allocation: no mass conservation. lam = 0 gives A bit for bit.
+    A dampening, not a re-allocation: no mass conservation. damping = 0 gives A bit for bit.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads the two fields below, [R, T] each.
+      logprobs: the log-probs of the sampled tokens: the name of an [R, T] extra, or
+        ``"old_logprobs"`` (the repository uses the current forward pass, detached).
+      entropy: the name of the policy-entropy extra at each token, [R, T].
+      alpha: in (0, 1], the tail threshold (risk > 0 where pi(y_t) e^{H_t} < alpha).
+      damping: in [0, 1], the largest fraction of a positive advantage removed.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
-    check_unit("lam", lam)
+    check_unit("damping", damping)
     b = segments.local_view(batch, axis_name)
     lp = _token_field(b, logprobs, "taco", "log-probs of the sampled tokens [R, T]")
     h = _token_field(b, entropy, "taco", "policy entropy at each token [R, T]")
     risk = -lp - h + jnp.log(jnp.float32(alpha))
-    w = jnp.where(risk > 0, 1.0 + lam * jnp.expm1(-jnp.where(risk > 0, risk, 0.0)), 1.0)
+    w = jnp.where(risk > 0, 1.0 + damping * jnp.expm1(-jnp.where(risk > 0, risk, 0.0)), 1.0)
     a = _base_token(adv, b)
     return _set_token(adv, jnp.where(a > 0, w * a, a), b)
 
 
-# ----------------------------------------------------------------------------- e20 EAPO
+# ----------------------------------------------------------------------------- EAPO
 
 
 @register("eapo", kind="transform")
-def eapo(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy", a: float = 1.0,
-         shuffle: bool = False, seed: int = 0, axis_name=None) -> Advantages:
-    """EAPO: entropic advantage re-allocation. [X] our formula (EAPO paper).
+def entropy_reweight(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy",
+                     a: float = 1.0, shuffle: bool = False, seed: int = 0,
+                     axis_name=None) -> Advantages:
+    """EAPO: entropic advantage re-allocation, token weights from the policy entropy.
 
         h~_t = (H_t - min H) / (max H - min H)   (per response; 0 when H is constant)
         w_t  = 1 + a h~_t        where A_t > 0   (surprising successes reinforced more)
              = 1 + a (1 - h~_t)  elsewhere       (confident failures penalised more)
         w <- mean 1 per response;  A'_t = A_t w_t
 
-    Mass conservation (per response), sign preservation, reduction to the base estimator (a = 0
+    This is our reading of the EAPO paper, which describes the step in words. Mass
+    conservation (per response), sign preservation, reduction to the base estimator (a = 0
     gives A bit for bit).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[entropy]`` [R, T].
+      entropy: the name of the policy-entropy extra at each token.
+      a: >= 0, the strength of the weights.
+      shuffle: permute the raw token weights within each response first (the shuffled
+        control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A w and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("a", a)
     b = segments.local_view(batch, axis_name)
@@ -835,25 +1052,42 @@ def eapo(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = "entropy", a
                      seed=seed, axis_name=axis_name)
 
 
-# ----------------------------------------------------------------------------- e21 FIPO
+# ----------------------------------------------------------------------------- FIPO
 
 
 @register("fipo", kind="transform")
-def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprobs",
-         gamma: float = 0.99, alpha: float = 0.5, clip: float = 1.0, kl: str = "k1",
-         eps: float = 1e-8, axis_name=None) -> Advantages:
-    """FIPO: future-KL influenced token weights. [X] our formula (FIPO paper).
+def future_kl_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                       current: str = "old_logprobs", gamma: float = 0.99, alpha: float = 0.5,
+                       clip: float = 1.0, kl: str = "k1", eps: float = 1e-8,
+                       axis_name=None) -> Advantages:
+    """FIPO: future-KL influenced token weights: a token's advantage grows or shrinks with
+    the discounted policy drift of the tokens after it.
 
         kl_j = lp_theta(y_j) - lp_old(y_j)   (``current`` - ``batch.old_logprobs``; k3:
                exp(-kl) - 1 + kl)
         F_t  = sum_{j > t} gamma^{j - t} kl_j   over the trajectory's later action tokens
         A'_t = A_t (1 + alpha clip(F_t / s, -clip, clip)),  s = batch std of F (+ eps)
 
-    ``current`` names the current policy's log-probs of the sampled tokens (detached); with
-    the default ``"old_logprobs"`` (the first PPO epoch) F = 0 and this is the base estimator
-    bit for bit. s is a batch-wide statistic (psum over ``axis_name``). The weight lies in
-    [1 - alpha clip, 1 + alpha clip]; alpha clip <= 1 keeps signs (sign preservation). Not
-    mass-conserving.
+    This is our reading of the FIPO paper, which describes the step in words. With the
+    default ``current="old_logprobs"`` (the first PPO epoch) F = 0 and this is the base
+    estimator bit for bit. s is the population std over every valid action token of the batch
+    (psum over ``axis_name``). The weight lies in [1 - alpha clip, 1 + alpha clip]; alpha clip
+    <= 1 keeps signs (sign preservation). Not mass-conserving.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``old_logprobs`` and the ``current`` field, [R, T] each.
+      current: the current policy's log-probs of the sampled tokens (detached): the name of
+        an [R, T] extra, or ``"old_logprobs"``.
+      gamma: in [0, 1], the discount over later tokens.
+      alpha: >= 0, the strength of the weights (alpha clip <= 1).
+      clip: > 0, the bound on the standardised influence F_t / s.
+      kl: ``"k1"`` or ``"k3"``, the per-token KL estimator.
+      eps: > 0, added to s.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_choice("kl", kl, ("k1", "k3"))
     check_unit("gamma", gamma)
@@ -874,33 +1108,53 @@ def fipo(adv: Advantages, batch: TrajectoryBatch, *, current: str = "old_logprob
     return _set_token(adv, _base_token(adv, b) * (1.0 + alpha * ratio), b)
 
 
-# ----------------------------------------------------------------------------- e22b CRAFT CTI
+# ----------------------------------------------------------------------------- CRAFT CTI
 
 
-@register("craft_cti", kind="transform")
-def craft_cti(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-              student: str = "old_logprobs", temperature: float = 1.0, lam: float = 0.1,
-              anchor: str = "state", scale: str = "sign", axis_name=None) -> Advantages:
-    """CRAFT pillar 1 (counterfactual token importance) as an allocation add-on. [X] our formula
-    (CRAFT paper; the SNIS bootstrap after gitrxh/ADRS-arxiv
-    ``cce_utils.py``).
+@register("craft_cti", kind="transform", renamed={"lam": "weight"})
+def counterfactual_importance_bonus(adv: Advantages, batch: TrajectoryBatch, *,
+                                    teacher: str = "teacher_logprobs",
+                                    student: str = "old_logprobs", temperature: float = 1.0,
+                                    weight: float = 0.1, anchor: str = "state",
+                                    scale: str = "sign", axis_name=None) -> Advantages:
+    """CRAFT's counterfactual token importance (CTI, the first pillar of CRAFT) as an add-on:
+    how much re-weighting an anchor group's turns by the teacher's preference moves its mean
+    advantage.
 
         delta_m = sum_{t in step of m} (lp_T - lp_S)            (per turn of member m)
         w_m     = exp(delta_m / temperature)                     (SNIS over the anchor group S)
         CTI(S)  = sum_m w_m A_m / sum_m w_m - mean_m A_m
         c_t     = CTI(S(k(t))) sign(g_t)   (``scale="relative"``: CTI g_t / max_{t' in k}|g|)
-        A'_t    = A_t + lam c_t
+        A'_t    = A_t + weight c_t
 
+    This is our reading of the CRAFT paper, which describes the step in words; the
+    self-normalised importance sampling (SNIS) follows gitrxh/ADRS-arxiv ``cce_utils.py``.
     Anchor groups S: ``"state"`` = turns of one task group with equal ``state_keys`` (GiGPO
     anchors; at the first step usually the whole prompt group), ``"step"`` = turns of one task
-    group with equal turn index (note: ``distill.craft_credit(level="step")`` means the
-    ``"state"`` anchor here, and its ``credit="relative"`` divides by the trajectory's max
-    |g| where ``scale="relative"`` here divides by the turn's). Sign-changing by design (not
-    sign preservation). Equal delta in a group gives CTI = 0 exactly (A bit for bit); SNIS is
-    invariant to a constant added to a group's delta.
+    group with equal turn index (note: ``jaxrl_agent.losses.distill.craft_credit`` with
+    ``level="step"`` means the ``"state"`` anchor here, and its ``credit="relative"`` divides
+    by the trajectory's max |g| where ``scale="relative"`` here divides by the turn's).
+    Sign-changing by design (not sign preservation). Equal delta in a group gives CTI = 0
+    exactly (A bit for bit); SNIS is invariant to a constant added to a group's delta.
+    A_m is ``adv.turn`` (the token mean per turn when it is None); g_t = lp_T - lp_S.
+
+    Args:
+      adv: the base advantages (``token`` [R, T], ``turn`` [N, K]).
+      batch: the batch; reads the two log-prob fields below, [R, T] each, ``group_ids`` [N]
+        and (``anchor="state"``) ``state_keys`` [N, K].
+      teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
+      student: the student log-probs, named the same way (default the rollout's).
+      temperature: > 0, the temperature of the importance weights.
+      weight: >= 0, the coefficient of the add-on.
+      anchor: ``"state"`` or ``"step"``, the anchor groups above.
+      scale: ``"sign"`` or ``"relative"``, how CTI is spread over a turn's tokens.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_positive("temperature", temperature)
-    check_nonneg("lam", lam)
+    check_nonneg("weight", weight)
     check_choice("anchor", anchor, ("state", "step"))
     check_choice("scale", scale, ("sign", "relative"))
     b = segments.local_view(batch, axis_name)
@@ -927,12 +1181,13 @@ def craft_cti(adv: Advantages, batch: TrajectoryBatch, *, teacher: str = "teache
     else:
         gmax = _turn_max(jnp.abs(g), b)
         unit = jnp.where(gmax > 0, g / jnp.where(gmax > 0, gmax, 1.0), 0.0)
-    if lam == 0:
+    if weight == 0:
         return _set_token(adv, _base_token(adv, b), b)
-    return _set_token(adv, _base_token(adv, b) + lam * segments.turn_to_token(cti, b) * unit, b)
+    return _set_token(adv, _base_token(adv, b) + weight * segments.turn_to_token(cti, b) * unit,
+                      b)
 
 
-# ----------------------------------------------------------------------------- e11 ADRS (shaping)
+# ----------------------------------------------------------------------------- ADRS (shaping)
 
 
 def _masked_std(x, mask, axis_name, ddof):
@@ -953,12 +1208,14 @@ def _tva(alpha, reward, ids, valid, num):
     return jnp.where(valid, out[jnp.clip(ids, 0, num - 1)], 0.0)
 
 
-@register("adrs", kind="shaping")
-def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str = "step",
-         eta: float = 0.1, temperature: float = 1.0, tau: float = 2.0, baseline: str = "step",
-         normalize: str = "global", gate_norm: bool = False, gamma: float = 1.0,
-         ref: str = "ref_logprobs", target: str = "token", update_outcome: bool = True,
-         gate_field: str | None = None, axis_name=None) -> TrajectoryBatch:
+@register("adrs", kind="shaping", renamed={"gate_norm": "gate_normalize"})
+def gated_teacher_reward(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+                         tva: str = "step", eta: float = 0.1, temperature: float = 1.0,
+                         tau: float = 2.0, baseline: str = "step", normalize: str = "global",
+                         gate_normalize: bool = False, gamma: float = 1.0,
+                         ref: str = "ref_logprobs", target: str = "token",
+                         update_outcome: bool = True, gate_field: str | None = None,
+                         axis_name=None) -> TrajectoryBatch:
     """ADRS: self-distilled token reward shaping with a teacher-value-advantage gate. Pinned:
     gitrxh/ADRS-arxiv ``verl/trainer/ppo/adrs_utils.py`` (``compute_adrs_reward``).
 
@@ -969,16 +1226,16 @@ def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str 
               divided by the batch std of u (unbiased, + 1e-8; ``normalize="per_seq"``: the
               per-trajectory population std + 1e-8; ``"none"``)
         gate g (``tva``):
-          "step" (L3): alpha_s = sigmoid((mean_{t in s} lp_T - batch mean lp_T) / T) per turn;
+          "step": alpha_s = sigmoid((mean_{t in s} lp_T - batch mean lp_T) / T) per turn;
                  TVA = sum alpha R / sum alpha - sum (1-alpha) R / sum (1-alpha) over the
                  GiGPO anchor group of the turn (task group + equal ``state_keys``; < 2 turns:
                  0); R = the turn's discounted return-to-go of ``turn_rewards`` (``gamma``)
-          "completion" (L2): the same per task group with the trajectory mean lp_T and the
+          "completion": the same per task group with the trajectory mean lp_T and the
                  trajectory's total reward (turn rewards + ``extras['token_rewards']``)
-          "pas" (L1): sigmoid(tau (lp_T - lp_ref) / std) per token (std over the batch)
+          "pas": sigmoid(tau (lp_T - lp_ref) / std) per token (std over the batch)
           "none": no gate, r_t += eta u_t (the gate reported is 0.5)
-        g = sigmoid(tau TVA'), TVA' = TVA or, with ``gate_norm``, TVA / std(TVA) when the std
-        exceeds 1e-8 (sign kept).
+        g = sigmoid(tau TVA'), TVA' = TVA or, with ``gate_normalize``, TVA / std(TVA) when the
+        std exceeds 1e-8 (sign kept).
 
     Output: ``target="token"`` adds r to ``extras['token_rewards']`` (read by token-reward
     estimators: reinforce_pp, gae, ...); ``target="turn"`` adds its per-turn sums to
@@ -986,6 +1243,32 @@ def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str 
     to ``outcome`` (what verl's GRPO sums; outcome readers such as grpo). ``gate_field`` also
     stores g [R, T] in that extra (e.g. to gate a distillation loss). Batch-wide means and stds
     are psummed over ``axis_name``. eta = 0 leaves every field bit for bit.
+
+    Args:
+      batch: the batch; reads the teacher log-probs [R, T], ``turn_rewards`` [N, K],
+        ``state_keys`` [N, K] and ``group_ids`` [N] (``tva="step"``), ``turn_rewards`` and
+        ``extras['token_rewards']`` [R, T] if present (``"completion"``), the reference
+        log-probs [R, T] (``"pas"``).
+      teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
+      tva: the gate: ``"step"``, ``"completion"``, ``"pas"`` or ``"none"``.
+      eta: >= 0, the size of the shaped reward.
+      temperature: > 0, T of the gate's alpha.
+      tau: > 0, the sharpness of the gate's sigmoid.
+      baseline: ``"step"`` (the turn's mean teacher log-prob) or ``"global"`` (the batch's).
+      normalize: how u is scaled: ``"global"``, ``"per_seq"`` or ``"none"`` (above).
+      gate_normalize: divide TVA by its batch std (``"step"`` and ``"completion"`` gates).
+      gamma: in [0, 1], the discount of the return-to-go of the ``"step"`` gate.
+      ref: the reference log-probs of the ``"pas"`` gate: an [R, T] extra's name, or
+        ``"old_logprobs"``.
+      target: ``"token"`` or ``"turn"``: where the shaped reward is added.
+      update_outcome: also add each trajectory's sum of r to ``outcome``.
+      gate_field: if set, the extra that receives the gate g [R, T].
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``batch`` with ``extras['token_rewards']`` [R, T] (``target="token"``) or
+      ``turn_rewards`` [N, K] (``"turn"``) shaped, ``outcome`` [N] updated when
+      ``update_outcome``, and ``extras[gate_field]`` [R, T] when set.
     """
     check_positive("tau", tau)
     check_choice("tva", tva, ("step", "completion", "pas", "none"))
@@ -1023,7 +1306,7 @@ def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str 
         u = jnp.where(valid, u / (segments.safe_sqrt(var) + 1e-8)[seg], 0.0)
 
     def gate_from(tva_vals, where):
-        if gate_norm:
+        if gate_normalize:
             std, _ = _masked_std(tva_vals, where, axis_name, ddof=1)
             tva_vals = jnp.where(std > 1e-8, tva_vals / (std + 1e-8), tva_vals)
         return jax.nn.sigmoid(tau * tva_vals)
@@ -1079,14 +1362,16 @@ def adrs(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs", tva: str 
     return batch.replace(extras=extras, **out)
 
 
-# ----------------------------------------------------------------------------- a9 R3L (estimator)
+# ----------------------------------------------------------------------------- R3L (estimator)
 
 
-@register("r3l")
-def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", tau: float = 1.0,
-        r_max: float | None = 1.0, step_norm: bool = False, score: str = "outcome",
-        axis_name=None) -> Advantages:
-    """R3L positive amplification. Pinned: shiweijiezero/R3L
+@register("r3l", renamed={"step_norm": "normalize"})
+def positive_amplified_outcome(batch: TrajectoryBatch, *, alpha: float = 3.0,
+                               baseline: str = "mean", tau: float = 1.0,
+                               r_max: float | None = 1.0, normalize: bool = False,
+                               score: str = "outcome", axis_name=None) -> Advantages:
+    """R3L positive amplification: a group-baselined outcome whose positive part is amplified.
+    Pinned: shiweijiezero/R3L
     ``trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py``
     (``StepWiseOPMDReweightAdvAdvantageFn``).
 
@@ -1096,13 +1381,27 @@ def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", t
         b_g = mean_g R   (``baseline="logavgexp"``: tau (logsumexp_g(R / tau) - log n_g));
               a singleton group has b = 0 (as the repository)
         s_i = R_i - b_g;  s_i = 1 if R_i >= r_max;  else alpha s_i if s_i >= 0;  else s_i
-        A_i = s_i on every action token (``step_norm``: divided by the number of turns)
+        A_i = s_i on every action token (``normalize``: divided by the number of turns)
 
     ``r_max=None`` disables the success cap. ``r_max`` must be the largest possible reward
     (an R_i >= r_max below its group mean would be set to +1). Sign preservation holds; zero sum
     fails by design: positive mass is amplified by alpha (sum_{A>0} A / sum_{A<0} |A| grows by
     alpha when no R_i reaches r_max).
     The reflect-then-retry pivot mask of the paper is a loss mask of the rollout, not here.
+
+    Args:
+      batch: the batch; reads the score [N], ``group_ids`` [N] and ``turn_mask`` [N, K].
+      alpha: >= 0, the amplification of non-negative centred scores.
+      baseline: ``"mean"`` or ``"logavgexp"``, the group baseline b_g.
+      tau: > 0, the temperature of ``"logavgexp"``.
+      r_max: the success cap (the largest possible reward), or None.
+      normalize: divide each trajectory's advantage by its number of turns.
+      score: the per-trajectory score: ``"outcome"`` or the name of an [N] extra.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      Advantages: ``token`` [R, T] (A_i on every action token of trajectory i) and ``turn``
+      [N, K] (A_i on every valid turn).
     """
     from jaxrl_agent.estimators.outcome import traj_advantages
 
@@ -1131,7 +1430,7 @@ def r3l(batch: TrajectoryBatch, *, alpha: float = 3.0, baseline: str = "mean", t
     s = jnp.where(s >= 0, alpha * s, s)
     if r_max is not None:
         s = jnp.where(r >= r_max, 1.0, s)
-    if step_norm:
+    if normalize:
         s = s / jnp.maximum(jnp.sum(b.turn_mask, axis=1), 1).astype(jnp.float32)
     return traj_advantages(jnp.where(ok, s, 0.0), b)
 

@@ -124,7 +124,7 @@ class Pipeline:
     """shaping* -> estimator -> transform*, as one pure, jittable function of the batch.
 
     Each stage is ``(name, ((param, value), ...))`` (hashable: use it as a static argument).
-    ``Pipeline.build("grpo", then=[("trial", {"lam": 0.5})])`` accepts dicts.
+    ``Pipeline.build("grpo", then=[("trial", {"weight": 0.5})])`` accepts dicts.
     """
 
     estimator: tuple

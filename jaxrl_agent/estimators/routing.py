@@ -6,18 +6,28 @@ memory selections, skill-name masks, reference-graph verdicts, divergence steps,
 counterfactual and coalition values) and routes a base advantage with them. The labels are
 consumed as arrays; nothing here calls a judge.
 
-Kinds:
+Shapes: N trajectories of at most K turns, stored as R token rows of length T (see
+``jaxrl_agent.batch``). Every rule returns ``Advantages`` whose ``token`` [R, T] is zero off
+the action tokens and whose ``turn`` [N, K] is the token mean of ``token`` over each turn
+(the per-agent estimators: each turn's advantage); value targets of a base pass through.
+
+Kinds (Python name, with the registry name in parentheses):
 
 * re-allocation transforms ``f(adv, batch, *, ..., axis_name=None) -> Advantages``:
   A'_t = A_t w'_t with raw weights w >= 0 normalised by ``allocation.token_weights`` to
   token-weighted mean 1 per trajectory (mass conservation for a trajectory-constant base, sign
   preservation), constant weights giving the base bit for bit (reduction to the base estimator).
   ``shuffle=True`` permutes the raw weights within each trajectory first
-  (``allocation.shuffle_weights``, the matched-concentration
-  control): ``stamp``, ``iapo``, ``self_credit``, ``serl``, ``vict``, ``echo``, ``proas``.
-* masking / additive transforms: ``triage`` (A_i + c_role), ``skillgate`` (two disjoint
-  token channels), ``neos`` and ``ggpo`` (sign-consistent masks).
-* estimators (multi-agent, they replace the base): ``ccpo``, ``sharp``.
+  (``allocation.shuffle_weights``, the matched-concentration control):
+  ``supported_citation_reweight`` (``stamp``), ``influence_graph_reweight`` (``iapo``),
+  ``self_credit``, ``environment_relevance_reweight`` (``serl``), ``verifier_trace_reweight``
+  (``vict``), ``selected_source_boost`` (``echo``), ``progress_aware_reweight`` (``proas``).
+* masking / additive transforms: ``segment_role_bonus`` (``triage``, A_i + c_role),
+  ``skill_channel_credit`` (``skillgate``, two disjoint token channels),
+  ``divergence_step_blame`` (``neos``) and ``redundant_credit_pruning`` (``ggpo``)
+  (sign-consistent masks).
+* estimators (multi-agent, they replace the base): ``counterfactual_agent_advantage``
+  (``ccpo``), ``shapley_agent_advantage`` (``sharp``).
 * plain functions: ``triage_constants`` (the projection form of TRIAGE),
   ``shapley_values`` (exact Shapley values from coalition values), ``grse_credit``.
 
@@ -26,6 +36,9 @@ of ``adv.token`` over the trajectory's action tokens (exactly the base value's s
 trajectory-level base such as GRPO); weights then multiply the base per token, so a
 turn-level base keeps its shape inside each weight. Success/failure of a rollout means
 A_i > 0 / A_i < 0. Every label is wrapped in ``stop_gradient``.
+
+Where a docstring says a formula is our reading of a paper, the paper describes that step in
+words and the formula is this library's rendering of it.
 """
 
 from __future__ import annotations
@@ -137,15 +150,16 @@ def _with_token(adv, tok, b):
     return adv.replace(token=tok, turn=turn)
 
 
-# ----------------------------------------------------------------------------- e3 STAMP
+# ----------------------------------------------------------------------------- STAMP
 
 
 @register("stamp", kind="transform")
-def stamp(adv: Advantages, batch: TrajectoryBatch, *, citations: str = "supported_citations",
-          alpha: float = 1.0, shuffle: bool = False, seed: int = 0,
-          axis_name=None) -> Advantages:
-    """STAMP provenance-based step credit [X]: STAMP, sign-preserving
-    modulation by supported citations.
+def supported_citation_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                                citations: str = "supported_citations", alpha: float = 1.0,
+                                shuffle: bool = False, seed: int = 0,
+                                axis_name=None) -> Advantages:
+    """STAMP provenance-based step credit: sign-preserving modulation of each step by the
+    supported citations it first exposed.
 
     c_k = ``extras[citations]`` [N, K]: the number of supported cited documents whose first
     exposure was step k (the verifier and the first-exposure attribution run on the host;
@@ -154,9 +168,22 @@ def stamp(adv: Advantages, batch: TrajectoryBatch, *, citations: str = "supporte
         c~_k = c_k / max(1, sum_k c_k),   m_k = 1 + alpha c~_k,
         A'_t = A_t m'_k(t),  m' = m at token-weighted mean 1 per trajectory.
 
-    The trajectory mean is kept (mass conservation), so the ranking of trajectory means within a
-    group is that of A_i; m > 0 (sign preservation); no supported citation (or alpha = 0) gives
-    the base exactly (reduction to the base estimator).
+    This is our reading of the STAMP paper, which describes the step in words. The trajectory
+    mean is kept (mass conservation), so the ranking of trajectory means within a group is
+    that of A_i; m > 0 (sign preservation); no supported citation (or alpha = 0) gives the
+    base exactly (reduction to the base estimator).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[citations]`` [N, K].
+      citations: the name of that extra.
+      alpha: >= 0, the strength of the modulation.
+      shuffle: permute the raw weights within each trajectory first (the shuffled control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -166,7 +193,7 @@ def stamp(adv: Advantages, batch: TrajectoryBatch, *, citations: str = "supporte
     return _route(adv, m, b, batch, shuffle, seed, axis_name)
 
 
-# ----------------------------------------------------------------------------- e5 IAPO
+# ----------------------------------------------------------------------------- IAPO
 
 
 def influence_degrees(edges, b: TrajectoryBatch, *, num_types: int = 2, dedup: bool = True):
@@ -202,11 +229,12 @@ def influence_degrees(edges, b: TrajectoryBatch, *, num_types: int = 2, dedup: b
 
 
 @register("iapo", kind="transform")
-def iapo(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges", alpha: float = 1.0,
-         beta: float = 1.0, dedup: bool = True, shuffle: bool = False, seed: int = 0,
-         axis_name=None) -> Advantages:
-    """IAPO, Influence-Aware Policy Optimization [X]: routing over a typed
-    influence graph of the trajectory's actions.
+def influence_graph_reweight(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges",
+                             alpha: float = 1.0, beta: float = 1.0, dedup: bool = True,
+                             shuffle: bool = False, seed: int = 0,
+                             axis_name=None) -> Advantages:
+    """IAPO (Influence-Aware Policy Optimization): routing over a typed influence graph of
+    the trajectory's actions.
 
     ``extras[edges]`` [N, E, 3] = (src_turn, dst_turn, type) from a parser or judge, type 0 =
     support-use (dst correctly used information src produced), 1 = failed-use (dst misused
@@ -216,11 +244,26 @@ def iapo(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges", alpha
         A_i < 0:  u_k = 1 + alpha outdeg_failed(k) + beta indeg_failed(k)
         A'_t = A_t u'_k(t),  u' = u at token-weighted mean 1 per trajectory.
 
-    Duplicate edges: with ``dedup=True`` (default) a repeated (src, dst, type) counts once,
-    so the weights are invariant to duplicated edges; ``dedup=False`` counts multiplicity
-    (a judge that repeats an edge means it more). Mass conservation, sign preservation; a failed
+    This is our reading of the IAPO paper, which describes the step in words. Duplicate
+    edges: with ``dedup=True`` (default) a repeated (src, dst, type) counts once, so the
+    weights are invariant to duplicated edges; ``dedup=False`` counts multiplicity (a judge
+    that repeats an edge means it more). Mass conservation, sign preservation; a failed
     trajectory without edges, and a successful one without edges when beta = 0, gets the base
     exactly (reduction to the base estimator).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[edges]`` [N, E, 3] int.
+      edges: the name of that extra.
+      alpha: >= 0, the weight of an out-degree.
+      beta: >= 0, the weight of the final action (success) or of an in-degree (failure).
+      dedup: count a repeated edge once.
+      shuffle: permute the raw weights within each trajectory first (the shuffled control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("alpha", alpha)
     check_nonneg("beta", beta)
@@ -238,7 +281,7 @@ def iapo(adv: Advantages, batch: TrajectoryBatch, *, edges: str = "edges", alpha
     return _route(adv, u, b, batch, shuffle, seed, axis_name)
 
 
-# ----------------------------------------------------------------------------- e7 Self-Credit
+# ----------------------------------------------------------------------------- Self-Credit
 
 
 def citation_rates(cite, success, failure, b: TrajectoryBatch):
@@ -275,7 +318,7 @@ def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
                 alpha: float = 1.0, alpha_fail: float = 0.5, w_min: float = 0.1,
                 variant: str = "reweight", shuffle: bool = False, seed: int = 0,
                 axis_name=None) -> Advantages:
-    """Self-Credit, self-generated citations with intra-group rescaling [X].
+    """Self-Credit: self-generated citations with intra-group rescaling.
 
     ``extras[cite]`` [N, K] (> 0.5: the policy's summary cites turn k); cited turns are
     matched across the rollouts of a group by ``action_keys`` (e.g. the canonical search
@@ -287,9 +330,27 @@ def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
         A'_t = A_t w_k(t)        (variant "reweight", the default: cited turns change)
         A'_t = A_t w'_k(t)       (variant "conserve": w' at token mean 1 per trajectory)
 
-    sign preservation (w >= w_min > 0 or w_min = 0); no citation gives the base exactly
-    (reduction to the base estimator). Symmetry: a key cited at equal rates by both sides (s_a =
-    f_a) keeps w = 1 in successful rollouts.
+    This is our reading of the Self-Credit paper, which describes the step in words. Sign
+    preservation (w >= w_min > 0 or w_min = 0); no citation gives the base exactly (reduction
+    to the base estimator). Symmetry: a key cited at equal rates by both sides (s_a = f_a)
+    keeps w = 1 in successful rollouts.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[cite]`` [N, K], ``action_keys`` [N, K] and
+        ``group_ids`` [N].
+      cite: the name of the citation extra.
+      alpha: >= 0, the boost of a cited turn in a successful rollout.
+      alpha_fail: >= 0, the cut of a cited turn in a failed rollout.
+      w_min: in [0, 1], the smallest weight of a cited turn in a failed rollout.
+      variant: ``"reweight"`` (weights as they are) or ``"conserve"`` (weights at token mean
+        1 per trajectory).
+      shuffle: permute the turn weights within each trajectory first (the shuffled control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("alpha", alpha)
     check_nonneg("alpha_fail", alpha_fail)
@@ -309,7 +370,7 @@ def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
     return _scale(adv, _maybe_shuffle(w, batch, shuffle, seed, axis_name), b)
 
 
-# ----------------------------------------------------------------------------- e8 TRIAGE
+# ----------------------------------------------------------------------------- TRIAGE
 
 
 def _roles(b, role, who):
@@ -321,11 +382,11 @@ def _roles(b, role, who):
 
 
 @register("triage", kind="transform")
-def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound: float = 0.5,
-           c_progress: float = 1.0, c_exploration: float = 0.5,
-           c_infrastructure: float = 0.0, c_regression: float = -1.0,
-           sign_consistent: bool = False, axis_name=None) -> Advantages:
-    """TRIAGE role-typed credit [X]: bounded segment rewards from role labels.
+def segment_role_bonus(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role",
+                       bound: float = 0.5, c_progress: float = 1.0, c_exploration: float = 0.5,
+                       c_infrastructure: float = 0.0, c_regression: float = -1.0,
+                       sign_consistent: bool = False, axis_name=None) -> Advantages:
+    """TRIAGE role-typed credit: bounded segment rewards from role labels.
 
     ``extras[role]`` [N, K] in {0: decisive progress P, 1: useful exploration E, 2:
     no-progress infrastructure I, 3: regression R} (a structured judge's labels; any other
@@ -334,12 +395,26 @@ def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound
         A'_t = A_t + bound * c_role(k(t)),   c = (c_progress, c_exploration,
                                                   c_infrastructure, c_regression)
 
-    defaults c = (+1, +1/2, 0, -1) (the paper's (+b, +b/2, 0, -b)), each in [-1, 1], so
+    This is our reading of the TRIAGE paper, which describes the step in words. Defaults
+    c = (+1, +1/2, 0, -1) (the paper's (+b, +b/2, 0, -b)), each in [-1, 1], so
     |A' - A| <= bound (bounds). ``sign_consistent=True`` keeps the verifier's direction: A' is
     clipped to [0, inf) when A_i > 0 and to (-inf, 0] when A_i < 0 (and set to 0 when
     A_i = 0), so no step of a successful trajectory turns negative nor of a failed one
     positive (sign preservation). All-infrastructure labels give the base exactly (reduction to
     the base estimator). The data-driven constants are ``triage_constants``.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[role]`` [N, K] (integers 0..3).
+      role: the name of that extra.
+      bound: >= 0, b: the largest change of an advantage.
+      c_progress, c_exploration, c_infrastructure, c_regression: each in [-1, 1], the
+        constant of each role, in units of ``bound``.
+      sign_consistent: clip A' to the sign of A_i (above).
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("bound", bound)
     for name, v in (("c_progress", c_progress), ("c_exploration", c_exploration),
@@ -360,7 +435,7 @@ def triage(adv: Advantages, batch: TrajectoryBatch, *, role: str = "role", bound
 
 def triage_constants(target, base, batch: TrajectoryBatch, *, role: str = "role",
                      axis_name=None):
-    """TRIAGE's data-driven constants (the projection form) [X].
+    """TRIAGE's data-driven constants (the projection form; our reading of the TRIAGE paper).
 
         c_rho = mean over valid turns with role rho of (A*_k - A_k)
 
@@ -372,7 +447,8 @@ def triage_constants(target, base, batch: TrajectoryBatch, *, role: str = "role"
 
     Returns:
       [4] float32, the constants in ``ROLES`` order, in advantage units (pass
-      c / bound to ``triage`` as the c_* hyper-parameters).
+      c / bound to ``segment_role_bonus``, registered as ``triage``, as the c_*
+      hyper-parameters).
     """
     b = segments.local_view(batch, axis_name)
     r, known = _roles(b, role, "triage_constants")
@@ -385,15 +461,16 @@ def triage_constants(target, base, batch: TrajectoryBatch, *, role: str = "role"
     return jnp.where(cnt > 0, num / jnp.maximum(cnt, 1.0), 0.0)
 
 
-# ----------------------------------------------------------------------------- e14, e15, e16
+# ----------------------------------------------------------------------------- SERL, VICT, ECHO
 
 
 @register("serl", kind="transform")
-def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance",
-         alpha: float = 1.0, shuffle: bool = False, seed: int = 0,
-         axis_name=None) -> Advantages:
-    """SERL selective environment-reweighted learning [S]: the task reward sets
-    the direction, environment feedback the placement.
+def environment_relevance_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                                   relevance: str = "relevance", alpha: float = 1.0,
+                                   shuffle: bool = False, seed: int = 0,
+                                   axis_name=None) -> Advantages:
+    """SERL (selective environment-reweighted learning): the task reward sets the direction,
+    environment feedback the placement.
 
     ``extras[relevance]`` [N, K] or [R, T] >= 0 (e.g. an error right after the action, or
     the divergence from a reference trajectory):
@@ -402,6 +479,18 @@ def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance
 
     Mass conservation, sign preservation; constant relevance or alpha = 0 gives the base exactly
     (reduction to the base estimator).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[relevance]``, per turn [N, K] or per token [R, T].
+      relevance: the name of that extra.
+      alpha: >= 0, the strength of the weights.
+      shuffle: permute the raw weights within each trajectory first (the shuffled control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -412,21 +501,37 @@ def serl(adv: Advantages, batch: TrajectoryBatch, *, relevance: str = "relevance
 
 
 @register("vict", kind="transform")
-def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
-         complete: str | None = "trace_complete", alpha: float = 1.0, shuffle: bool = False,
-         seed: int = 0, axis_name=None) -> Advantages:
-    """VICT, Verifier-Instrumented Credit Tracing [X].
+def verifier_trace_reweight(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
+                            complete: str | None = "trace_complete", alpha: float = 1.0,
+                            shuffle: bool = False, seed: int = 0,
+                            axis_name=None) -> Advantages:
+    """VICT (Verifier-Instrumented Credit Tracing): turn weights from the verifier atoms
+    traced to each turn.
 
     ``extras[atoms]`` [N, K]: the number of verifier atoms traced to turn k along
-    dependency-valid proof edges (the tracing runs on the host); ``extras[complete]`` [N]:
-    1 when the trace is complete and unambiguous, 0 to abstain (``complete=None``: every
-    trace counts as complete).
+    dependency-valid proof edges (the tracing runs on the host; negative counts are read as
+    0); ``extras[complete]`` [N]: 1 when the trace is complete and unambiguous, 0 to abstain
+    (``complete=None``: every trace counts as complete).
 
         complete:  w_k = 1 + alpha #atoms_k,  A'_t = A_t w'_k(t)  (w' at token mean 1)
         abstain:   A' = A (uniform credit, the base bit for bit)
 
-    Mass conservation, sign preservation, reduction to the base estimator (abstain, no atoms or
+    This is our reading of the VICT paper, which describes the step in words. Mass
+    conservation, sign preservation, reduction to the base estimator (abstain, no atoms or
     alpha = 0 give the base exactly).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[atoms]`` [N, K] and ``extras[complete]`` [N].
+      atoms: the name of the atom-count extra.
+      complete: the name of the trace-complete extra, or None.
+      alpha: >= 0, the weight of an atom.
+      shuffle: permute the raw weights within each trajectory first (the shuffled control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -441,38 +546,56 @@ def vict(adv: Advantages, batch: TrajectoryBatch, *, atoms: str = "atoms",
     return _route(adv, w, b, batch, shuffle, seed, axis_name)
 
 
-@register("echo", kind="transform")
-def echo(adv: Advantages, batch: TrajectoryBatch, *, selected: str = "selected",
-         eta: float = 1.0, renormalize: bool = False, shuffle: bool = False, seed: int = 0,
-         axis_name=None) -> Advantages:
-    """ECHO source-indexed credit routing [X].
+@register("echo", kind="transform", renamed={"renormalize": "normalize"})
+def selected_source_boost(adv: Advantages, batch: TrajectoryBatch, *,
+                          selected: str = "selected", eta: float = 1.0,
+                          normalize: bool = False, shuffle: bool = False, seed: int = 0,
+                          axis_name=None) -> Advantages:
+    """ECHO source-indexed credit routing: a successful answer's credit is raised on the
+    turns it selected as sources.
 
     ``extras[selected]`` [N, K] (> 0.5: turn k is a memory source selected into the rebuilt
     context, or a selection action, of a successful answer).
 
         A_i > 0:  w_k = 1 + eta [k selected];  A_i <= 0: w_k = 1
-        A'_t = A_t w_k(t)   (``renormalize=True``: w at token mean 1 per trajectory)
+        A'_t = A_t w_k(t)   (``normalize=True``: w at token mean 1 per trajectory)
 
-    sign preservation; failed trajectories are unchanged bit for bit.
+    This is our reading of the ECHO paper, which describes the step in words. Sign
+    preservation; failed trajectories are unchanged bit for bit.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[selected]`` [N, K].
+      selected: the name of that extra.
+      eta: >= 0, the boost of a selected turn.
+      normalize: rescale w to token mean 1 per trajectory (mass conservation).
+      shuffle: permute the raw weights within each trajectory first (the shuffled control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("eta", eta)
     b = segments.local_view(batch, axis_name)
     sel = _turn_signal(b, selected, "echo", "1 where turn k is a selected source, [N, K]") > 0.5
     pos = trajectory_advantage(adv, b)[:, None] > 0
     w = jnp.where(segments.valid_turns(b), jnp.where(pos & sel, 1.0 + eta, 1.0), 0.0)
-    if renormalize:
+    if normalize:
         return _route(adv, w, b, batch, shuffle, seed, axis_name)
     return _scale(adv, _maybe_shuffle(w, batch, shuffle, seed, axis_name), b)
 
 
-# ----------------------------------------------------------------------------- e17 SkillGate
+# ----------------------------------------------------------------------------- SkillGate
 
 
 @register("skillgate", kind="transform")
-def skillgate(adv: Advantages, batch: TrajectoryBatch, *, skill_mask: str = "skill_mask",
-              read_correct: str = "read_correct", normalize: str = "group",
-              eps: float = 1e-6, axis_name=None) -> Advantages:
-    """SkillGate, two disjoint credit channels [S].
+def skill_channel_credit(adv: Advantages, batch: TrajectoryBatch, *,
+                         skill_mask: str = "skill_mask", read_correct: str = "read_correct",
+                         normalize: str = "group", eps: float = 1e-6,
+                         axis_name=None) -> Advantages:
+    """SkillGate: two disjoint credit channels, the outcome on the execution tokens and a
+    skill-selection score on the skill-naming tokens.
 
     ``extras[skill_mask]`` [R, T] (true on the skill-naming tokens), ``extras[read_correct]``
     [N] (+1 a single read of the correct skill, -1 a wrong read, 0 multiple or no reads).
@@ -482,7 +605,21 @@ def skillgate(adv: Advantages, batch: TrajectoryBatch, *, skill_mask: str = "ski
     the execution tokens being action tokens outside the skill mask. a_sel =
     ``normalize="group"``: (x_i - mean_g x) / (std_g x + eps) over the group (unbiased std;
     0 for a singleton); ``"raw"``: read_correct itself. The two token sets are disjoint: the
-    outcome never touches a skill token and a_sel never an execution token.
+    outcome never touches a skill token and a_sel never an execution token
+    (``skillgate_channels`` returns them).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[skill_mask]`` [R, T], ``extras[read_correct]`` [N]
+        and ``group_ids`` [N].
+      skill_mask: the name of the skill-token mask extra.
+      read_correct: the name of the skill-read score extra.
+      normalize: ``"group"`` (standardise x within each group) or ``"raw"``.
+      eps: > 0, added to the group std.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_choice("normalize", normalize, ("group", "raw"))
     _check_eps(eps)
@@ -503,32 +640,48 @@ def skillgate(adv: Advantages, batch: TrajectoryBatch, *, skill_mask: str = "ski
 
 
 def skillgate_channels(batch: TrajectoryBatch, *, skill_mask: str = "skill_mask"):
-    """The two token channels of ``skillgate``: (execution [R, T], skill [R, T]) bool,
-    disjoint, their union the action mask."""
+    """The two token channels of ``skill_channel_credit`` (``skillgate``): (execution [R, T],
+    skill [R, T]) bool, disjoint, their union the action mask."""
     mask = require(batch, skill_mask, "skillgate", "skill-naming token mask [R, T]")
     skill = batch.action_mask & (jnp.asarray(mask) > 0.5 if mask.dtype != bool else mask)
     return batch.action_mask & ~skill, skill
 
 
-# ----------------------------------------------------------------------------- e18 ProAS
+# ----------------------------------------------------------------------------- ProAS
 
 
 @register("proas", kind="transform")
-def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasonable",
-          deviation: str = "deviation", alpha: float = 1.0, beta: float = 0.5,
-          shuffle: bool = False, seed: int = 0, axis_name=None) -> Advantages:
-    """ProAS progress-aware advantage shaping with an Agentic Reference Graph
-    [X]. The reference-graph verdicts are host-side labels: ``extras[reasonable]`` [N, K]
-    (> 0.5: the transition lies on a reasonable reference path) and ``extras[deviation]``
-    [N, K] >= 0 (downstream deviations caused by the action; > 0 marks a deviating action).
+def progress_aware_reweight(adv: Advantages, batch: TrajectoryBatch, *,
+                            reasonable: str = "reasonable", deviation: str = "deviation",
+                            alpha: float = 1.0, beta: float = 0.5, shuffle: bool = False,
+                            seed: int = 0, axis_name=None) -> Advantages:
+    """ProAS progress-aware advantage shaping with an Agentic Reference Graph. The
+    reference-graph verdicts are host-side labels: ``extras[reasonable]`` [N, K] (> 0.5: the
+    transition lies on a reasonable reference path) and ``extras[deviation]`` [N, K] >= 0
+    (downstream deviations caused by the action; > 0 marks a deviating action).
 
         MUI (A_i > 0):  A'_t = A_t [reasonable_k(t)]     (unreasonable actions get 0)
         APR (A_i < 0):  w_k = 1 + alpha dev_k (deviating), 1 - beta (reasonable, not
                         deviating), 1 (otherwise);  A'_t = A_t w'_k(t), w' at token mean 1
         A_i = 0: unchanged.
 
-    MUI only removes positive mass; APR keeps the trajectory's mass and signs (sign preservation,
-    beta <= 1). ``shuffle`` permutes the APR weights.
+    This is our reading of the ProAS paper, which describes the step in words. MUI only
+    removes positive mass; APR keeps the trajectory's mass and signs (sign preservation,
+    beta <= 1).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[reasonable]`` and ``extras[deviation]``, [N, K] each.
+      reasonable: the name of the reasonable-transition extra.
+      deviation: the name of the deviation-count extra (negative values count as 0).
+      alpha: >= 0, the weight of a downstream deviation (failed rollouts).
+      beta: in [0, 1], the cut of a reasonable, non-deviating action (failed rollouts).
+      shuffle: permute the APR weights within each trajectory first (the shuffled control).
+      seed: the seed of that permutation.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_nonneg("alpha", alpha)
     check_unit("beta", beta)
@@ -547,23 +700,38 @@ def proas(adv: Advantages, batch: TrajectoryBatch, *, reasonable: str = "reasona
     return apply_token_weights(adv, w, b)
 
 
-# ----------------------------------------------------------------------------- e22 Neos, GGPO
+# ----------------------------------------------------------------------------- Neos, GGPO
 
 
 @register("neos", kind="transform")
-def neos(adv: Advantages, batch: TrajectoryBatch, *, divergence: str = "divergence_step",
-         after: str = "keep", axis_name=None) -> Advantages:
-    """Neos reference-guided credit [X]. ``extras[divergence]`` [N]: the first
-    critical divergence step of a failed search from an aligned verified successful
-    trajectory of the same task (the alignment runs on the host); < 0 (or past the last
-    turn) when there is none.
+def divergence_step_blame(adv: Advantages, batch: TrajectoryBatch, *,
+                          divergence: str = "divergence_step", after: str = "keep",
+                          axis_name=None) -> Advantages:
+    """Neos reference-guided credit: a failed search is blamed from its first critical
+    divergence from a successful reference on, not before.
+
+    ``extras[divergence]`` [N]: the first critical divergence step of a failed search from an
+    aligned verified successful trajectory of the same task (the alignment runs on the host);
+    < 0 (or past the last turn) when there is none.
 
     For a failed trajectory (A_i < 0) with a divergence step d:
         k < d:  A'_k = max(A_i, 0) = 0    (the shared prefix is not blamed)
         k = d:  A'_k = A_k                (the divergence step takes the full penalty)
         k > d:  A'_k = A_k (``after="keep"``) or 0 (``after="zero"``)
-    Successful trajectories and failed ones without a divergence are unchanged. Only zeroes
-    entries, so signs are kept (sign preservation).
+
+    This is our reading of the Neos paper, which describes the step in words. Successful
+    trajectories and failed ones without a divergence are unchanged. Only zeroes entries, so
+    signs are kept (sign preservation).
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[divergence]`` [N] (rounded to an integer turn index).
+      divergence: the name of that extra.
+      after: ``"keep"`` or ``"zero"``: the credit of the turns after the divergence step.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     check_choice("after", after, ("keep", "zero"))
     b = segments.local_view(batch, axis_name)
@@ -579,15 +747,27 @@ def neos(adv: Advantages, batch: TrajectoryBatch, *, divergence: str = "divergen
 
 
 @register("ggpo", kind="transform")
-def ggpo(adv: Advantages, batch: TrajectoryBatch, *, redundant: str = "redundant",
-         axis_name=None) -> Advantages:
-    """VimRAG graph-guided policy optimization's pruning rule [X].
+def redundant_credit_pruning(adv: Advantages, batch: TrajectoryBatch, *,
+                             redundant: str = "redundant", axis_name=None) -> Advantages:
+    """VimRAG graph-guided policy optimization's (GGPO) pruning rule: no positive credit on
+    steps pruned as redundant.
+
     ``extras[redundant]`` [N, K] or [R, T] (> 0.5: the memory-graph node of the turn or
     token was pruned as redundant):
 
         A'_t = min(A_t, 0) on redundant tokens, A_t elsewhere
 
-    (no positive credit for redundant steps; penalties are kept). Sign preservation.
+    This is our reading of the VimRAG paper, which describes the rule in words. Penalties are
+    kept. Sign preservation.
+
+    Args:
+      adv: the base advantages (``token`` [R, T]).
+      batch: the batch; reads ``extras[redundant]``, per turn [N, K] or per token [R, T].
+      redundant: the name of that extra.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
     b = segments.local_view(batch, axis_name)
     red = _turn_signal(b, redundant, "ggpo", "1 on pruned redundant turns [N, K] or tokens "
@@ -597,7 +777,7 @@ def ggpo(adv: Advantages, batch: TrajectoryBatch, *, redundant: str = "redundant
     return _with_token(adv, jnp.where(red, jnp.minimum(adv.token, 0.0), adv.token), b)
 
 
-# ----------------------------------------------------------------------------- e23 multi-agent
+# ----------------------------------------------------------------------------- multi-agent
 
 
 def _agents(b, agent, num_agents, who):
@@ -632,23 +812,40 @@ def _agent_advantages(turn, b):
     return Advantages(token=segments.turn_to_token(turn, b), turn=turn)
 
 
-@register("ccpo")
-def ccpo(batch: TrajectoryBatch, *, agent: str = "agent",
-         counterfactual: str = "counterfactual_outcome", lam: float = 1.0, eps: float = 1e-6,
-         ddof: int = 1, axis_name=None) -> Advantages:
-    """CCPO counterfactual credit for multi-agent teams [X]; an estimator.
+@register("ccpo", renamed={"lam": "weight"})
+def counterfactual_agent_advantage(batch: TrajectoryBatch, *, agent: str = "agent",
+                                   counterfactual: str = "counterfactual_outcome",
+                                   weight: float = 1.0, eps: float = 1e-6, ddof: int = 1,
+                                   axis_name=None) -> Advantages:
+    """CCPO counterfactual credit for multi-agent teams; an estimator. Each agent's reward
+    adds what the team loses without it, then GRPO runs per (group, agent).
 
     ``extras[agent]`` [N, K]: the agent acting at turn k (0..A-1); ``extras[counterfactual]``
     [N, A]: R(team without agent a), from re-executing the pipeline without it (or with a
     null output) on the host; R = ``outcome``.
 
-        c_a = R - R_without_a,   R_a = R + lam c_a,
+        c_a = R - R_without_a,   R_a = R + weight c_a,
         A_{i,k} = GRPO of R_{., agent(k)} within (group, agent)  (``per_agent_group_advantage``)
 
-    An agent whose removal leaves R unchanged gets c_a = 0 (R_a = R); lam = 0 gives GRPO of
-    R within each (group, agent).
+    This is our reading of the CCPO paper, which describes the step in words. An agent whose
+    removal leaves R unchanged gets c_a = 0 (R_a = R); weight = 0 gives GRPO of R within each
+    (group, agent).
+
+    Args:
+      batch: the batch; reads ``outcome`` [N], ``group_ids`` [N], ``extras[agent]`` [N, K]
+        and ``extras[counterfactual]`` [N, A].
+      agent: the name of the acting-agent extra (integer ids; others count as unknown).
+      counterfactual: the name of the team-outcome-without-each-agent extra.
+      weight: >= 0, the weight of the counterfactual contribution c_a.
+      eps: > 0, added to the group std.
+      ddof: 0 or 1, the std's delta degrees of freedom (1: unbiased).
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      Advantages: ``turn`` [N, K] (each turn gets its acting agent's advantage, 0 for an
+      unknown agent) and ``token`` [R, T] (the turn's value on its action tokens).
     """
-    check_nonneg("lam", lam)
+    check_nonneg("weight", weight)
     _check_eps(eps)
     if ddof not in (0, 1):
         raise ValueError(f"ddof must be 0 or 1, got {ddof}")
@@ -656,7 +853,7 @@ def ccpo(batch: TrajectoryBatch, *, agent: str = "agent",
     without = _traj_signal(batch, axis_name, counterfactual, "ccpo",
                            "team outcome without agent a, [N, A]", vector=True)
     r = jax.lax.stop_gradient(b.outcome)[:, None]
-    ra = r + lam * (r - without)
+    ra = r + weight * (r - without)
     ag, known = _agents(b, agent, without.shape[1], "ccpo")
     return _agent_advantages(per_agent_group_advantage(ra, ag, known, b, eps=eps, ddof=ddof), b)
 
@@ -695,11 +892,12 @@ def shapley_values(v):
 
 
 @register("sharp")
-def sharp(batch: TrajectoryBatch, *, agent: str = "agent",
-          coalition_values: str = "coalition_values", beta: float = 1.0,
-          tool_rewards: str | None = None, delta: float = 0.0, eps: float = 1e-6,
-          ddof: int = 1, axis_name=None) -> Advantages:
-    """SHARP Shapley credit for multi-agent teams [X]; an estimator.
+def shapley_agent_advantage(batch: TrajectoryBatch, *, agent: str = "agent",
+                            coalition_values: str = "coalition_values", beta: float = 1.0,
+                            tool_rewards: str | None = None, delta: float = 0.0,
+                            eps: float = 1e-6, ddof: int = 1, axis_name=None) -> Advantages:
+    """SHARP Shapley credit for multi-agent teams; an estimator. Each agent's reward adds its
+    exact Shapley value from coalition values, then GRPO runs per (group, agent).
 
     ``extras[agent]`` [N, K] (acting agent per turn, 0..n-1); ``extras[coalition_values]``
     [N, 2^n] (v(S) per coalition bitmask S, from re-executions on the host);
@@ -708,7 +906,25 @@ def sharp(batch: TrajectoryBatch, *, agent: str = "agent",
         R_a = R_global + beta phi_a + delta r_tool,a,   phi = ``shapley_values(v)``
         A_{i,k} = GRPO of R_{., agent(k)} within (group, agent)  (advantages per agent)
 
+    This is our reading of the SHARP paper, which describes the step in words.
     beta = delta = 0 gives GRPO of R within each (group, agent).
+
+    Args:
+      batch: the batch; reads ``outcome`` [N], ``group_ids`` [N], ``extras[agent]`` [N, K],
+        ``extras[coalition_values]`` [N, 2^n] (1 <= n <= 16) and, if named,
+        ``extras[tool_rewards]`` [N, n].
+      agent: the name of the acting-agent extra (integer ids; others count as unknown).
+      coalition_values: the name of the coalition-value extra.
+      beta: >= 0, the weight of the Shapley value.
+      tool_rewards: the name of the per-agent tool-reward extra, or None.
+      delta: >= 0, the weight of the tool reward.
+      eps: > 0, added to the group std.
+      ddof: 0 or 1, the std's delta degrees of freedom (1: unbiased).
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      Advantages: ``turn`` [N, K] (each turn gets its acting agent's advantage, 0 for an
+      unknown agent) and ``token`` [R, T] (the turn's value on its action tokens).
     """
     check_nonneg("beta", beta)
     check_nonneg("delta", delta)
@@ -732,7 +948,8 @@ def sharp(batch: TrajectoryBatch, *, agent: str = "agent",
 
 
 def grse_credit(batch: TrajectoryBatch, *, active: str = "pair_active", axis_name=None):
-    """GRSE (agent, skill) pair credit [X]; a function, no weight update.
+    """GRSE (agent, skill) pair credit (our reading of the GRSE paper); a plain function, no
+    weight update.
 
     ``extras[active]`` [N, P] (> 0.5: pair p was active in the execution); over the repeated
     executions of one question (a group):

@@ -636,11 +636,11 @@ def efca_weights(batch: TrajectoryBatch, *, feedback: str = "feedback", fb_coef:
     return jnp.where(valid, w, 0.0)
 
 
-@register("efca", kind="transform")
+@register("efca", kind="transform", renamed={"renormalize": "normalize"})
 def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
                                 feedback: str = "feedback", fb_coef: float = 0.5,
                                 loop_coef: float = 0.5, window: int = 3, w_min: float = 0.0,
-                                w_max: float = 2.0, renormalize: bool = False,
+                                w_max: float = 2.0, normalize: bool = False,
                                 axis_name=None) -> Advantages:
     """EFCA: Environmental-Feedback Credit Assignment, multi-timescale.
 
@@ -648,7 +648,7 @@ def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
     return reweighting applied to the base advantage, A'[i, k] = w_k A[i, k] with w from
     ``efca_weights`` (short-term feedback and medium-term loop/stall signals). For a
     trajectory-level base A_i = A(R_i) this is the advantage of the reweighted return
-    w_k G_k up to the baseline. ``renormalize=True`` rescales w to token mean 1 per
+    w_k G_k up to the baseline. ``normalize=True`` rescales w to token mean 1 per
     trajectory first (``allocation.token_weights``): an allocation, so mass conservation and
     sign preservation hold.
     fb_coef = loop_coef = 0 gives the base exactly (reduction to the base estimator) when w_min
@@ -664,7 +664,7 @@ def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
       window: int >= 0, how many earlier turns a repeated (state, action) is looked for in.
       w_min: lower clip of w, >= 0.
       w_max: upper clip of w, >= w_min.
-      renormalize: rescale w to token mean 1 per trajectory.
+      normalize: rescale w to token mean 1 per trajectory.
       axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
 
     Returns:
@@ -673,7 +673,7 @@ def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
     b = segments.local_view(batch, axis_name)
     w = efca_weights(b, feedback=feedback, fb_coef=fb_coef, loop_coef=loop_coef, window=window,
                      w_min=w_min, w_max=w_max)
-    if renormalize:
+    if normalize:
         return allocation.apply_token_weights(adv, allocation.token_weights(w, b), b)
     return _scale_turns(adv, b, jnp.where(_valid(b), w, 1.0))
 

@@ -1,7 +1,8 @@
-"""Slow references for family (e), jaxrl_agent/estimators/allocation.py: the allocation
-primitive (``reallocate``, ``shuffled_control``), the re-allocation and add-on transforms, the
-ADRS shaping and the R3L estimator. Plain Python loops over records, turns and tokens in
-float64, written from the docstring formulas; nothing here imports the library.
+"""Slow references for jaxrl_agent/estimators/allocation.py: the allocation primitive
+(``reallocate``, ``shuffled_control``), the re-allocation and add-on transforms, the ADRS
+shaping and the R3L estimator. Plain Python loops over records, turns and tokens in float64,
+written from the docstring formulas; nothing here imports the library. Each reference is
+named by its method's registry name and takes the same hyper-parameters.
 
 Signatures (all return a ``RefOut`` of tests.reference.estimators_ref):
 
@@ -241,7 +242,7 @@ def _turn_base(base):
     return [[sum(v) / len(v) for v in rec] for rec in base]
 
 
-def trial(records, base, *, teacher="teacher_logprobs", student="old_logprobs", lam=0.1,
+def trial(records, base, *, teacher="teacher_logprobs", student="old_logprobs", weight=0.1,
           shuffle=False, seed=0, traj_index=None):
     trajs = parse(records)
     gaps = [_gap(tr, teacher, student) for tr in trajs]
@@ -251,7 +252,7 @@ def trial(records, base, *, teacher="teacher_logprobs", student="old_logprobs", 
     out = []
     for tr, b, g, toks in zip(trajs, base, gaps, mags):
         mu = _unflat(normalize(_flat(toks)), g)
-        out.append([[a + lam * w * x for a, w, x in zip(bv, wv, gv)]
+        out.append([[a + weight * w * x for a, w, x in zip(bv, wv, gv)]
                     for bv, wv, gv in zip(b, mu, g)])
     return _result(records, out)
 
@@ -379,7 +380,7 @@ def pbsd(records, base, *, teacher="teacher_logprobs", student="old_logprobs", a
 
 
 def dcsd(records, base, *, teacher="teacher_logprobs", student="old_logprobs", probe="probe",
-         q_init=0.5, lam=0.1, temperature=1.0):
+         q_init=0.5, weight=0.1, temperature=1.0):
     trajs = parse(records)
     out = []
     for tr, b in zip(trajs, base):
@@ -394,23 +395,23 @@ def dcsd(records, base, *, teacher="teacher_logprobs", student="old_logprobs", p
             a = [abs(x) / temperature for x in gv]
             ex = [math.exp(x - max(a)) for x in a]
             w = [len(ex) * x / sum(ex) for x in ex]
-            rec.append([av + lam * dk * mk * wv for av, wv in zip(bv, w)])
+            rec.append([av + weight * dk * mk * wv for av, wv in zip(bv, w)])
         out.append(rec)
     return _result(records, out)
 
 
 def verpo(records, base, *, teacher="teacher_logprobs", student="old_logprobs", eta=0.1,
-          lam=1.0):
+          shrink=1.0):
     trajs = parse(records)
     out = []
     for tr, b in zip(trajs, base):
         g = _gap(tr, teacher, student)
-        out.append([[a + eta * _sign(a) * abs(c) / (1 + lam * c * c) if c * a > 0 else a
+        out.append([[a + eta * _sign(a) * abs(c) / (1 + shrink * c * c) if c * a > 0 else a
                      for a, c in zip(bv, gv)] for bv, gv in zip(b, g)])
     return _result(records, out)
 
 
-def taco(records, base, *, logprobs="old_logprobs", entropy="entropy", alpha=0.01, lam=0.9):
+def taco(records, base, *, logprobs="old_logprobs", entropy="entropy", alpha=0.01, damping=0.9):
     trajs = parse(records)
     out = []
     for tr, b in zip(trajs, base):
@@ -419,7 +420,7 @@ def taco(records, base, *, logprobs="old_logprobs", entropy="entropy", alpha=0.0
             row = []
             for a, lp, h in zip(bv, t.tok[logprobs], t.tok[entropy]):
                 risk = -lp - h + math.log(f32(alpha))
-                w = 1 - lam * (1 - math.exp(-risk)) if risk > 0 else 1.0
+                w = 1 - damping * (1 - math.exp(-risk)) if risk > 0 else 1.0
                 row.append(w * a if a > 0 else a)
             rec.append(row)
         out.append(rec)
@@ -462,7 +463,7 @@ def fipo(records, base, *, current="old_logprobs", gamma=0.99, alpha=0.5, clip=1
 
 
 def craft_cti(records, base, *, teacher="teacher_logprobs", student="old_logprobs",
-              temperature=1.0, lam=0.1, anchor="state", scale="sign"):
+              temperature=1.0, weight=0.1, anchor="state", scale="sign"):
     trajs = parse(records)
     tb = _turn_base(base)
     gaps = [_gap(tr, teacher, student) for tr in trajs]
@@ -484,7 +485,7 @@ def craft_cti(records, base, *, teacher="teacher_logprobs", student="old_logprob
             gmax = max(abs(x) for x in g)
             unit = ([_sign(x) for x in g] if scale == "sign"
                     else [x / gmax if gmax > 0 else 0.0 for x in g])
-            rec.append([a + lam * cti * u for a, u in zip(base[i][k], unit)])
+            rec.append([a + weight * cti * u for a, u in zip(base[i][k], unit)])
         out.append(rec)
     return _result(records, out)
 
@@ -509,7 +510,7 @@ def _tva(members):
 
 
 def adrs(records, *, teacher="teacher_logprobs", tva="step", eta=0.1, temperature=1.0, tau=2.0,
-         baseline="step", normalize="global", gate_norm=False, gamma=1.0, ref="ref_logprobs",
+         baseline="step", normalize="global", gate_normalize=False, gamma=1.0, ref="ref_logprobs",
          target="token", update_outcome=True, gate_field=None):
     trajs = parse(records)
     lp = [[list(t.tok[teacher]) for t in tr["turns"]] for tr in trajs]
@@ -533,7 +534,7 @@ def adrs(records, *, teacher="teacher_logprobs", tva="step", eta=0.1, temperatur
         u = new
 
     def gnorm(vals):
-        if not gate_norm or len(vals) < 2:
+        if not gate_normalize or len(vals) < 2:
             return vals
         s = _std1(vals)
         return [v / (s + 1e-8) for v in vals] if s > 1e-8 else vals
@@ -594,7 +595,7 @@ def adrs(records, *, teacher="teacher_logprobs", tva="step", eta=0.1, temperatur
 # ----------------------------------------------------------------------------- R3L (estimator)
 
 
-def r3l(records, *, alpha=3.0, baseline="mean", tau=1.0, r_max=1.0, step_norm=False,
+def r3l(records, *, alpha=3.0, baseline="mean", tau=1.0, r_max=1.0, normalize=False,
         score="outcome"):
     assert score == "outcome"
     trajs = parse(records)
@@ -617,7 +618,7 @@ def r3l(records, *, alpha=3.0, baseline="mean", tau=1.0, r_max=1.0, step_norm=Fa
             s = 1.0
         elif s >= 0:
             s = alpha * s
-        if step_norm:
+        if normalize:
             s /= len(tr["turns"])
         vals.append(s)
     per_token = [[[v] * t.n for t in tr["turns"]] for v, tr in zip(vals, trajs)]

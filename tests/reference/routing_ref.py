@@ -1,7 +1,8 @@
-"""Slow references for family (e) credit routing (jaxrl_agent/estimators/routing.py).
+"""Slow references for the credit routing rules of jaxrl_agent/estimators/routing.py.
 
-Plain Python over records in float64, written from METHODS.md e3-e23; nothing here imports
-``jaxrl_agent``. Signatures:
+Plain Python over records in float64, written from the methods' docstring formulas; nothing
+here imports ``jaxrl_agent``. Each reference is named by its method's registry name and takes
+the same hyper-parameters. Signatures:
 
 * transforms: ``fn(records, base, **hp) -> RefOut`` where ``base`` holds, per record, per
   turn, the list of the base advantage's token values (what the transform receives, e.g. read
@@ -71,7 +72,7 @@ def _route(recs, base, weights):
                        for r, b, w in zip(recs, base, weights)])
 
 
-# ----------------------------------------------------------------------------- e3, e5
+# ----------------------------------------------------------------------------- STAMP, IAPO
 
 
 def stamp(records, base, *, citations="supported_citations", alpha=1.0):
@@ -106,7 +107,7 @@ def iapo(records, base, *, edges="edges", alpha=1.0, beta=1.0, dedup=True):
     return _route(records, base, ws)
 
 
-# ----------------------------------------------------------------------------- e7
+# ----------------------------------------------------------------------------- Self-Credit
 
 
 def _key(turn):
@@ -138,7 +139,7 @@ def self_credit(records, base, *, cite="cite", alpha=1.0, alpha_fail=0.5, w_min=
     return _out(records, out)
 
 
-# ----------------------------------------------------------------------------- e8
+# ----------------------------------------------------------------------------- TRIAGE
 
 
 def _role(x):
@@ -176,7 +177,7 @@ def triage_constants(records, target, base, *, role="role"):
     return [n / c if c else 0.0 for n, c in zip(num, cnt)]
 
 
-# ----------------------------------------------------------------------------- e14-e16
+# ----------------------------------------------------------------------------- SERL, VICT, ECHO
 
 
 def _relevance(rec, name):
@@ -212,18 +213,18 @@ def vict(records, base, *, atoms="atoms", complete="trace_complete", alpha=1.0):
     return _route(records, base, ws)
 
 
-def echo(records, base, *, selected="selected", eta=1.0, renormalize=False):
+def echo(records, base, *, selected="selected", eta=1.0, normalize=False):
     out = []
     for rec, b in zip(records, base):
         pos = _a_i(b) > 0
         w = [1 + eta if pos and s > 0.5 else 1.0 for s in _turn_x(rec, selected)]
-        if renormalize:
+        if normalize:
             w = _normalize(w, _lens(rec))
         out.append(_scale_turns(b, w))
     return _out(records, out)
 
 
-# ----------------------------------------------------------------------------- e17, e18
+# ----------------------------------------------------------------------------- SkillGate, ProAS
 
 
 def skillgate(records, base, *, skill_mask="skill_mask", read_correct="read_correct",
@@ -267,7 +268,7 @@ def proas(records, base, *, reasonable="reasonable", deviation="deviation", alph
     return _out(records, out)
 
 
-# ----------------------------------------------------------------------------- e22
+# ----------------------------------------------------------------------------- Neos, GGPO
 
 
 def neos(records, base, *, divergence="divergence_step", after="keep"):
@@ -292,7 +293,7 @@ def ggpo(records, base, *, redundant="redundant"):
     return _out(records, out)
 
 
-# ----------------------------------------------------------------------------- e23
+# ----------------------------------------------------------------------------- multi-agent
 
 
 def shapley(v):
@@ -334,12 +335,12 @@ def _per_agent_grpo(records, role_rewards, *, agent, eps, ddof, scale_extra=0.0)
     return RefOut(token=token, turn=turn, tol={"token": tol, "turn": tol})
 
 
-def ccpo(records, *, agent="agent", counterfactual="counterfactual_outcome", lam=1.0,
+def ccpo(records, *, agent="agent", counterfactual="counterfactual_outcome", weight=1.0,
          eps=1e-6, ddof=1):
     rr = []
     for rec in records:
         r = f32(rec["outcome"])
-        rr.append([r + lam * (r - w) for w in _traj_x(rec, counterfactual)])
+        rr.append([r + weight * (r - w) for w in _traj_x(rec, counterfactual)])
     return _per_agent_grpo(records, rr, agent=agent, eps=eps, ddof=ddof)
 
 

@@ -347,12 +347,12 @@ def _efca_w(rec, tr, feedback, fb_coef, loop_coef, window, w_min, w_max):
 
 
 def efca(records, base, *, feedback="feedback", fb_coef=0.5, loop_coef=0.5, window=3,
-         w_min=0.0, w_max=2.0, renormalize=False):
+         w_min=0.0, w_max=2.0, normalize=False):
     trajs = parse_steps(records)
     out = []
     for rec, tr, b in zip(records, trajs, base):
         w = _efca_w(rec, tr, feedback, fb_coef, loop_coef, window, w_min, w_max)
-        if renormalize:
+        if normalize:
             n = [len(t["action"]) for t in rec["turns"]]
             mass = sum(x * m for x, m in zip(w, n))
             if mass <= 0 or max(w) == min(w):
