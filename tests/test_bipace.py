@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
-from jaxrl_agent.batch import LAYOUTS, pack_records
+from jaxrl_agent.batch import LAYOUTS
+from jaxrl_agent.rollout.records import pack_records
 from tests.reference import bipace_ref
 from tests.reference import estimators_ref as ref
 from tests.reference import step_ref
@@ -56,21 +57,21 @@ CATALOGUE = [[math.cos(a), math.sin(a), 0.0] for a in _ANGLES] + [[0.0, 0.0, 1.0
                                                                    [0.0, 0.0, 0.0]]
 
 CONFIGS = {
-    "plain": dict(gamma=1.0, mode="mean_norm"),
-    "loo_std": dict(leave_one_out=True, step_mode="mean_std_norm", gamma=1.0,
-                    mode="mean_norm", merge_state_keys=True, singleton="raw"),
+    "plain": dict(gamma=1.0, normalize="mean_norm"),
+    "loo_std": dict(leave_one_out=True, step_normalize="mean_std_norm", gamma=1.0,
+                    normalize="mean_norm", merge_state_keys=True, singleton="raw"),
     "wide_merge": dict(tau=0.6, merge_state_keys=True, step_weight=0.5),
-    "merge_only_std": dict(tau=1.5, merge_state_keys=True, step_mode="mean_std_norm",
+    "merge_only_std": dict(tau=1.5, merge_state_keys=True, step_normalize="mean_std_norm",
                            episode_weighting="steps"),
-    "merge_only_mean": dict(tau=1.5, merge_state_keys=True, mode="mean_norm"),
-    "none": dict(tau=1.5, mode="mean_norm"),
+    "merge_only_mean": dict(tau=1.5, merge_state_keys=True, normalize="mean_norm"),
+    "none": dict(tau=1.5, normalize="mean_norm"),
 }
 PLAIN = ("plain", "wide_merge", "merge_only_std", "merge_only_mean", "none")  # not LOO
 
 
 def _episode(batch, hp):
     b = segments.local_view(batch)
-    a = E.episode_advantage(b, mode=hp.get("mode", "mean_std_norm"),
+    a = E.episode_advantage(b, normalize=hp.get("normalize", "mean_std_norm"),
                             weighting=hp.get("episode_weighting", "trajectory"),
                             eps=hp.get("eps", 1e-6), singleton=hp.get("singleton", "zero"))
     return jnp.where(segments.valid_turns(b), a[:, None], 0.0)
@@ -87,7 +88,7 @@ def _estimate(ids, batch, extra=False):
         out[cid] = {"adv": adv,
                     "pace": (adv.turn - _episode(batch, hp)) / hp.get("step_weight", 1.0)}
     if extra:
-        out["gigpo_mean_norm"] = E.gigpo(batch, mode="mean_norm")
+        out["gigpo_mean_norm"] = E.gigpo(batch, normalize="mean_norm")
         out["gigpo_steps"] = E.gigpo(batch, episode_weighting="steps")
         out["dr_grpo"] = E.get("dr_grpo")(batch)
         b = segments.local_view(batch)
@@ -239,7 +240,7 @@ def test_tau_above_one_gives_the_episode_term(layout, recs):
 def test_merged_keys_with_distinct_actions_is_gigpo(layout, recs):
     """tau > 1 with merge_state_keys: clusters are GiGPO's exact anchor groups; with every
     action distinct Q_hat(c, a) = G, so A_PACE = G - V_hat(c) is GiGPO's step term (mean_norm;
-    step_mode mean_std_norm: its z-score). With one shared action it is 0 instead."""
+    step_normalize mean_std_norm: its z-score). With one shared action it is 0 instead."""
     out = run_all(pack(_unique(recs, "action_key"), layout)[0])
     np.testing.assert_allclose(out["merge_only_std"]["adv"].turn, out["gigpo_steps"].turn,
                                atol=1e-5)
@@ -351,7 +352,7 @@ def test_shard_invariance(layout):
         check(cid, got[cid], recs, index, batch)
 
 
-# ----------------------------------------------------------------------------- P15
+# --------------------------------------------------------------- no gradient into hidden states
 
 
 GRAD_HP = dict(tau=0.6, merge_state_keys=True)
@@ -368,7 +369,7 @@ def _grads(batch, w):
 
 
 def test_no_gradient_into_hidden_states():
-    """P15: the hidden states only choose clusters: d loss / d hidden = 0, while the same loss
+    """The hidden states only choose clusters: d loss / d hidden = 0, while the same loss
     does depend on the rewards (so the harness really differentiates)."""
     batch = pack(rng_records(np.random.default_rng(2), [5, 3]), "concatenated")[0]
     w = jnp.asarray(np.random.default_rng(0).normal(size=np.shape(batch.tokens)), jnp.float32)
@@ -452,7 +453,7 @@ HAND = [  # one task group, three rollouts
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_hand_built_example(layout):
-    """gamma = 1, mode mean_norm, tau = 0.9. Returns G0 = (1, 1), G1 = (0, 0), G2 = (0).
+    """gamma = 1, normalize mean_norm, tau = 0.9. Returns G0 = (1, 1), G1 = (0, 0), G2 = (0).
     Episode: mean R = 1/3, A_ep = (2/3, -1/3, -1/3).
     Clusters (cos >= 0.9): A = {(0,0) go G=1, (1,0) go G=0, (2,0) stay G=0} (cosines .995,
     .998, .999), B = {(0,1) x G=1, (1,1) y G=0} (cosine 1); A and B are orthogonal.
@@ -515,8 +516,8 @@ def with_hidden():
     ({"tau": -0.5}, "tau must be > 0"),
     ({"sim_iters": 0}, "sim_iters must be a positive int"),
     ({"sim_iters": 2.5}, "sim_iters must be a positive int"),
-    ({"step_mode": "z"}, "step_mode must be one of"),
-    ({"mode": "z"}, "mode must be one of"),
+    ({"step_normalize": "z"}, "step_normalize must be one of"),
+    ({"normalize": "z"}, "normalize must be one of"),
     ({"merge_state_keys": "yes"}, "merge_state_keys must be one of"),
     ({"leave_one_out": None}, "leave_one_out must be one of"),
     ({"gamma": 1.5}, "gamma must lie in"),

@@ -1,9 +1,11 @@
-"""Tests of the registered estimators (family (a) outcome baselines and family (c) temporal).
+"""Tests of the registered trajectory-level baselines (``estimators/outcome.py``) and of the
+returns and critics (``estimators/temporal.py``).
 
 Every registered estimator is compared with a slow reference written from its docstring
 (``tests/reference/estimators_ref.py``) on hypothesis-generated records in both layouts, then
-checked against the properties of METHODS.md section 1.3 that apply to it, against rlax, on
-degenerate inputs, and for its error messages.
+checked against the properties that apply to it (group-shift invariance, scale, permutation,
+padding, singleton and all-equal groups, the GAE limits), against rlax, on degenerate inputs,
+and for its error messages.
 
 Compile budget: every estimator setting in ``CONFIGS`` runs inside ONE jitted program
 (``_run_all_jit``, hyper-parameters static as in ``estimators.compute``), so a batch shape
@@ -13,7 +15,7 @@ one larger bucket, with one setting per estimator, for the padding test).
 Tolerances: the references return a float32 error model per record (``RefOut.tol``): about
 1e-5 absolute + 1e-5 relative, plus, for standardised outputs, float32 precision times the
 input scale over the denominator (nearly-equal inputs are ill-conditioned for any float32
-implementation). Exactly-equal inputs are held to exact zeros by the P7 tests instead.
+implementation). Exactly-equal inputs are held to exact zeros by the all-equal-group tests instead.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl_agent import estimators as E
-from jaxrl_agent.batch import LAYOUTS, pack_records
+from jaxrl_agent.batch import LAYOUTS
+from jaxrl_agent.rollout.records import pack_records
 from tests.reference import estimators_ref as ref
 from tests.strategies import PAD
 from tests.strategies import records as records_st
@@ -76,17 +79,17 @@ CONFIGS = [
     _c("spo_pp", "spo_pp"),
     _c("spo_pp_rho1", "spo_pp", rho=1.0, eps=1e-3),
     _c("rollout_level", "rollout_level"),
-    _c("rollout_level_nostd_raw", "rollout_level", normalize_std=False, singleton="raw"),
+    _c("rollout_level_nostd_raw", "rollout_level", normalize=False, singleton="raw"),
     _c("rollout_level_rw", "rollout_level", row_weighted=True),
-    _c("rollout_level_rw_nostd", "rollout_level", row_weighted=True, normalize_std=False,
+    _c("rollout_level_rw_nostd", "rollout_level", row_weighted=True, normalize=False,
        ddof=0, singleton="raw"),
     _c("returns", "returns"),
     _c("returns_g09", "returns", gamma=0.9),
     _c("gae", "gae"),
-    _c("gae_nw", "gae", gamma=0.9, lam=0.8, whiten=False),
-    _c("gae_nw_11", "gae", whiten=False),
-    _c("gae_nw_lam1", "gae", gamma=0.9, lam=1.0, whiten=False),
-    _c("gae_nw_lam0_turnv", "gae", drop=("token_values",), gamma=0.9, lam=0.0, whiten=False),
+    _c("gae_nw", "gae", gamma=0.9, lam=0.8, normalize=False),
+    _c("gae_nw_11", "gae", normalize=False),
+    _c("gae_nw_lam1", "gae", gamma=0.9, lam=1.0, normalize=False),
+    _c("gae_nw_lam0_turnv", "gae", drop=("token_values",), gamma=0.9, lam=0.0, normalize=False),
     _c("gae_turnv", "gae", drop=("token_values",), gamma=0.95, lam=0.5, eps=1e-4),
     _c("turn_gae", "turn_gae"),
     _c("turn_gae_turn", "turn_gae", gamma=0.9, lam=0.7, normalize="turn", eps=1e-4),
@@ -328,7 +331,7 @@ def test_every_registered_estimator_has_a_reference():
 
 def test_every_estimator_here_is_configured():
     names = set(ref.REFERENCES)
-    assert {CFG[cid].name for cid in P5_IDS} == names, "P5 must cover every estimator"
+    assert {CFG[cid].name for cid in P5_IDS} == names, "the padding test must cover every estimator"
     for name in names:
         assert sum(c.name == name for c in CONFIGS) >= 2, f"{name}: one setting only"
         for c in CONFIGS:
@@ -438,7 +441,7 @@ def test_p2_groupwise_shift_invariance(layout, records, data):
                 "rollout_level_rw"):
         r = reference(CFG[cid], recs_f, layout)
         assert_same_records(per_record(o1[cid][0], i1), per_record(o2[cid][0], i2), r,
-                            f"P2 {cid}")
+                            f"group shift {cid}")
     # SPO / SPO++ standardise over the whole batch: invariant to one global shift.
     c = data.draw(st.integers(-8, 8), label="global") / 4
     glob = copy.deepcopy(recs)
@@ -449,7 +452,7 @@ def test_p2_groupwise_shift_invariance(layout, records, data):
     for cid in ("spo", "spo_pp"):
         r = reference(CFG[cid], recs_f, layout, task_index=i1.task_index)
         assert_same_records(per_record(o1[cid][0], i1), per_record(o3[cid][0], i3), r,
-                            f"P2 global {cid}", factor=4.0)
+                            f"global shift {cid}", factor=4.0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -467,11 +470,11 @@ def test_p3_scale(layout, records, scale):
         a1, a2 = o1[cid][0].turn, o2[cid][0].turn
         # invariant up to the eps in the denominator: |dA| <= |A| eps / std (std >= 0.08 on
         # the 1/4 grid for non-degenerate groups)
-        np.testing.assert_allclose(a2, a1, rtol=2e-4, atol=1e-5, err_msg=f"P3 {cid} x{scale}")
+        np.testing.assert_allclose(a2, a1, rtol=2e-4, atol=1e-5, err_msg=f"scale {cid} x{scale}")
     for cid in ("dr_grpo", "rloo", "dr_grpo_raw", "rloo_raw", "rollout_level_nostd_raw"):
         a1, a2 = o1[cid][0].turn, o2[cid][0].turn
         np.testing.assert_allclose(a2, scale * a1, rtol=1e-5, atol=1e-6,
-                                   err_msg=f"P3 {cid} homogeneous x{scale}")
+                                   err_msg=f"scale {cid} homogeneous x{scale}")
         assert (a2[~tm] == 0).all()
 
 
@@ -497,7 +500,7 @@ def test_p4_permutation_and_group_relabelling(layout, records, data):
     for c in CONFIGS:
         r = reference(c, recs, layout, state, task_index)
         assert_same_records(per_record(o1[c.id][0], i1), per_record(o2[c.id][0], i2), r,
-                            f"P4 {c.id}", order=order)
+                            f"permutation {c.id}", order=order)
         if o1[c.id][1] is not None:
             np.testing.assert_allclose(o1[c.id][1].alpha, o2[c.id][1].alpha, rtol=1e-6)
             np.testing.assert_allclose(o1[c.id][1].beta, o2[c.id][1].beta, rtol=1e-6)
@@ -514,10 +517,10 @@ def test_p5_padding_invariance(layout, records, data):
     o1 = run_all(b1, state)
     o2 = jax.tree.map(np.asarray, _run_subset_jit(b2, state))
     for c in (CFG[cid] for cid in P5_IDS):
-        assert_padding_zero(o2[c.id][0], b2, f"P5 {c.id}")
+        assert_padding_zero(o2[c.id][0], b2, f"padding {c.id}")
         r = reference(c, recs, layout, state, i1.task_index)
         assert_same_records(per_record(o1[c.id][0], i1), per_record(o2[c.id][0], i2), r,
-                            f"P5 {c.id}")
+                            f"padding {c.id}")
         if o1[c.id][1] is not None:
             np.testing.assert_array_equal(o1[c.id][1].alpha, o2[c.id][1].alpha)
 
@@ -535,11 +538,11 @@ def test_p6_singleton_groups(layout, records):
     raw = np.where(tm, outcome[:, None], 0.0)
     for cid in ("grpo", "dr_grpo", "rloo", "rollout_level", "rollout_level_rw",
                 "reinforce_pp_baseline"):
-        assert (out[cid][0].turn == 0).all(), f"P6 {cid}: singleton not 0"
+        assert (out[cid][0].turn == 0).all(), f"singleton {cid}: not 0"
         assert (out[cid][0].token == 0).all()
     for cid in ("grpo_raw_ddof0", "dr_grpo_raw", "rloo_raw", "rollout_level_nostd_raw",
                 "rollout_level_rw_nostd"):
-        np.testing.assert_array_equal(out[cid][0].turn, raw, err_msg=f"P6 {cid}: raw != R")
+        np.testing.assert_array_equal(out[cid][0].turn, raw, err_msg=f"singleton {cid}: raw != R")
 
 
 def _equalise_groups(records, data):
@@ -566,8 +569,8 @@ def test_p7_all_equal_groups_give_exact_zero(layout, records, data):
                              "rollout_level_nostd_raw")
         for n in np.nonzero(np.asarray(batch.traj_mask))[0]:
             if raw_single and sizes[int(gid[n])] == 1:
-                continue  # singleton under "raw": A = R (P6)
-            assert (adv.turn[n] == 0).all(), f"P7 {cid}: trajectory {n} got {adv.turn[n]}"
+                continue  # singleton under "raw": A = R
+            assert (adv.turn[n] == 0).all(), f"all equal {cid}: trajectory {n} got {adv.turn[n]}"
 
 
 # Deterministic counter-examples (found by hypothesis and a seeded search): groups whose
@@ -761,7 +764,7 @@ def _p_hat(state):
 @settings(max_examples=15)
 def test_tracker_rho1_gives_add_half_counts(batches):
     """rho = 1, binary R, prior 0.5/0.5: p_hat = (s + 0.5) / (n + 1) over all batches seen
-    (add-1/2, Krichevsky-Trofimov smoothing; METHODS calls this 'Laplace-smoothed')."""
+    (add-1/2, Krichevsky-Trofimov smoothing, also called Laplace-smoothed)."""
     ti = {k: k for k in range(4)}
     state = E.spo_init(P_TASKS)
     s, n = np.zeros(P_TASKS), np.zeros(P_TASKS)
@@ -833,7 +836,7 @@ def test_tracker_p_hat_stays_in_open_unit_interval(batches):
             assert np.isfinite(out[cid][0].token).all()
 
 
-# ---- P14 GAE limits
+# ---- GAE limits
 
 
 def _token_streams(recs, index, batch, key):
@@ -1037,7 +1040,7 @@ def grads_of(which):
 
 @pytest.mark.parametrize("name", GRAD_NAMES)
 def test_grad_wrt_outcome_is_finite(name):
-    """P15 itself (stop-gradient) belongs to the losses; here: differentiating an advantage
+    """The stop-gradient on advantages belongs to the losses; here: differentiating an advantage
     w.r.t. the outcome is well defined on non-degenerate groups."""
     g = grads_of("ok")[name]
     assert np.isfinite(g).all(), g
@@ -1092,7 +1095,7 @@ def _rlax_inputs(r, v, lengths, gamma):
 
 @given(seed=st.integers(0, 2 ** 31 - 1))
 def test_token_gae_and_lambda_returns_match_rlax(seed):
-    """Single-turn rows (the action is the whole row): token GAE (whiten=False) and token
+    """Single-turn rows (the action is the whole row): token GAE (normalize=False) and token
     lambda-returns equal rlax's truncated GAE and lambda_returns (vmapped over rows)."""
     rng = np.random.default_rng(seed)
     T = PAD["concatenated"]["row_len"]
@@ -1318,3 +1321,32 @@ def test_invalid_hyper_parameter_values(name, hp, needle):
     state = E.spo_init(P_TASKS) if E.spec(name).stateful else None
     with pytest.raises(ValueError, match=needle):
         E.compute(name, batch, state=state, **hp)
+
+
+@pytest.mark.parametrize("name,former,current", [
+    ("gae", {"whiten": False}, {"normalize": False}),
+    ("rollout_level", {"normalize_std": False}, {"normalize": False}),
+])
+def test_former_hyper_parameter_names_keep_working(name, former, current):
+    """A renamed hyper-parameter still answers to its former name (configs written before)."""
+    recs = [{"group": 0, "outcome": r, "turns": [{"action": [1, 2], "value": 0.25}]}
+            for r in (1.0, 0.0, 0.5)]
+    _, batch, _ = pack(recs, "concatenated")
+    assert E.spec(name).canonical(former) == current
+    np.testing.assert_array_equal(E.compute(name, batch, **former).token,
+                                  E.compute(name, batch, **current).token)
+
+
+@pytest.mark.parametrize("name,former,current", [
+    ("hae", "norm_adv", "normalize"), ("matchtir", "lam", "gamma"),
+    ("step_group", "mode", "normalize"), ("gigpo", "mode", "normalize"),
+    ("bipace", "mode", "normalize"), ("bipace", "step_mode", "step_normalize"),
+    ("rtmc", "mode", "normalize"), ("tree_value", "mode", "normalize"),
+    ("progpo", "mode", "normalize"), ("progpo", "prefix_mode", "prefix_normalize"),
+])
+def test_former_names_of_the_step_level_estimators(name, former, current):
+    """The renamed hyper-parameters of the step-level, tree and hierarchical estimators map to
+    their current names (what configs and pipelines written before the rename rely on)."""
+    assert E.spec(name).canonical({former: 0.5}) == {current: 0.5}
+    with pytest.raises(ValueError, match=current):
+        E.spec(name).canonical({former: 0.5, current: 0.5})

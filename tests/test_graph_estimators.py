@@ -26,7 +26,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
-from jaxrl_agent.batch import LAYOUTS, pack_records
+from jaxrl_agent.batch import LAYOUTS
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators.graph import graph_distances
 from tests.reference import estimators_ref as ref
 from tests.reference import graph_ref
@@ -60,7 +61,7 @@ CONFIGS = {
     "gagpo_lam0": ("gagpo", dict(normalize="none", lam=0.0)),
     "gagpo_batch": ("gagpo", dict(normalize="batch", gamma=0.9, lam=0.7, eps=1e-3)),
     # cross-checks against other estimators of the library (same batch, same program)
-    "gigpo_residual": ("step_group", dict(key="state", mode="mean_norm", episode_weight=0.0)),
+    "gigpo_residual": ("step_group", dict(key="state", normalize="mean_norm", episode_weight=0.0)),
     "grpo": ("grpo", {}),
 }
 OWN = [c for c, (name, _) in CONFIGS.items() if name in graph_ref.REFERENCES]
@@ -169,8 +170,9 @@ def test_matches_reference(layout, recs):
 @given(recs=step_records(), terminal_only=st.booleans())
 def test_no_merging_gives_zero_td_and_gae(layout, recs, terminal_only):
     """Every state distinct: V(s_k) = G_k, so G2PO's delta and GAGPO's GAE are exactly 0 (the
-    METHODS b4 reduction: terminal-only rewards, gamma = 1; it holds for any rewards and
-    gamma, bit for bit, because delta is computed from the residuals V - G). With
+    reduction test of ``g2po``'s docstring, stated for terminal-only rewards and gamma = 1; it
+    holds for any rewards and gamma, bit for bit, because delta is computed from the residuals
+    V - G). With
     the original (colliding) states the same settings are not all 0 whenever a merged state
     has different returns, so the check can fail."""
     if terminal_only:
@@ -205,7 +207,7 @@ def test_merging_makes_td_nonzero():
 @EX
 @given(recs=step_records())
 def test_zero_mean_after_normalisation(layout, recs):
-    """P1: G2PO's and GAGPO's normalised terms have zero mean over each task group's turns
+    """G2PO's and GAGPO's normalised terms have zero mean over each task group's turns
     ("group") or over the batch ("batch"); and unit sample std where the values differ."""
     batch, index = pack(recs, layout)
     out = run_all(batch)
@@ -231,7 +233,7 @@ def test_zero_mean_after_normalisation(layout, recs):
 @EX
 @given(recs=step_records())
 def test_gagpo_lambda_limits(layout, recs):
-    """P14: lam = 1 gives G - V_hat(s) (= the GiGPO step residual, mean_norm, no episode
+    """GAE limits: lam = 1 gives G - V_hat(s) (= the GiGPO step residual, mean_norm, no episode
     term); lam = 0 gives the TD error delta (= G2PO before normalisation)."""
     batch, index = pack(recs, layout)
     out = run_all(batch)
@@ -405,10 +407,11 @@ SHARD_IDS = ("g2po_batch_ep", "graphgpo_iters1", "gagpo_batch")
 
 
 def test_shard_invariance():
-    """(5) P16 under jax.shard_map on 8 host devices (groups whole per block, per_step rows),
-    with the batch-wide normalisations (psum over the axis): the sharded outputs match the
-    float64 reference (the unsharded program is what test_matches_reference checks). The
-    lead's tests/test_sharding.py runs every registered estimator in both layouts too."""
+    """(5) Shard invariance under jax.shard_map on 8 host devices (groups whole per block,
+    per_step rows), with the batch-wide normalisations (psum over the axis): the sharded
+    outputs match the float64 reference (the unsharded program is what
+    test_matches_reference checks). tests/test_sharding.py runs every registered estimator in
+    both layouts too."""
     devs = jax.devices()
     assert len(devs) >= 8
     mesh = Mesh(np.array(devs[:8]), ("data",))

@@ -25,7 +25,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
-from jaxrl_agent.batch import LAYOUTS, pack_records
+from jaxrl_agent.batch import LAYOUTS
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators.hierarchical import hae_streams
 from tests.reference import estimators_ref as ref
 from tests.reference import hae_ref
@@ -44,10 +45,10 @@ STREAM_HP = dict(gamma=0.9, lam_turn=0.8, lam_seg=0.6)
 CONFIGS = {
     "default": ({}, ()),
     "g": (STREAM_HP, ()),
-    "norm_turn": (dict(gamma=0.95, lam_turn=0.9, lam_seg=0.9, norm_adv="turn", eps=1e-6), ()),
-    "norm_token_high": (dict(gamma=0.9, switch_stream="high", norm_adv="token"), ()),
+    "norm_turn": (dict(gamma=0.95, lam_turn=0.9, lam_seg=0.9, normalize="turn", eps=1e-6), ()),
+    "norm_token_high": (dict(gamma=0.9, switch_stream="high", normalize="token"), ()),
     "no_high_values": (dict(gamma=0.9, lam_turn=0.7, lam_seg=0.6), ("high_values",)),
-    "no_masks_no_term": (dict(gamma=0.9, norm_adv="turn"), MASKS + ("term_values",)),
+    "no_masks_no_term": (dict(gamma=0.9, normalize="turn"), MASKS + ("term_values",)),
     "no_masks": (STREAM_HP, MASKS),  # every action token low level
     "half": (dict(gamma=0.5, lam_turn=0.5, lam_seg=0.5), ()),
 }
@@ -281,8 +282,8 @@ def _segment_ends(boundary, k):
 @EX
 @given(recs=records())
 def test_gae_limits_per_level(layout, recs):
-    """P14 for each level: lam = 1 gives return - value (low: return to the segment end plus
-    the V_high bootstrap; high: the whole discounted return - V_high, the later V_high
+    """The GAE limits for each level: lam = 1 gives return - value (low: return to the segment
+    end plus the V_high bootstrap; high: the whole discounted return - V_high, the later V_high
     telescoping away); lam = 0 gives the one-step TD error of the level."""
     batch, index = pack(recs, layout)
     out = run_all(batch)
@@ -525,7 +526,7 @@ def plain():
     ({"gamma": 1.5}, (), "gamma must lie in"),
     ({"lam_turn": -0.1}, (), "lam_turn must lie in"),
     ({"lam_seg": 2.0}, (), "lam_seg must lie in"),
-    ({"norm_adv": "batch"}, (), "norm_adv must be one of"),
+    ({"normalize": "batch"}, (), "normalize must be one of"),
     ({"switch_stream": "low"}, (), "switch_stream must be one of"),
     ({"eps": 0.0}, (), "eps must be > 0"),
     ({}, ("turn_values",), r"extras\['turn_values'\]"),

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import segments
-from jaxrl_agent.batch import pack_records
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators.temporal import sapo
 from jaxrl_agent.losses import sarsa
 from tests.reference import sapo_ref as ref

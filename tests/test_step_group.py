@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
-from jaxrl_agent.batch import LAYOUTS, pack_records
+from jaxrl_agent.batch import LAYOUTS
+from jaxrl_agent.rollout.records import pack_records
 from tests.reference import estimators_ref as ref
 from tests.reference import step_ref
 from tests.strategies import PAD, step_records
@@ -36,7 +37,7 @@ DIRECTIONS = np.eye(3, dtype=np.float32)  # feature vectors far from any cosine 
 
 CONFIGS = {
     "gigpo": ("gigpo", {}),
-    "gigpo_mean_steps": ("gigpo", dict(mode="mean_norm", episode_weighting="steps",
+    "gigpo_mean_steps": ("gigpo", dict(normalize="mean_norm", episode_weighting="steps",
                                        gamma=0.9, step_weight=0.5)),
     "gigpo_raw": ("gigpo", dict(singleton="raw", gamma=1.0, eps=1e-3)),
     "gigpo_bucket": ("gigpo", dict(anchor="bucket", bucket_width=0.5)),
@@ -45,12 +46,12 @@ CONFIGS = {
                                              episode_weight=0.0)),
     "sg_state_action": ("step_group", dict(key="state_action", step_weight=0.5, gamma=0.8)),
     "sg_action_outcome": ("step_group", dict(key="action", target="outcome",
-                                             mode="mean_norm")),
+                                             normalize="mean_norm")),
     "sg_turn_key": ("step_group", dict(key="turn_key", episode_weighting="steps")),
     "sg_turn_mean": ("step_group", dict(key="turn", combine_as="mean", singleton="raw",
                                         step_singleton="raw", episode_reward="reward_sum")),
     "matchtir": ("matchtir", {}),
-    "matchtir_lam05": ("matchtir", dict(lam=0.5, eps=1e-4)),
+    "matchtir_gamma05": ("matchtir", dict(gamma=0.5, eps=1e-4)),
 }
 
 
@@ -185,7 +186,7 @@ def test_all_anchors_distinct_or_w0_equals_grpo(layout, recs):
     dr = np.asarray(est("dr_grpo", batch).token)
     np.testing.assert_allclose(est("gigpo", dist).token, grpo, atol=1e-6)
     np.testing.assert_allclose(est("gigpo", batch, step_weight=0.0).token, grpo, atol=1e-6)
-    np.testing.assert_allclose(est("gigpo", dist, mode="mean_norm").token, dr, atol=1e-6)
+    np.testing.assert_allclose(est("gigpo", dist, normalize="mean_norm").token, dr, atol=1e-6)
     np.testing.assert_allclose(est("step_group", dist, key="state").token, grpo, atol=1e-6)
 
 
@@ -194,7 +195,7 @@ def test_all_anchors_distinct_or_w0_equals_grpo(layout, recs):
 @given(recs=records())
 def test_step_term_sums_to_zero_in_each_anchor_group(layout, recs):
     batch, index = pack(recs, layout)
-    a = np.asarray(est("gigpo", batch, mode="mean_norm").turn)
+    a = np.asarray(est("gigpo", batch, normalize="mean_norm").turn)
     a_ep = np.asarray(est("dr_grpo", batch).turn)
     step = a - a_ep
     sums = {}
@@ -210,8 +211,9 @@ def test_step_term_sums_to_zero_in_each_anchor_group(layout, recs):
 
 
 def test_step_term_is_not_shift_invariant_with_unequal_remaining_lengths():
-    """METHODS b1 P2 note: adding c to every step reward shifts G by c * (remaining length);
-    anchor peers with different remaining lengths then see different shifts."""
+    """GiGPO's step term is not shift invariant: adding c to every step reward shifts G by
+    c * (remaining length); anchor peers with different remaining lengths then see different
+    shifts."""
     def rec(g, rewards, outcome):
         turns = [{"observation": [0 if k == 0 else 10 + k + 10 * g], "action": [1],
                   "reward": r} for k, r in enumerate(rewards)]
@@ -220,22 +222,22 @@ def test_step_term_is_not_shift_invariant_with_unequal_remaining_lengths():
     base = [rec(0, [0.0, 1.0], 1.0), rec(1, [0.0, 0.0, 0.0], 0.0)]
     shifted = [rec(0, [0.5, 1.5], 1.0), rec(1, [0.5, 0.5, 0.5], 0.0)]
     a = np.asarray(est("gigpo", pack(base, "concatenated")[0], gamma=1.0,
-                                  mode="mean_norm").turn)
+                                  normalize="mean_norm").turn)
     b = np.asarray(est("gigpo", pack(shifted, "concatenated")[0], gamma=1.0,
-                                  mode="mean_norm").turn)
+                                  normalize="mean_norm").turn)
     assert not np.allclose(a[:2, 0], b[:2, 0])  # the shared first state: 2 vs 3 steps left
     # equal remaining lengths: the shift cancels
     eq = [rec(0, [0.0, 1.0], 1.0), rec(1, [0.0, 0.0], 0.0)]
     eq_s = [rec(0, [0.5, 1.5], 1.0), rec(1, [0.5, 0.5], 0.0)]
-    a = np.asarray(est("gigpo", pack(eq, "concatenated")[0], mode="mean_norm").turn)
-    b = np.asarray(est("gigpo", pack(eq_s, "concatenated")[0], mode="mean_norm").turn)
+    a = np.asarray(est("gigpo", pack(eq, "concatenated")[0], normalize="mean_norm").turn)
+    b = np.asarray(est("gigpo", pack(eq_s, "concatenated")[0], normalize="mean_norm").turn)
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_hand_built_gigpo_example():
     """Two rollouts of one task both start in state S. Rollout 0: S -a-> T (r=0) -b-> success
     (r=1), R=1. Rollout 1: S -c-> S (r=0, a loop back to S) -d-> failure (r=0), R=0.
-    gamma = 0.5, mode mean_norm:
+    gamma = 0.5, normalize mean_norm:
       episode: mean R = 0.5, A_ep = (+0.5, -0.5);
       returns: G0 = (0.5, 1), G1 = (0, 0);
       anchor S holds (0,0) G=0.5, (1,0) G=0, (1,1) G=0: mean 1/6, step terms 1/3, -1/6, -1/6;
@@ -249,7 +251,7 @@ def test_hand_built_gigpo_example():
                 {"observation": [1], "action": [8], "reward": 0.0}]}]
     for layout in LAYOUTS:
         turn = np.asarray(est("gigpo", pack(recs, layout)[0], gamma=0.5,
-                                         mode="mean_norm").turn)
+                                         normalize="mean_norm").turn)
         np.testing.assert_allclose(turn[:2, :2], [[0.5 + 1 / 3, 0.5], [-2 / 3, -2 / 3]],
                                    atol=1e-6)
 
@@ -261,9 +263,9 @@ def test_episode_weighting_by_steps_leans_toward_long_episodes():
             {"group": 0, "outcome": 0.0, "turns": [{"observation": [k + 2], "action": [1]}
                                                    for k in range(3)]}]
     b = pack(recs, "per_step")[0]
-    t = np.asarray(est("gigpo", b, mode="mean_norm").turn)
+    t = np.asarray(est("gigpo", b, normalize="mean_norm").turn)
     np.testing.assert_allclose(t[:2, 0], [0.5, -0.5], atol=1e-6)
-    t = np.asarray(est("gigpo", b, mode="mean_norm", episode_weighting="steps").turn)
+    t = np.asarray(est("gigpo", b, normalize="mean_norm", episode_weighting="steps").turn)
     np.testing.assert_allclose(t[:2, 0], [0.75, -0.25], atol=1e-6)
 
 
@@ -409,7 +411,7 @@ def plain():
 
 
 @pytest.mark.parametrize("name,hp,needle", [
-    ("gigpo", {"mode": "z"}, "mode must be one of"),
+    ("gigpo", {"normalize": "z"}, "normalize must be one of"),
     ("gigpo", {"anchor": "fuzzy"}, "anchor must be one of"),
     ("gigpo", {"gamma": 1.5}, "gamma must lie in"),
     ("gigpo", {"anchor": "similar"}, r"extras\['state_features'\]"),

@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
-from jaxrl_agent.batch import LAYOUTS, pack_records
+from jaxrl_agent.batch import LAYOUTS
+from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators import tree as T
 from tests.reference import step_ref
 from tests.reference import tree_ref as ref
@@ -54,21 +55,21 @@ GROUPS = [  # (estimator, static hyper-parameters, {setting id: numeric hyper-pa
     ("rtmc", {}, {"rtmc": {}, "rtmc_k0": {"kappa": 0.0}, "rtmc_tiny": {"kappa": 1e-4},
                   "rtmc_big": {"kappa": 1e6},
                   "rtmc_ep": {"kappa": 0.5, "gamma": 0.9, "episode_weight": 0.5}}),
-    ("rtmc", {"signature": "state", "target": "outcome", "mode": "mean_norm",
+    ("rtmc", {"signature": "state", "target": "outcome", "normalize": "mean_norm",
               "episode_weighting": "steps"},
      {"rtmc_state_k0": {"kappa": 0.0}, "rtmc_state": {"kappa": 2.0},
       "rtmc_state_ep": {"kappa": 0.5, "episode_weight": 0.5}}),
     ("tree_value", {}, {"tree": {}, "tree_proc": {"episode_weight": 0.0},
                         "tree_grpo": {"step_weight": 0.0}}),
     ("tree_value", {"baseline": "siblings"}, {"tree_sib": {"episode_weight": 0.0}}),
-    ("tree_value", {"child": "action", "mode": "mean_norm", "episode_weighting": "steps"},
+    ("tree_value", {"child": "action", "normalize": "mean_norm", "episode_weighting": "steps"},
      {"tree_act": {"step_weight": 0.5}}),
     ("progpo", {}, {"progpo": {}}),
-    ("progpo", {"max_depth": 1, "terminal": "td", "prefix_mode": "mean_std_norm",
+    ("progpo", {"max_depth": 1, "terminal": "td", "prefix_normalize": "mean_std_norm",
                 "singleton": "raw"},
      {"progpo_td": {"gamma": 0.9, "prior_std": 1.0},
       "progpo_nt": {"gamma": 0.95, "transition_weight": 0.0}}),
-    ("progpo", {"max_depth": 0, "mode": "mean_norm"},
+    ("progpo", {"max_depth": 0, "normalize": "mean_norm"},
      {"progpo_d0": {"prefix_weight": 0.0, "transition_weight": 0.5},
       "progpo_nt_mn": {"transition_weight": 0.0, "prefix_weight": 0.5}}),
 ]
@@ -77,7 +78,8 @@ HELPER_GROUPS = [
     ("grpo", {}, {"grpo": {}}),
     ("dr_grpo", {}, {"dr_grpo": {}}),
     ("step_group", {"key": "history", "singleton": "raw"}, {"step_hist": {"gamma": 0.95}}),
-    ("step_group", {"key": "history", "mode": "mean_norm"}, {"step_hist_mn": {"step_weight": 0.5}}),
+    ("step_group", {"key": "history", "normalize": "mean_norm"},
+     {"step_hist_mn": {"step_weight": 0.5}}),
 ]
 
 
@@ -93,9 +95,10 @@ CFG = {cid: Config(cid, name, {**static, **num})
 OWN = tuple(cid for _, _, s in GROUPS for cid in s)
 TERMS = {  # internal pieces, for the invariants (the numeric values of the named settings)
     "progpo": lambda b: T._progpo_terms(b, gamma=1.0, max_depth=2, prior_std=0.5,
-                                        terminal="outcome", prefix_mode="mean_norm", eps=1e-6),
+                                        terminal="outcome", prefix_normalize="mean_norm",
+                                        eps=1e-6),
     "progpo_td": lambda b: T._progpo_terms(b, gamma=0.9, max_depth=1, prior_std=1.0,
-                                           terminal="td", prefix_mode="mean_std_norm",
+                                           terminal="td", prefix_normalize="mean_std_norm",
                                            eps=1e-6),
     "tree": lambda b: T._tree_terms(b, child="history", baseline="parent"),
     "tree_act": lambda b: T._tree_terms(b, child="action", baseline="parent"),
@@ -252,7 +255,7 @@ def test_rtmc_kappa_limits_and_tree_consistency(records):
     """kappa -> 0 tends to the raw MC estimate (kappa = 0, checked against the reference);
     kappa -> inf sends A to 0; at kappa = 0 the step terms of a history node sum to 0 over its
     trajectories (sum_a N(s, a) (Q_hat - V_hat) = 0), and V_hat(s) is the visit-weighted mean
-    of Q_hat(s, .) (P13)."""
+    of Q_hat(s, .) (tree consistency)."""
     batch, index = pack(records, "concatenated")
     out = run_all(batch)
     s = _scale(batch)
@@ -306,9 +309,10 @@ def test_rtmc_first_visit_ignores_loops(records, data):
 
 @given(records=step_records())
 def test_tree_value_consistency_and_branch_gating(records):
-    """P13: V(parent) is the leaf-count weighted mean of its children (the mean of V(child)
-    over the node's trajectories) and sum_c N_c (V(c) - V(p)) = 0; N(p) = sum_c N_c; the step
-    term is exactly 0 where a node has one child (TEMPO's gating); step_weight = 0 is GRPO."""
+    """Tree consistency: V(parent) is the leaf-count weighted mean of its children (the mean of
+    V(child) over the node's trajectories) and sum_c N_c (V(c) - V(p)) = 0; N(p) = sum_c N_c;
+    the step term is exactly 0 where a node has one child (TEMPO's gating); step_weight = 0 is
+    GRPO."""
     batch, index = pack(records, "concatenated")
     out = run_all(batch)
     for child, tid in (("history", "tree"), ("action", "tree_act")):
@@ -410,7 +414,7 @@ def test_arbitrary_key_values(records, data):
                             f"keys {cid}")
 
 
-# ----------------------------------------------------------------------------- 3.-5. P5 P4 P16
+# ------------------------------------------------------------ 3.-5. padding, permutation, shards
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -423,9 +427,9 @@ def test_padding_invariance(layout, records):
     o1 = run_all(b1)
     o2 = jax.tree.map(np.asarray, _run_subset_jit(b2))
     for cid in P5_IDS:
-        assert_padding_zero(o2[cid], b2, f"P5 {cid}")
+        assert_padding_zero(o2[cid], b2, f"padding {cid}")
         assert_same_records(per_record(o1[cid], i1), per_record(o2[cid], i2),
-                            reference(cid, records), f"P5 {cid}")
+                            reference(cid, records), f"padding {cid}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -446,7 +450,7 @@ def test_permutation_and_group_relabelling(layout, records, data):
     order = [pos[i] for i in range(n)]
     for cid in OWN:
         assert_same_records(per_record(o1[cid], i1), per_record(o2[cid], i2),
-                            reference(cid, records), f"P4 {cid}", order=order)
+                            reference(cid, records), f"permutation {cid}", order=order)
 
 
 def _tree_records(seed=11):
@@ -482,9 +486,10 @@ CHECK_VMA = True
 
 
 def test_shard_map_invariance():
-    """P16: one structural group of settings per estimator under jax.shard_map on 8 host CPU
-    devices (groups whole per block, per-step layout) gives the unsharded values: those of the
-    reference (the unsharded program is checked against the same reference elsewhere)."""
+    """Shard invariance: one structural group of settings per estimator under jax.shard_map on
+    8 host CPU devices (groups whole per block, per-step layout) gives the unsharded values:
+    those of the reference (the unsharded program is checked against the same reference
+    elsewhere)."""
     devs = jax.devices()
     assert len(devs) >= 8
     mesh = Mesh(np.array(devs[:8]), ("data",))
@@ -653,7 +658,7 @@ def test_hand_built_tree(layout):
     ("rtmc", {"signature": "prefix"}, "signature"),
     ("rtmc", {"target": "reward"}, "target"),
     ("rtmc", {"gamma": 1.5}, "gamma"),
-    ("rtmc", {"mode": "z"}, "mode"),
+    ("rtmc", {"normalize": "z"}, "normalize"),
     ("tree_value", {"baseline": "uncle"}, "baseline"),
     ("tree_value", {"child": "node"}, "child"),
     ("tree_value", {"eps": 0.0}, "eps"),
@@ -662,7 +667,7 @@ def test_hand_built_tree(layout):
     ("progpo", {"max_depth": 1.5}, "max_depth"),
     ("progpo", {"prior_std": 0.0}, "prior_std"),
     ("progpo", {"terminal": "zero"}, "terminal"),
-    ("progpo", {"prefix_mode": "std"}, "prefix_mode"),
+    ("progpo", {"prefix_normalize": "std"}, "prefix_normalize"),
     ("progpo", {"gamma": -0.1}, "gamma"),
     ("progpo", {"singleton": "one"}, "singleton"),
     ("progpo", {"kappa": 1.0}, "kappa"),  # not a hyper-parameter of progpo: the valid ones listed

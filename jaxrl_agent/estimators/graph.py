@@ -88,7 +88,7 @@ def _check_iters(max_iters):
 
 
 def _distances_to_target(src, dst, edge_ok, is_target, max_iters):
-    """Hop distances [M] from every node to the nearest target node (private primitive 9).
+    """Hop distances [M] from every node to the nearest target node.
 
     Bellman-Ford with unit edge costs over the padded edge list (src[e] -> dst[e], node ids in
     [0, M), ids >= M and ``edge_ok`` False drop the edge): d = 0 on targets, +inf elsewhere,
@@ -126,8 +126,8 @@ def _distances_to_target(src, dst, edge_ok, is_target, max_iters):
 def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group",
          episode_weight: float = 0.0, episode_weighting: str = "trajectory",
          eps: float = 1e-6, axis_name=None) -> Advantages:
-    """G2PO: Group-Graph Policy Optimization (read from the abstract; the concrete formulas are
-    [X] ours).
+    """G2PO: Group-Graph Policy Optimization. This is our reading of the paper, whose abstract
+    describes the method in words: the concrete formulas below are ours.
 
     Identical observations of a task group are merged into one node of a state-transition
     graph; every turn is an edge s_{i,k} -> s'_{i,k} = s_{i,k+1} (TERMINAL after the last turn).
@@ -139,14 +139,29 @@ def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group"
                   ``axis_name``), std unbiased (ddof 1); ``"none"`` keeps delta (for tests)
       A[i, k]   = A_td(i, k) + episode_weight * A_ep(i)
     A_ep is GRPO's z-score of the outcome (``episode_advantage``, ``episode_weighting``
-    "trajectory" or "steps"). [X] our definition: the ddof 1 / eps standardisation, the scope
-    (task group by default) and the optional episode term (weight 0 by default).
+    "trajectory" or "steps"). Our choices in particular: the ddof 1 / eps standardisation,
+    the scope (task group by default) and the optional episode term (weight 0 by default).
 
     Properties: A_td has zero mean over each group's edges (batch with ``"batch"``). With no
     merging (every state distinct) V(s_{i,k}) = G[i, k], so delta = r + gamma G[i,k+1] - G[i,k]
     = 0 on every edge and A = 0 whatever the rewards (with terminal-only rewards and gamma = 1
     this is the reduction test). Degenerate: a group with one edge or equal deltas
     gives 0; padding gives 0.
+
+    Args:
+      batch: reads ``state_keys``, ``turn_rewards`` and ``turn_mask`` [N, K] (N trajectories x
+        K turns), ``group_ids`` and ``traj_mask`` [N]; ``outcome`` [N] for the episode term.
+      gamma: per-turn discount, in [0, 1].
+      normalize: ``"group"``, ``"batch"`` or ``"none"`` (above).
+      episode_weight: weight of A_ep (0 by default: a static 0 skips it).
+      episode_weighting: ``"trajectory"`` or ``"steps"``.
+      eps: added to the std, > 0.
+      axis_name: the mesh axis under ``shard_map``: only ``normalize="batch"`` reduces across
+        it (groups are whole on one shard), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+      on turn k's action tokens, 0 elsewhere).
     """
     check_unit("gamma", gamma)
     check_choice("normalize", normalize, NORMALIZE)
@@ -230,7 +245,7 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
     singleton task group gives A_ep = 0 here (the kernel's steps branch gives R / (1 + eps) for
     a one-turn singleton).
 
-    [X] our choices where the batch lacks what the kernel reads:
+    Our choices where the batch lacks what the kernel reads:
     R_succ = ``success_reward``, a constant (10.0: the paper's ALFWorld success reward and the
     kernel's default), not the trajectory outcome. q is only compared inside a source group
     after z-scoring, so R_succ matters only against eps (it sets how far from SUCCESS
@@ -245,6 +260,24 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
     source state, edges that get closer to SUCCESS than the average get A_graph > 0; if every
     source state is a singleton, or no trajectory of the group succeeded, A = A_ep (GRPO
     when the weights are 1, 0). Duplicating a trajectory changes the counts and so A_graph.
+
+    Args:
+      batch: reads ``state_keys`` and ``turn_mask`` [N, K] (N trajectories x K turns),
+        ``outcome``, ``group_ids`` and ``traj_mask`` [N].
+      omega: the decay per hop of q, in [0, 1].
+      success_reward: R_succ, > 0.
+      success_threshold: an outcome >= this counts as a success.
+      convention: ``"reference"`` (omega^d) or ``"paper"`` (omega^(d + 1)).
+      episode_weight: weight of A_ep (a static 0 skips it).
+      graph_weight: weight of A_graph.
+      episode_weighting: ``"trajectory"`` or ``"steps"``.
+      max_iters: None (exact distances) or a positive int of Bellman-Ford rounds.
+      eps: added to the std, > 0.
+      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+      on turn k's action tokens, 0 elsewhere).
     """
     check_unit("omega", omega)
     check_positive("success_reward", success_reward)
@@ -271,8 +304,8 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
 @register("gagpo")
 def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
           normalize: str = "group", eps: float = 1e-6, axis_name=None) -> Advantages:
-    """GAGPO: Generalized Advantage Grouped Policy Optimization (read from the abstract; the
-    concrete formulas are [X] ours).
+    """GAGPO: Generalized Advantage Grouped Policy Optimization. This is our reading of the
+    paper, whose abstract describes the method in words: the concrete formulas below are ours.
 
     Rollouts are grouped by identical states; the grouped value proxy replaces a critic:
       V_hat(s)  = mean of G[j, l] over all visits (j, l) of s in the task group,
@@ -283,13 +316,28 @@ def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
                   (``normalize="group"``; ``"batch"``: the whole batch across ``axis_name``;
                   ``"none"``: A_raw), std unbiased (ddof 1); one turn alone or equal values: 0
     ``turn_returns`` = A_raw + V_hat(s_{i,k}) (lambda-returns on the proxy values).
-    [X] our definition: all of the above formulas (the abstract names the pieces only), and
-    lam = 0.95 as default. The paper's per-turn sequence-wide ratio (GSPO style) belongs to the
-    policy loss, not here.
+    Ours are all of the above formulas (the abstract names the pieces only) and the default
+    lam = 0.95. The paper's per-turn sequence-wide ratio (GSPO style) belongs to the policy
+    loss, not here.
 
     Limits: lam = 1 gives A_raw = G[i, k] - V_hat(s_{i,k}) (GiGPO's step residual, mean_norm);
     lam = 0 gives delta. With every state distinct V_hat = G and A_raw = 0. Zero mean per
     group after ``"group"`` normalisation (zero sum).
+
+    Args:
+      batch: reads ``state_keys``, ``turn_rewards`` and ``turn_mask`` [N, K] (N trajectories x
+        K turns), ``group_ids`` and ``traj_mask`` [N].
+      gamma: per-turn discount, in [0, 1].
+      lam: the GAE lambda, in [0, 1].
+      normalize: ``"group"``, ``"batch"`` or ``"none"`` (above).
+      eps: added to the std, > 0.
+      axis_name: the mesh axis under ``shard_map``: only ``normalize="batch"`` reduces across
+        it, or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A), ``token`` [R, T] (A[i, k] on turn k's action
+      tokens) and ``turn_returns`` [N, K] (A_raw + V_hat); 0 on missing turns and outside
+      ``action_mask``.
     """
     check_unit("gamma", gamma)
     check_unit("lam", lam)

@@ -143,28 +143,29 @@ def hae_streams(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float =
                     switch_stream)
 
 
-def _check(gamma, lam_turn, lam_seg, switch_stream, norm_adv, eps):
+def _check(gamma, lam_turn, lam_seg, switch_stream, normalize, eps):
     check_unit("gamma", gamma)
     check_unit("lam_turn", lam_turn)
     check_unit("lam_seg", lam_seg)
     check_choice("switch_stream", switch_stream, SWITCH_STREAMS)
-    check_choice("norm_adv", norm_adv, NORMS)
+    check_choice("normalize", normalize, NORMS)
     check_positive("eps", eps)
 
 
-def _standardise(x, b, tokens, norm_adv, eps, axis_name):
+def _standardise(x, b, tokens, normalize, eps, axis_name):
     """(x - mu) / (std + eps) over the turns (``"turn"``) or tokens (``"token"``) that carry
     the stream; the identity when nothing carries it."""
     count = segments.token_to_turn(tokens.astype(jnp.float32), b)
-    w = count if norm_adv == "token" else (count > 0).astype(jnp.float32)
+    w = count if normalize == "token" else (count > 0).astype(jnp.float32)
     mu, var = segments.weighted_mean_var(x, w, axis_name)
     total = segments.psum(jnp.sum(w), axis_name)
     return jnp.where(total > 0, (x - mu) / (segments.safe_sqrt(var) + eps), x)
 
 
-@register("hae", reads=("turn_values", "high_values", "switch"))
+@register("hae", reads=("turn_values", "high_values", "switch"),
+          renamed={"norm_adv": "normalize"})
 def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
-        lam_seg: float = 0.95, switch_stream: str = "auto", norm_adv: str = "none",
+        lam_seg: float = 0.95, switch_stream: str = "auto", normalize: str = "none",
         eps: float = 1e-8, axis_name=None) -> Advantages:
     """HAE: hierarchical advantage estimation (HiPER; JonP07/HiPER-agent).
 
@@ -185,40 +186,58 @@ def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
       A_term_k = G_k - V_term(k)   (HiPER's code form; the paper's (q - beta)(V_high - V_low)
       is not used).
 
-    Tokens: each action token carries exactly one stream or nothing ([X] our routing of
-    HiPER's masks; HiPER adds the masked streams, which is the same when its masks are
-    disjoint): a switch_mask token carries A_term (``switch_stream="term"``), A_high on
-    boundary turns and nothing on others (``"high"``, HiPER's assign_high_to_switch), or
-    nothing (``"none"``); ``"auto"`` is ``"term"`` when extras['term_values'] exists, else
-    ``"none"`` (HiPER's defaults). Otherwise a subgoal_mask token carries A_high on a boundary
+    Tokens: each action token carries exactly one stream or nothing (our routing of HiPER's
+    masks; HiPER adds the masked streams, which is the same when its masks are disjoint):
+    a switch_mask token carries A_term (``switch_stream="term"``), A_high on boundary turns
+    and nothing on others (``"high"``, HiPER's assign_high_to_switch), or nothing
+    (``"none"``); ``"auto"`` is ``"term"`` when extras['term_values'] exists, else ``"none"``
+    (HiPER's defaults). Otherwise a subgoal_mask token carries A_high on a boundary
     turn and nothing on other turns (a kept subgoal is not a decision). Every other action
     token carries A_low. Without extras['subgoal_mask'] / ['switch_mask'] those masks are
-    empty ([X] our default): every action token carries A_low and A_high reaches no token
+    empty (our default): every action token carries A_low and A_high reaches no token
     (``hae_streams`` still returns it).
 
-    ``norm_adv`` (HiPER's norm_adv): ``"turn"`` standardises each stream over the turns that
-    carry at least one of its tokens, ``"token"`` weights each such turn by its number of
-    stream tokens ([X] our option); (A - mean) / (std + eps), population std, batch-wide
+    ``normalize`` (HiPER's ``norm_adv``): ``"turn"`` standardises each stream over the turns
+    that carry at least one of its tokens, ``"token"`` weights each such turn by its number of
+    stream tokens (an option of ours); (A - mean) / (std + eps), population std, batch-wide
     (across ``axis_name``). A stream that no token carries is left as it is.
 
-    Returns ``Advantages``: ``token`` as above (0 outside ``action_mask``); ``turn`` = A_low
-    (standardised like its tokens); ``turn_returns`` = A_low + V_low (raw), the V_low targets.
-    The V_high and V_term targets and the raw streams come from ``hae_streams``.
     Reductions: no switches gives A_low = turn GAE (``turn_gae``, normalize="none") and
     A_high_0 = G_0 - V_high(0); every turn a boundary gives A_low_k = r_k + gamma
     V_high(k+1) - V_low(k). lam = 1 gives return - value and lam = 0 the one-step TD error,
     per level. Degenerate input: missing turns and padding give 0; one-turn episodes give
     A_low = r - V_low, A_high = r - V_high; the standardisation never divides by 0.
+
+    Args:
+      batch: reads ``turn_rewards`` and ``turn_mask`` [N, K] (N trajectories x K turns);
+        extras['turn_values'] (V_low) and extras['switch'] (boundaries) [N, K]; optional
+        extras['high_values'] (V_high, else V_low serves) and extras['term_values'] (V_term)
+        [N, K]; optional token masks extras['subgoal_mask'] and extras['switch_mask'] [R, T].
+      gamma: per-turn discount, in [0, 1].
+      lam_turn: the GAE lambda of the low level, in [0, 1].
+      lam_seg: the GAE lambda of the high level (over segments), in [0, 1].
+      switch_stream: what switch tokens carry: ``"auto"``, ``"term"``, ``"high"`` or
+        ``"none"`` (above).
+      normalize: ``"none"``, ``"turn"`` or ``"token"`` (above). Former name ``norm_adv``.
+      eps: added to the std of the standardisation, > 0.
+      axis_name: the mesh axis under ``shard_map``: the standardisation reduces across it;
+        the streams themselves are per trajectory. Or None.
+
+    Returns:
+      ``Advantages`` with ``token`` [R, T] (each action token's stream as above, 0 outside
+      ``action_mask``), ``turn`` [N, K] = A_low (standardised like its tokens) and
+      ``turn_returns`` [N, K] = A_low + V_low (raw), the V_low targets. The V_high and V_term
+      targets and the raw streams come from ``hae_streams``.
     """
-    _check(gamma, lam_turn, lam_seg, switch_stream, norm_adv, eps)
+    _check(gamma, lam_turn, lam_seg, switch_stream, normalize, eps)
     b = segments.local_view(batch, axis_name)
     s = _streams(b, gamma, lam_turn, lam_seg, switch_stream)
     low, high = s["low"], s["high"]
     term = s.get("term", jnp.zeros_like(low))
-    if norm_adv != "none":
-        low = _standardise(low, b, s["low_tokens"], norm_adv, eps, axis_name)
-        high = _standardise(high, b, s["high_tokens"], norm_adv, eps, axis_name)
-        term = _standardise(term, b, s["term_tokens"], norm_adv, eps, axis_name)
+    if normalize != "none":
+        low = _standardise(low, b, s["low_tokens"], normalize, eps, axis_name)
+        high = _standardise(high, b, s["high_tokens"], normalize, eps, axis_name)
+        term = _standardise(term, b, s["term_tokens"], normalize, eps, axis_name)
     valid = segments.valid_turns(b)
     low = jnp.where(valid, low, 0.0)
     token = (jnp.where(s["low_tokens"], segments.turn_to_token(low, b), 0.0)

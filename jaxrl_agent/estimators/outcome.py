@@ -31,13 +31,13 @@ def traj_advantages(a, batch: TrajectoryBatch) -> Advantages:
     return Advantages(token=segments.traj_to_token(a, batch), turn=turn)
 
 
-def _group_centered(batch, *, ddof, singleton, scale_std, eps, rloo=False, weights=None):
+def _group_centered(batch, *, ddof, singleton, normalize, eps, rloo=False, weights=None):
     r = batch.outcome.astype(jnp.float32)
     mean, std, count = segments.group_stats(r, batch.group_ids, batch.traj_mask, ddof, weights)
     if weights is not None:  # a singleton is one member, whatever its weight
         count = segments.group_stats(r, batch.group_ids, batch.traj_mask)[2]
     a = r - mean
-    if scale_std:
+    if normalize:
         a = a / (std + eps)
     if rloo:
         a = a * count / jnp.maximum(count - 1.0, 1.0)
@@ -52,11 +52,24 @@ def group_normalized_outcome(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof:
 
     Groups are ``group_ids``; only valid trajectories count. Singleton groups: see module doc.
     Shao et al. 2024 (DeepSeekMath); verl ``compute_grpo_outcome_advantage``.
+
+    Args:
+      batch: reads ``outcome`` [N], ``group_ids`` [N] and ``traj_mask`` [N] (N trajectories);
+        the result reaches the tokens through ``row_traj`` [R] and ``action_mask`` [R, T].
+      eps: added to the group std, > 0.
+      ddof: delta degrees of freedom of the std (1 unbiased, 0 population).
+      singleton: ``"zero"`` (a lone member gets 0) or ``"raw"`` (it gets R, as verl).
+      axis_name: the mesh axis under ``shard_map`` (groups are whole on one shard, so the
+        statistics stay shard-local), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (a_i on every valid turn of trajectory i, 0 elsewhere)
+      and ``token`` [R, T] (a_i on every action token of i's rows, 0 elsewhere).
     """
     check_positive("eps", eps)
     check_choice("singleton", singleton, _SINGLETON)
     b = segments.local_view(batch, axis_name)
-    return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton, scale_std=True,
+    return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton, normalize=True,
                                            eps=eps), b)
 
 
@@ -64,10 +77,19 @@ def group_normalized_outcome(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof:
 def group_centered_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
                            axis_name=None) -> Advantages:
     """Dr.GRPO: a_i = R_i - mean_g R (no std scaling; pair it with the constant-normalised
-    ``seq_mean_token_sum_norm`` loss aggregation). Liu et al. 2025, "Understanding R1-Zero"."""
+    ``seq_mean_token_sum_norm`` loss aggregation). Liu et al. 2025, "Understanding R1-Zero".
+
+    Args:
+      batch: reads ``outcome`` [N], ``group_ids`` [N] and ``traj_mask`` [N].
+      singleton: ``"zero"`` (a lone member gets 0) or ``"raw"`` (it gets R).
+      axis_name: the mesh axis under ``shard_map`` (statistics stay shard-local), or None.
+
+    Returns:
+      ``Advantages``: ``turn`` [N, K] and ``token`` [R, T], a_i broadcast as in ``grpo``.
+    """
     check_choice("singleton", singleton, _SINGLETON)
     b = segments.local_view(batch, axis_name)
-    return traj_advantages(_group_centered(b, ddof=1, singleton=singleton, scale_std=False,
+    return traj_advantages(_group_centered(b, ddof=1, singleton=singleton, normalize=False,
                                            eps=0.0), b)
 
 
@@ -77,10 +99,18 @@ def leave_one_out_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
     """RLOO: a_i = R_i - mean_{j in g, j != i} R_j = n_g / (n_g - 1) (R_i - mean_g R).
 
     Ahmadian et al. 2024; verl ``compute_rloo_outcome_advantage`` (singleton: ``"raw"`` = R).
+
+    Args:
+      batch: reads ``outcome`` [N], ``group_ids`` [N] and ``traj_mask`` [N].
+      singleton: ``"zero"`` (a lone member gets 0) or ``"raw"`` (it gets R, as verl).
+      axis_name: the mesh axis under ``shard_map`` (statistics stay shard-local), or None.
+
+    Returns:
+      ``Advantages``: ``turn`` [N, K] and ``token`` [R, T], a_i broadcast as in ``grpo``.
     """
     check_choice("singleton", singleton, _SINGLETON)
     b = segments.local_view(batch, axis_name)
-    return traj_advantages(_group_centered(b, ddof=1, singleton=singleton, scale_std=False,
+    return traj_advantages(_group_centered(b, ddof=1, singleton=singleton, normalize=False,
                                            eps=0.0, rloo=True), b)
 
 
@@ -98,6 +128,19 @@ def reinforce_pp(batch: TrajectoryBatch, *, gamma: float = 1.0, kl_coef: float =
     Multi-turn: observation tokens carry the running return through unchanged, so the outcome
     reaches every earlier turn (verl resets the sum at masked tokens, which cuts it off).
     Hu 2025, "REINFORCE++".
+
+    Args:
+      batch: reads ``turn_rewards`` [N, K], ``action_mask``, ``turn_ids`` [R, T] and
+        ``row_traj`` [R]; optional extras['token_rewards'] [R, T]; with ``kl_coef`` > 0 also
+        ``old_logprobs`` and extras['ref_logprobs'] [R, T].
+      gamma: per-token discount, in [0, 1].
+      kl_coef: weight of the KL penalty in the reward (0 = none).
+      eps: added to the variance in the whitening.
+      axis_name: the mesh axis under ``shard_map``: mean and variance are reduced across it,
+        or None.
+
+    Returns:
+      ``Advantages`` with ``token`` [R, T] (A on action tokens, 0 elsewhere) only.
     """
     check_unit("gamma", gamma)
     b = segments.local_view(batch, axis_name)
@@ -121,7 +164,20 @@ def _token_whitened_traj(a, b, axis_name, eps):
 def reinforce_pp_baseline(batch: TrajectoryBatch, *, eps: float = 1e-8,
                           axis_name=None) -> Advantages:
     """REINFORCE++-baseline: a_i = R_i - mean_g R, broadcast to action tokens, then whitened
-    token-weighted over the batch: A = (a - mu_m) / sqrt(var_m + eps). verl."""
+    token-weighted over the batch: A = (a - mu_m) / sqrt(var_m + eps). verl.
+
+    mu_m and var_m weight each trajectory by its number of action tokens (across
+    ``axis_name``). A singleton group gives a_i = 0 before the whitening.
+
+    Args:
+      batch: reads ``outcome`` [N], ``group_ids`` [N], ``traj_mask`` [N], and ``row_traj`` [R]
+        with ``action_mask`` [R, T] for the token weights.
+      eps: added to the variance.
+      axis_name: the mesh axis under ``shard_map``: the whitening reduces across it, or None.
+
+    Returns:
+      ``Advantages``: ``turn`` [N, K] and ``token`` [R, T], A_i broadcast as in ``grpo``.
+    """
     b = segments.local_view(batch, axis_name)
     r = b.outcome.astype(jnp.float32)
     mean, _, _ = segments.group_stats(r, b.group_ids, b.traj_mask)
@@ -196,8 +252,17 @@ def single_stream(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.96,
     sample per task per batch it is SPO's update. The KL-adaptive rho is left out: pass rho.
     Task ids must lie in [0, P) of the state. SPO, Xu et al. 2025.
 
+    Args:
+      batch: reads ``outcome`` [N], ``task_ids`` [N] and ``traj_mask`` [N].
+      state: ``SPOState`` with ``alpha``, ``beta`` [P] (make it with ``spo_init(P)``).
+      rho: decay of the tracker per batch, in [0, 1].
+      eps: added to the batch std.
+      axis_name: the mesh axis under ``shard_map``: the tracker counts and the batch mean and
+        std reduce across it, or None.
+
     Returns:
-      (Advantages, new SPOState).
+      ``(Advantages, new SPOState)``: ``turn`` [N, K] and ``token`` [R, T] carry A_i as in
+      ``grpo``; the new state has the same shapes [P].
     """
     check_unit("rho", rho)
     b = segments.local_view(batch, axis_name)
@@ -215,8 +280,21 @@ def single_stream_pp(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.
     mu = sum_i w_i a_i; var = sum_i w_i (a_i - mu)^2; A_i = (a_i - mu) / sqrt(var + eps).
     Then sum_{i,t} m A = 0 exactly and the token-weighted variance is ~1, so a token-mean
     actor loss receives a centred signal (SPO's per-trajectory z-score does not). Tracker
-    update as ``single_stream``; policy-event ordering is at batch granularity (one event per
-    batch) [X: our definition]. With p_hat = group mean this is REINFORCE++-baseline.
+    update as ``single_stream``, with the same batch granularity (one event per batch, our
+    choice). With p_hat = group mean this is REINFORCE++-baseline.
+
+    Args:
+      batch: reads ``outcome`` [N], ``task_ids`` [N], ``traj_mask`` [N], and ``row_traj`` [R]
+        with ``action_mask`` [R, T] for the token counts n_i.
+      state: ``SPOState`` with ``alpha``, ``beta`` [P].
+      rho: decay of the tracker per batch, in [0, 1].
+      eps: added to the variance.
+      axis_name: the mesh axis under ``shard_map``: tracker counts, mu and var reduce across
+        it, or None.
+
+    Returns:
+      ``(Advantages, new SPOState)``: ``turn`` [N, K] and ``token`` [R, T] carry A_i as in
+      ``grpo``.
     """
     check_unit("rho", rho)
     b = segments.local_view(batch, axis_name)
@@ -227,18 +305,33 @@ def single_stream_pp(batch: TrajectoryBatch, *, state: SPOState, rho: float = 0.
 # ----------------------------------------------------------------------------- rollout level
 
 
-@register("rollout_level")
+@register("rollout_level", renamed={"normalize_std": "normalize"})
 def rollout_level(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
-                  normalize_std: bool = True, row_weighted: bool = False,
+                  normalize: bool = True, row_weighted: bool = False,
                   singleton: str = "zero", axis_name=None) -> Advantages:
     """The rollout-level advantage of per-step rows (Agent Lightning): one group-normalised
     advantage per trajectory, computed once per rollout, and every row of it gets that value.
 
-    a_i = (R_i - mean_g) / (std_g + eps) (or without the std), with each rollout counted once
-    however many rows it spans, so the result does not depend on how a rollout is split into
-    rows. ``row_weighted=True`` gives the contrast that counts a rollout once per row (the
-    cross-step statistics of verl-agent): frequency weights w_i = rows of trajectory i.
-    With row_weighted=False this equals GRPO (Dr.GRPO without the std).
+    a_i = (R_i - mean_g) / (std_g + eps) (``normalize=False``: R_i - mean_g), with each rollout
+    counted once however many rows it spans, so the result does not depend on how a rollout is
+    split into rows. ``row_weighted=True`` gives the contrast that counts a rollout once per
+    row (the cross-step statistics of verl-agent): frequency weights w_i = rows of trajectory
+    i. With row_weighted=False this equals GRPO (Dr.GRPO without the std).
+
+    Args:
+      batch: reads ``outcome`` [N], ``group_ids`` [N] and ``traj_mask`` [N]; with
+        ``row_weighted``, ``row_traj`` [R] and ``action_mask`` [R, T] to count the rows.
+      eps: added to the group std, > 0.
+      ddof: delta degrees of freedom of the std (1 unbiased, 0 population).
+      normalize: divide by the group std (True) or only centre (False). Former name
+        ``normalize_std``.
+      row_weighted: count each rollout once per row with action tokens.
+      singleton: ``"zero"`` (a lone rollout gets 0) or ``"raw"`` (it gets R).
+      axis_name: the mesh axis under ``shard_map`` (statistics stay shard-local), or None.
+
+    Returns:
+      ``Advantages``: ``turn`` [N, K] and ``token`` [R, T], a_i broadcast as in ``grpo``
+      (every row of a rollout gets its value).
     """
     check_positive("eps", eps)
     check_choice("singleton", singleton, _SINGLETON)
@@ -248,4 +341,4 @@ def rollout_level(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
         has_tokens = b.action_mask.any(axis=1).astype(jnp.float32)
         rows = jax.ops.segment_sum(has_tokens, b.row_traj, b.num_traj)
     return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton,
-                                           scale_std=normalize_std, eps=eps, weights=rows), b)
+                                           normalize=normalize, eps=eps, weights=rows), b)

@@ -41,12 +41,12 @@ SINGLETONS = ("zero", "raw")
 # ----------------------------------------------------------------------------- shared pieces
 
 
-def episode_advantage(b: TrajectoryBatch, *, mode: str = "mean_std_norm",
+def episode_advantage(b: TrajectoryBatch, *, normalize: str = "mean_std_norm",
                       weighting: str = "trajectory", reward: str = "outcome", eps: float = 1e-6,
                       singleton: str = "zero"):
     """GRPO's episode term, [N] (0 on padding trajectories).
 
-    A_ep(i) = (R_i - mean_g) / (std_g + eps), or R_i - mean_g with ``mode="mean_norm"``.
+    A_ep(i) = (R_i - mean_g) / (std_g + eps), or R_i - mean_g with ``normalize="mean_norm"``.
     ``weighting="trajectory"`` counts each trajectory once in mean_g and std_g (GRPO);
     ``"steps"`` counts it once per valid turn K_i (verl-agent's default
     ``compute_mean_std_cross_steps=True``, which normalises over per-step rows: long failed
@@ -65,9 +65,9 @@ def episode_advantage(b: TrajectoryBatch, *, mode: str = "mean_std_norm",
     mean, std, _ = segments.group_stats(r, b.group_ids, b.traj_mask, 1, w)
     count = segments.group_stats(r, b.group_ids, b.traj_mask)[2]
     a = r - mean
-    if mode == "mean_std_norm":
+    if normalize == "mean_std_norm":
         a = a / (std + eps)
-    lone = r / (1.0 + eps) if (singleton == "raw" and mode == "mean_std_norm") else r
+    lone = r / (1.0 + eps) if (singleton == "raw" and normalize == "mean_std_norm") else r
     a = jnp.where(count > 1, a, lone if singleton == "raw" else 0.0)
     return jnp.where(b.traj_mask, a, 0.0)
 
@@ -78,19 +78,20 @@ def step_returns(b: TrajectoryBatch, gamma):
     return jnp.where(b.turn_mask, segments.reverse_scan(r, gamma, axis=1), 0.0)
 
 
-def normalize_in_groups(x, ids, valid, *, mode: str = "mean_std_norm", eps: float = 1e-6,
-                        singleton: str = "zero"):
-    """(x - mean_S) / (std_S + eps) (or x - mean_S) over the key group S of every turn, [N, K].
+def normalize_in_groups(x, ids, valid, *, normalize: str = "mean_std_norm",
+                        eps: float = 1e-6, singleton: str = "zero"):
+    """(x - mean_S) / (std_S + eps) (``normalize="mean_norm"``: x - mean_S) over the key group S
+    of every turn, [N, K].
 
     std unbiased (ddof 1). A singleton group gives 0 (``singleton="raw"``: mean 0, std 1, so
     x / (1 + eps) or x, the verl convention); equal values give exactly 0; invalid turns 0.
     """
     mean, std, count = segments.key_stats(x, ids, valid, ddof=1)
     a = x - mean
-    if mode == "mean_std_norm":
+    if normalize == "mean_std_norm":
         a = a / (std + eps)
     if singleton == "raw":
-        lone = x / (1.0 + eps) if mode == "mean_std_norm" else x
+        lone = x / (1.0 + eps) if normalize == "mean_std_norm" else x
     else:
         lone = jnp.zeros_like(x)
     return jnp.where(valid, jnp.where(count > 1, a, lone), 0.0)
@@ -132,8 +133,8 @@ def _target(b: TrajectoryBatch, target: str, gamma):
     return jnp.where(b.turn_mask, b.outcome[:, None], 0.0).astype(jnp.float32)
 
 
-def _check_common(mode, episode_weighting, eps, singleton, gamma):
-    check_choice("mode", mode, MODES)
+def _check_common(normalize, episode_weighting, eps, singleton, gamma):
+    check_choice("normalize", normalize, MODES)
     check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
     check_choice("singleton", singleton, SINGLETONS)
     check_positive("eps", eps)
@@ -143,19 +144,20 @@ def _check_common(mode, episode_weighting, eps, singleton, gamma):
 # ----------------------------------------------------------------------------- estimators
 
 
-@register("step_group")
+@register("step_group", renamed={"mode": "normalize"})
 def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "return",
                gamma: float = 1.0, episode_weight: float = 1.0, step_weight: float = 1.0,
-               mode: str = "mean_std_norm", episode_weighting: str = "trajectory",
+               normalize: str = "mean_std_norm", episode_weighting: str = "trajectory",
                episode_reward: str = "outcome", combine_as: str = "sum", eps: float = 1e-6,
                singleton: str = "zero", step_singleton: str = "zero",
                axis_name=None) -> Advantages:
     """The configurable step-level group estimator (the common core of the step-level family).
 
     A[i, k] = we A_ep(i) + ws A_step(i, k)   (``combine_as="mean"``: divided by we + ws), with
-      A_ep  = ``episode_advantage`` (GRPO over the task group, ``mode``, ``episode_weighting``,
-              ``episode_reward``, ``singleton``);
-      A_step(i, k) = (y[i, k] - mean_S y) / (std_S y + eps)  (``mode="mean_norm"``: no std),
+      A_ep  = ``episode_advantage`` (GRPO over the task group, ``normalize``,
+              ``episode_weighting``, ``episode_reward``, ``singleton``);
+      A_step(i, k) = (y[i, k] - mean_S y) / (std_S y + eps)  (``normalize="mean_norm"``: no
+              std),
               S = the turns of i's task group whose ``key`` equals that of (i, k); a singleton
               S gives 0 (``step_singleton="raw"``: mean 0, std 1, as MatchTIR's verl code).
     ``target`` y: ``"return"`` G[i, k] = sum_{j >= k} gamma^(j-k) r[i, j]; ``"reward"`` the
@@ -165,35 +167,65 @@ def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "ret
     groups, ``segments.history_keys``); ``"turn"`` the turn index k (a (group, k) cohort);
     ``"turn_key"`` extras['turn_keys'] (records: a turn's ``turn_key``).
 
-    Published key variants as settings ([X] = our concrete reading of the abstract):
+    Published key variants as settings. GiGPO and MatchTIR are their released code; for the
+    others this is our reading of the paper, which describes the grouping in words (marked
+    "our reading"):
       GiGPO: key="state", target="return", gamma=0.95 (``gigpo``);
-      MatchTIR: key="turn", gamma=lam, combine_as="mean", episode_reward="reward_sum",
-        singletons raw (``matchtir``);
-      A2Agent [X]: key="turn_key" with turn_key = hash of the set of gold regions discovered
-        before the turn; discovery/commit rewards as turn rewards;
-      A^3 [X]: key="action" with action_key = the AST-normalised command signature (records:
-        ``action_key``); the tree-margin term is a separate reward;
-      DiDPO [X]: key="turn_key" with turn_key = the sub-diff anchor id, target="outcome";
-      ReBel [X]: key="turn_key" with turn_key = hash of the normalised belief state;
-      ASPO / StepSafe prefix groups [X]: key="history", target="reward", episode_weight=0
-        (a GRPO group whose id is the prefix);
-      MAPO-style turn cohorts [X]: key="turn".
-    Invariants: with every key distinct (or step_weight 0) A = we A_ep (GRPO for mode
-    mean_std_norm, Dr.GRPO for mean_norm); step terms sum to 0 over each key group.
+      MatchTIR: key="turn", combine_as="mean", episode_reward="reward_sum", singletons raw
+        (``matchtir``);
+      A2Agent (our reading): key="turn_key" with turn_key = hash of the set of gold regions
+        discovered before the turn; discovery/commit rewards as turn rewards;
+      A^3 (our reading): key="action" with action_key = the AST-normalised command signature
+        (records: ``action_key``); the tree-margin term is a separate reward;
+      DiDPO (our reading): key="turn_key" with turn_key = the sub-diff anchor id,
+        target="outcome";
+      ReBel (our reading): key="turn_key" with turn_key = hash of the normalised belief state;
+      ASPO / StepSafe prefix groups (our reading): key="history", target="reward",
+        episode_weight=0 (a GRPO group whose id is the prefix);
+      MAPO-style turn cohorts (our reading): key="turn".
+    Invariants: with every key distinct (or step_weight 0) A = we A_ep (GRPO for
+    normalize="mean_std_norm", Dr.GRPO for "mean_norm"); step terms sum to 0 over each key
+    group.
+
+    Args:
+      batch: reads ``outcome`` [N], ``group_ids`` [N], ``traj_mask`` [N], ``turn_mask`` and
+        ``turn_rewards`` [N, K] (N trajectories x K turns), and the key: ``state_keys`` /
+        ``action_keys`` [N, K], or extras['turn_keys'] [N, K] for ``key="turn_key"``.
+      key: ``"state"``, ``"action"``, ``"state_action"``, ``"history"``, ``"turn"`` or
+        ``"turn_key"`` (above).
+      target: ``"return"``, ``"reward"`` or ``"outcome"`` (above).
+      gamma: per-turn discount of the ``"return"`` target, in [0, 1].
+      episode_weight: we, the weight of the episode term (any real; 0 drops it).
+      step_weight: ws, the weight of the step term.
+      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only), for both
+        terms. Former name ``mode``.
+      episode_weighting: ``"trajectory"`` (each trajectory once) or ``"steps"`` (once per
+        valid turn) in the episode statistics.
+      episode_reward: ``"outcome"`` or ``"reward_sum"`` (the sum of turn rewards).
+      combine_as: ``"sum"`` or ``"mean"``.
+      eps: added to the std, > 0.
+      singleton: ``"zero"`` or ``"raw"``: the episode term of a singleton task group.
+      step_singleton: ``"zero"`` or ``"raw"``: the step term of a singleton key group.
+      axis_name: the mesh axis under ``shard_map`` (groups are whole on one shard, so
+        everything stays shard-local), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+      on turn k's action tokens, 0 elsewhere).
     """
-    _check_common(mode, episode_weighting, eps, singleton, gamma)
+    _check_common(normalize, episode_weighting, eps, singleton, gamma)
     check_choice("step_singleton", step_singleton, SINGLETONS)
     check_choice("key", key, KEYS)
     check_choice("target", target, TARGETS)
     check_choice("episode_reward", episode_reward, ("outcome", "reward_sum"))
     check_choice("combine_as", combine_as, ("sum", "mean"))
     b = segments.local_view(batch, axis_name)
-    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, reward=episode_reward,
-                             eps=eps, singleton=singleton)
+    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting,
+                             reward=episode_reward, eps=eps, singleton=singleton)
     valid = segments.valid_turns(b)
     ids = segments.turn_key_ids(b, *_key_columns(b, key, "step_group"))
-    a_st = normalize_in_groups(_target(b, target, gamma), ids, valid, mode=mode, eps=eps,
-                               singleton=step_singleton)
+    a_st = normalize_in_groups(_target(b, target, gamma), ids, valid, normalize=normalize,
+                               eps=eps, singleton=step_singleton)
     return combine(b, a_ep, a_st, episode_weight, step_weight, combine_as)
 
 
@@ -221,16 +253,17 @@ def anchor_ids(b: TrajectoryBatch, anchor: str, *, bucket_width: float = 0.1,
     return segments.similarity_clusters(feats, b.group_ids, valid, sim_threshold, sim_iters)
 
 
-@register("gigpo", reads=_gigpo_reads)
+@register("gigpo", reads=_gigpo_reads, renamed={"mode": "normalize"})
 def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1.0,
-          mode: str = "mean_std_norm", episode_weighting: str = "trajectory",
+          normalize: str = "mean_std_norm", episode_weighting: str = "trajectory",
           anchor: str = "exact", bucket_width: float = 0.1, sim_threshold: float = 0.95,
           sim_iters: int = 32, eps: float = 1e-6, singleton: str = "zero",
           axis_name=None) -> Advantages:
     """GiGPO: Group-in-Group Policy Optimization (Feng et al. 2025; verl-agent core_gigpo).
 
     A[i, k] = A_ep(i) + w A_st(i, k), broadcast onto turn k's action tokens, where
-      A_ep(i)    = (R_i - mean_g R) / (std_g R + eps)   (``mode="mean_norm"``: R_i - mean_g R);
+      A_ep(i)    = (R_i - mean_g R) / (std_g R + eps)   (``normalize="mean_norm"``:
+                   R_i - mean_g R);
       G[i, k]    = sum_{j >= k} gamma^(j - k) r[i, j]   (discounted step return; r includes
                    invalid-action penalties and the outcome at the last step);
       A_st(i, k) = (G[i, k] - mean_S G) / (std_S G + eps)   (or the mean only), where
@@ -247,35 +280,68 @@ def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1
     episodes.
     ``anchor``: ``"exact"`` (hashed observation, the paper), ``"bucket"`` or ``"similar"``
     (clusters of extras['state_features'], the reference's similarity option;
-    see ``anchor_ids``). The paper's scripts use gamma 0.95, w 1; the reference defaults to
-    ``mode="mean_norm"`` in some scripts, this library to ``"mean_std_norm"``.
+    see ``anchor_ids``). The paper's scripts use gamma 0.95, w 1. ``normalize`` is the
+    reference code's ``mode``; it defaults to ``"mean_norm"`` in some scripts, this library to
+    ``"mean_std_norm"``.
     Reductions: all anchors distinct, or w = 0, gives GRPO (Dr.GRPO with mean_norm).
+
+    Args:
+      batch: reads ``outcome`` [N], ``group_ids`` [N], ``traj_mask`` [N], ``turn_mask``,
+        ``turn_rewards`` and ``state_keys`` [N, K]; with ``anchor="bucket"`` or
+        ``"similar"``, extras['state_features'] [N, K, D] instead of ``state_keys``.
+      gamma: per-turn discount of the step return, in [0, 1].
+      step_weight: w, the weight of the step term.
+      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only), for both
+        terms. Former name ``mode``.
+      episode_weighting: ``"trajectory"`` or ``"steps"`` (above).
+      anchor: ``"exact"``, ``"bucket"`` or ``"similar"`` (above).
+      bucket_width: grid step of the ``"bucket"`` anchors, > 0.
+      sim_threshold: cosine threshold of the ``"similar"`` anchors.
+      sim_iters: most label-propagation rounds of the ``"similar"`` anchors.
+      eps: added to the std, > 0.
+      singleton: ``"zero"`` or ``"raw"``: the episode term of a singleton task group.
+      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+      on turn k's action tokens, 0 elsewhere).
     """
-    _check_common(mode, episode_weighting, eps, singleton, gamma)
+    _check_common(normalize, episode_weighting, eps, singleton, gamma)
     check_choice("anchor", anchor, ("exact", "bucket", "similar"))
     check_positive("bucket_width", bucket_width)
     b = segments.local_view(batch, axis_name)
-    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, eps=eps,
+    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     ids = anchor_ids(b, anchor, bucket_width=bucket_width, sim_threshold=sim_threshold,
                      sim_iters=sim_iters)
-    a_st = normalize_in_groups(step_returns(b, gamma), ids, segments.valid_turns(b), mode=mode,
-                               eps=eps)
+    a_st = normalize_in_groups(step_returns(b, gamma), ids, segments.valid_turns(b),
+                               normalize=normalize, eps=eps)
     return combine(b, a_ep, a_st, 1.0, step_weight)
 
 
-@register("matchtir")
-def matchtir(batch: TrajectoryBatch, *, lam: float = 0.9, eps: float = 1e-6,
+@register("matchtir", renamed={"lam": "gamma"})
+def matchtir(batch: TrajectoryBatch, *, gamma: float = 0.9, eps: float = 1e-6,
              axis_name=None) -> Advantages:
     """MatchTIR's dual-level advantage (Qu et al. 2026; quchangle1/MatchTIR core_algos).
 
     Turn rewards r[i, k] come from bipartite matching of predicted and gold tool calls (placed
-    on each turn's last token by the caller). G[i, k] = sum_{j >= k} lam^(j - k) r[i, j];
+    on each turn's last token by the caller). G[i, k] = sum_{j >= k} gamma^(j - k) r[i, j];
     A_turn = (G - mean) / (std + eps) over the (task group, turn index k) cohort;
     A_traj = GRPO z-score of sum_k r[i, k]; A = (A_traj + A_turn) / 2. Singletons follow the
-    verl code (mean 0, std 1) in both terms. Equals ``step_group(key="turn", gamma=lam,
+    verl code (mean 0, std 1) in both terms. Equals ``step_group(key="turn", gamma=gamma,
     combine_as="mean", episode_reward="reward_sum", singleton="raw", step_singleton="raw")``.
+
+    Args:
+      batch: reads ``turn_rewards`` and ``turn_mask`` [N, K], ``group_ids`` [N] and
+        ``traj_mask`` [N].
+      gamma: per-turn discount of G, in [0, 1]. Former name ``lam``.
+      eps: added to the std, > 0.
+      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+      on turn k's action tokens, 0 elsewhere).
     """
-    return step_group(batch, key="turn", target="return", gamma=lam, combine_as="mean",
+    return step_group(batch, key="turn", target="return", gamma=gamma, combine_as="mean",
                       episode_reward="reward_sum", singleton="raw", step_singleton="raw",
                       eps=eps, axis_name=axis_name)

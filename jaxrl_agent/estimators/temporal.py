@@ -43,6 +43,15 @@ def discounted_returns(batch: TrajectoryBatch, *, gamma: float = 1.0,
     """Per-turn reward-to-go G_k = r_k + gamma G_{k+1} (G past the last turn = 0).
 
     The discount is per turn. ``turn`` and ``turn_returns`` are G; ``token`` broadcasts it.
+
+    Args:
+      batch: reads ``turn_rewards`` and ``turn_mask`` [N, K] (N trajectories x K turns).
+      gamma: per-turn discount, in [0, 1].
+      axis_name: the mesh axis under ``shard_map`` (nothing is reduced across it), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` = ``turn_returns`` = G [N, K] (0 on missing turns) and
+      ``token`` [R, T] (G_k on the action tokens of turn k, 0 elsewhere).
     """
     check_unit("gamma", gamma)
     b = segments.local_view(batch, axis_name)
@@ -51,9 +60,9 @@ def discounted_returns(batch: TrajectoryBatch, *, gamma: float = 1.0,
     return Advantages(token=segments.turn_to_token(g, b), turn=g, turn_returns=g)
 
 
-@register("gae", reads=VALUE_READS)
-def gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True,
-        eps: float = 1e-8, axis_name=None) -> Advantages:
+@register("gae", reads=VALUE_READS, renamed={"whiten": "normalize"})
+def gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
+        normalize: bool = True, eps: float = 1e-8, axis_name=None) -> Advantages:
     """Token-level GAE over multi-turn rows (verl's masked GAE, layout-independent).
 
     Along each trajectory's action tokens in order (observation tokens skipped):
@@ -61,10 +70,27 @@ def gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0, whiten:
     where next(t) is the next action token of the trajectory (in the same row or the row of the
     following turn) and V, A past the last action token are 0. Observation tokens carry the
     bootstrap value and the running advantage through unchanged, so inserting them anywhere
-    changes nothing. returns = A + V (value targets). With ``whiten``, A is standardised
-    token-weighted over the batch (across ``axis_name``).
+    changes nothing. returns = A + V (value targets). With ``normalize``, A is standardised
+    token-weighted over the batch (across ``axis_name``): (A - mean) / sqrt(var + eps).
     Limits: lam = 1 gives A = G - V; lam = 0 gives A = delta; V = 0, gamma = lam = 1 gives the
     reward-to-go. Schulman et al. 2016.
+
+    Args:
+      batch: reads ``turn_rewards`` [N, K], ``action_mask`` and ``turn_ids`` [R, T],
+        ``row_traj`` [R], optional extras['token_rewards'] [R, T], and the values:
+        extras['token_values'] [R, T], or else extras['turn_values'] [N, K] (one value for
+        every token of its turn).
+      gamma: per-token discount, in [0, 1].
+      lam: the GAE lambda, in [0, 1].
+      normalize: standardise A over the batch's action tokens (True) or leave it raw (False).
+        Former name ``whiten``.
+      eps: added to the variance of the standardisation.
+      axis_name: the mesh axis under ``shard_map``: the standardisation reduces across it, or
+        None.
+
+    Returns:
+      ``Advantages`` with ``token`` [R, T] (A, standardised if ``normalize``) and
+      ``token_returns`` [R, T] (A + V, raw), both 0 outside ``action_mask``.
     """
     check_unit("gamma", gamma)
     check_unit("lam", lam)
@@ -75,7 +101,8 @@ def gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0, whiten:
     delta = r + gamma * v_next - v
     adv, _ = segments.trajectory_reverse_scan(delta, gamma * lam, b)
     m = b.action_mask
-    token = segments.masked_whiten(adv, m, axis_name, eps) if whiten else jnp.where(m, adv, 0.0)
+    token = (segments.masked_whiten(adv, m, axis_name, eps) if normalize
+             else jnp.where(m, adv, 0.0))
     return Advantages(token=token, token_returns=jnp.where(m, adv + v, 0.0))
 
 
@@ -100,6 +127,23 @@ def turn_gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
     ``normalize``: ``"token"`` standardises A weighted by each turn's action tokens (what a
     token-mean loss sees), ``"turn"`` over valid turns, ``"none"`` leaves it. Used by HiPER,
     GAGPO and SAPO.
+
+    Args:
+      batch: reads ``turn_rewards`` and ``turn_mask`` [N, K] and extras['turn_values']
+        [N, K], V_k read before action k; ``action_mask``, ``turn_ids`` [R, T] and
+        ``row_traj`` [R] for the token weights and the broadcast.
+      gamma: per-turn discount, in [0, 1].
+      lam: the GAE lambda, in [0, 1].
+      normalize: ``"token"``, ``"turn"`` or ``"none"`` (above); (A - mean) / sqrt(var + eps)
+        over the whole batch.
+      eps: added to the variance.
+      axis_name: the mesh axis under ``shard_map``: the standardisation reduces across it, or
+        None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, standardised per ``normalize``), ``token``
+      [R, T] (that A on turn k's action tokens) and ``turn_returns`` [N, K] (A + V, raw); 0 on
+      missing turns and outside ``action_mask``.
     """
     check_unit("gamma", gamma)
     check_unit("lam", lam)
@@ -128,6 +172,20 @@ def lambda_returns(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1
     baseline-free advantage. ``level="turn"`` uses turn values and gives ``turn``;
     ``level="token"`` runs over action tokens like ``gae``. lam = 1 gives the discounted
     return, lam = 0 the one-step TD target.
+
+    Args:
+      batch: ``level="turn"`` reads ``turn_rewards``, ``turn_mask`` and extras['turn_values']
+        [N, K]; ``level="token"`` reads what ``gae`` reads (extras['token_values'] [R, T] or
+        extras['turn_values'] [N, K]).
+      gamma: discount per turn (``"turn"``) or per action token (``"token"``), in [0, 1].
+      lam: the lambda of the lambda-return, in [0, 1].
+      level: ``"turn"`` or ``"token"``.
+      axis_name: the mesh axis under ``shard_map`` (nothing is reduced across it), or None.
+
+    Returns:
+      ``Advantages``: for ``"turn"``, ``turn`` = ``turn_returns`` = G^lam [N, K] and ``token``
+      [R, T] its broadcast; for ``"token"``, ``token`` = ``token_returns`` = G^lam [R, T].
+      0 on missing turns and outside ``action_mask``.
     """
     check_unit("gamma", gamma)
     check_unit("lam", lam)
@@ -137,7 +195,7 @@ def lambda_returns(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1
         v = _turn_values(b, "lambda_returns")
         g = jnp.where(b.turn_mask, _turn_gae_raw(b, gamma, lam, v) + v, 0.0)
         return Advantages(token=segments.turn_to_token(g, b), turn=g, turn_returns=g)
-    adv = gae(b, gamma=gamma, lam=lam, whiten=False)
+    adv = gae(b, gamma=gamma, lam=lam, normalize=False)
     return Advantages(token=adv.token_returns, token_returns=adv.token_returns)
 
 
@@ -153,9 +211,23 @@ def sapo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
     delta_k = r_k + gamma V_{k+1} - V_k (V past the last turn = 0);
     A_k = sum_l (gamma lam)^l delta_{k+l};  targets G^lam_k = A_k + V_k (``turn_returns``);
     A_hat = (A - mu) / sqrt(var + eps) over the whole batch (across ``axis_name``), weighted by
-    each turn's action tokens (``normalize="token"``, what a token-mean actor loss sees; [X]
-    our choice, the paper says "batch normalisation") or by turns (``"turn"``).
+    each turn's action tokens (``normalize="token"``, what a token-mean actor loss sees; our
+    choice, since the paper says only "batch normalisation") or by turns (``"turn"``).
     The auxiliary SARSA loss on Q read after the action is ``losses.sarsa``.
+
+    Args:
+      batch: reads ``turn_rewards``, ``turn_mask`` and extras['turn_values'] [N, K];
+        ``action_mask``, ``turn_ids`` [R, T] and ``row_traj`` [R].
+      gamma: per-turn discount, in [0, 1].
+      lam: the GAE lambda, in [0, 1].
+      normalize: ``"token"`` or ``"turn"`` (``"none"`` is refused: SAPO normalises).
+      eps: added to the variance.
+      axis_name: the mesh axis under ``shard_map``: the normalisation reduces across it, or
+        None.
+
+    Returns:
+      ``Advantages`` as ``turn_gae``: ``turn`` [N, K] (A_hat), ``token`` [R, T] and
+      ``turn_returns`` [N, K] (the targets G^lam).
     """
     if normalize == "none":
         raise ValueError("sapo normalises its advantages: normalize must be 'token' or 'turn'")

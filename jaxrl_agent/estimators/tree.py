@@ -68,8 +68,8 @@ def _check_nonneg_finite(name, value):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
-def _check_episode(mode, episode_weighting, eps, singleton, gamma):
-    check_choice("mode", mode, MODES)
+def _check_episode(normalize, episode_weighting, eps, singleton, gamma):
+    check_choice("normalize", normalize, MODES)
     check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
     check_choice("singleton", singleton, SINGLETONS)
     check_positive("eps", eps)
@@ -172,13 +172,14 @@ def _rtmc_terms(b: TrajectoryBatch, *, kappa, signature, target, gamma):
             "q": z(q)}
 
 
-@register("rtmc")
+@register("rtmc", renamed={"mode": "normalize"})
 def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "history",
          target: str = "return", gamma: float = 1.0, episode_weight: float = 0.0,
-         mode: str = "mean_std_norm", episode_weighting: str = "trajectory", eps: float = 1e-6,
+         normalize: str = "mean_std_norm", episode_weighting: str = "trajectory", eps: float = 1e-6,
          singleton: str = "zero", axis_name=None) -> Advantages:
-    """RTMC: Rollout-Tree Monte Carlo advantages with prior-smoothed node values
-    (read from the abstract; the smoothing is [X] our definition).
+    """RTMC: Rollout-Tree Monte Carlo advantages with prior-smoothed node values. The paper's
+    abstract describes the smoothing in words; the formulas of the smoothing below are our
+    reading of it.
 
     Nodes s = the turn's state signature: ``signature="history"`` (default) the exact history
     node H(i, k) of the rollout tree (module doc); ``"state"`` the plain ``state_keys`` (a
@@ -190,16 +191,16 @@ def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "histor
     the pair (s, a) (for Q) counts, so
       N(s) = #trajectories visiting s,   V_hat(s) = mean of G over first visits of s,
       N(s, a), Q_hat(s, a) likewise over first visits of (s, a).
-    Smoothing [X]:
+    Smoothing (our reading):
       V~(s)    = (sum_{first visits} G + kappa V_prior(s)) / (N(s) + kappa),
       Q~(s, a) = (sum_{first visits} G + kappa V~(s)) / (N(s, a) + kappa),
       V_prior(s) = V~(parent of s) for the history signature (computed root-down by a scan
         over the depth k), and the root prior mean_g G[., 0] (the group mean of the first-turn
         return: the group mean of R for outcome rewards) for depth-0 nodes; with the state
-        signature (no unique parent) every state's prior is that root prior [X].
+        signature (no unique parent) every state's prior is that root prior (our choice).
     A[i, k] = Q~(s, a) - V~(s) + episode_weight A_ep(i), broadcast onto turn k's action tokens
-    (A_ep = GRPO, ``episode_advantage`` with ``mode``, ``episode_weighting``, ``singleton``;
-    off by default, as in the paper).
+    (A_ep = GRPO, ``episode_advantage`` with ``normalize``, ``episode_weighting``,
+    ``singleton``; off by default, as in the paper).
 
     Limits: kappa = 0 gives the raw first-visit MC estimate Q_hat - V_hat (whose count-weighted
     sum over the actions of a history node is 0, tree consistency); kappa -> inf gives A -> 0;
@@ -207,14 +208,34 @@ def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "histor
     (first visit).
     A singleton node with kappa > 0 gives kappa (G - V_prior) / (1 + kappa)^2 (shrunk toward
     its parent, not 0). All-equal returns give exactly 0. ``kappa`` >= 0 and finite.
+
+    Args:
+      batch: reads ``state_keys``, ``action_keys``, ``turn_rewards`` and ``turn_mask`` [N, K]
+        (N trajectories x K turns), ``outcome``, ``group_ids`` and ``traj_mask`` [N].
+      kappa: prior strength, finite and >= 0 (0 = no smoothing).
+      signature: ``"history"`` or ``"state"`` (above).
+      target: ``"return"`` or ``"outcome"`` (above).
+      gamma: per-turn discount of the ``"return"`` target, in [0, 1].
+      episode_weight: weight of A_ep (0 = off).
+      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
+        Former name ``mode``.
+      episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
+      eps: added to the std of A_ep, > 0.
+      singleton: ``"zero"`` or ``"raw"``: A_ep of a singleton task group.
+      axis_name: the mesh axis under ``shard_map`` (groups are whole on one shard, so
+        everything stays shard-local), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+      on turn k's action tokens, 0 elsewhere).
     """
     _check_nonneg_finite("kappa", kappa)
     check_choice("signature", signature, SIGNATURES)
     check_choice("target", target, TARGETS)
-    _check_episode(mode, episode_weighting, eps, singleton, gamma)
+    _check_episode(normalize, episode_weighting, eps, singleton, gamma)
     b = segments.local_view(batch, axis_name)
     t = _rtmc_terms(b, kappa=kappa, signature=signature, target=target, gamma=gamma)
-    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, eps=eps,
+    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     return combine(b, a_ep, t["q"] - t["v"], episode_weight, 1.0)
 
@@ -241,13 +262,14 @@ def _tree_terms(b: TrajectoryBatch, *, child, baseline):
             "a_proc": z(a_proc)}
 
 
-@register("tree_value")
+@register("tree_value", renamed={"mode": "normalize"})
 def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weight: float = 1.0,
-               baseline: str = "parent", child: str = "history", mode: str = "mean_std_norm",
-               episode_weighting: str = "trajectory", eps: float = 1e-6,
-               singleton: str = "zero", axis_name=None) -> Advantages:
+               baseline: str = "parent", child: str = "history",
+               normalize: str = "mean_std_norm", episode_weighting: str = "trajectory",
+               eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
     """Tree-node value differences: TreePS-RAG, Segment-PO tree, TEMPO / P2T at turn
-    granularity, TreeMem. Status S; the combination with GRPO is [X] our definition.
+    granularity, TreeMem. The node values follow those papers; their combination with GRPO's
+    episode term is our choice.
 
     On the rollout tree of each task group (module doc; ``child`` picks the child node):
       V(u) = mean of the outcome R over the trajectories passing through node u;
@@ -258,8 +280,8 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
       A_proc = 0 where p has a single child (TEMPO's branch gating; for ``"parent"`` this is
         what the formula gives anyway, and is kept exact);
       A[i, k] = episode_weight A_ep(i) + step_weight A_proc(i, k), broadcast onto turn k's
-        action tokens, A_ep = GRPO (``episode_advantage``: ``mode`` ``"mean_std_norm"`` GRPO,
-        ``"mean_norm"`` Dr.GRPO; ``episode_weighting``, ``singleton``).
+        action tokens, A_ep = GRPO (``episode_advantage``: ``normalize`` ``"mean_std_norm"``
+        GRPO, ``"mean_norm"`` Dr.GRPO; ``episode_weighting``, ``singleton``).
     Properties: tree consistency (V(p) is the leaf-count weighted mean of its children, so the
     step terms of a node sum to 0 over its trajectories for ``"parent"``); a depth-1 tree (one
     shared root, distinct actions, single-turn trajectories) gives A_proc = R_i - mean_g R
@@ -267,12 +289,30 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
     trajectory to V(its leaf) - V(its root) (= R_i - V(root) unless another trajectory ends in
     the same leaf; gated terms are 0 by the formula anyway). Singleton groups and equal outcomes
     give A_proc = 0.
+
+    Args:
+      batch: reads ``state_keys``, ``action_keys`` and ``turn_mask`` [N, K] (N trajectories x
+        K turns), ``outcome``, ``group_ids`` and ``traj_mask`` [N].
+      episode_weight: weight of A_ep.
+      step_weight: weight of A_proc.
+      baseline: ``"parent"`` or ``"siblings"`` (above).
+      child: ``"history"`` or ``"action"`` (module doc).
+      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
+        Former name ``mode``.
+      episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
+      eps: added to the std of A_ep, > 0.
+      singleton: ``"zero"`` or ``"raw"``: A_ep of a singleton task group.
+      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+      on turn k's action tokens, 0 elsewhere).
     """
     check_choice("baseline", baseline, BASELINES)
     check_choice("child", child, CHILDREN)
-    _check_episode(mode, episode_weighting, eps, singleton, 1.0)
+    _check_episode(normalize, episode_weighting, eps, singleton, 1.0)
     b = segments.local_view(batch, axis_name)
-    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, eps=eps,
+    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     t = _tree_terms(b, child=child, baseline=baseline)
     return combine(b, a_ep, t["a_proc"], episode_weight, step_weight)
@@ -281,8 +321,8 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
 # ----------------------------------------------------------------------------- ProGPO
 
 
-def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal, prefix_mode,
-                  eps):
+def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal,
+                  prefix_normalize, eps):
     """ProGPO's per-turn pieces, dict (0 on invalid turns): g [N, K] returns, phi_d and w_d
     [N, K, D + 1] depth potentials and fusion weights, phi [N, K] fused potential, credit C,
     a_pre (exact-prefix term)."""
@@ -311,25 +351,25 @@ def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal, 
         r = jnp.where(b.turn_mask, b.turn_rewards, 0.0)
         credit = r + gamma * nxt - phi
     ids = segments.turn_key_ids(b, *segments.history_keys(b))
-    a_pre = normalize_in_groups(g, ids, valid, mode=prefix_mode, eps=eps)
+    a_pre = normalize_in_groups(g, ids, valid, normalize=prefix_normalize, eps=eps)
     z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
     return {"g": z(g), "phi_d": jnp.where(valid[..., None], phi_d, 0.0), "w_d": w_d,
             "phi": phi, "credit": z(credit), "a_pre": a_pre}
 
 
-@register("progpo")
+@register("progpo", renamed={"mode": "normalize", "prefix_mode": "prefix_normalize"})
 def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float = 1.0,
            transition_weight: float = 1.0, max_depth: int = 2, prior_std: float = 0.5,
-           terminal: str = "outcome", mode: str = "mean_std_norm",
-           prefix_mode: str = "mean_norm", episode_weighting: str = "trajectory",
+           terminal: str = "outcome", normalize: str = "mean_std_norm",
+           prefix_normalize: str = "mean_norm", episode_weighting: str = "trajectory",
            eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
-    """ProGPO: Progress- and Reliability-Oriented Group PO (read from the
-    abstract; the formulas are [X] our definition).
+    """ProGPO: Progress- and Reliability-Oriented Group PO. This is our reading of the paper,
+    whose abstract describes the method in words: the formulas below are ours.
 
     G[i, k] = sum_{j >= k} gamma^(j-k) r[i, j]; keys scoped by task group.
       Exact-prefix term: A_pre(i, k) = G[i, k] - mean{G[j, l]: H(j, l) = H(i, k)} over the
-        turns with the same whole history (``prefix_mode="mean_std_norm"``: divided by
-        std + eps, unbiased); 0 for a singleton prefix.
+        turns with the same whole history (``prefix_normalize="mean_std_norm"``: divided
+        by std + eps, unbiased); 0 for a singleton prefix.
       Depth potentials, d = 0..D (D = ``max_depth``): key_d(i, k) = the last d turns of history
         and the current state (``segments.history_keys(depth=d)``; d = 0 the state alone);
         Phi_d = mean of G over the turns (visits) sharing key_d, n_d their number, sigma_d^2
@@ -343,25 +383,46 @@ def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float =
         C = r[i, k] + gamma Phi(s_{i,k+1}) - Phi(s_{i,k}) with Phi(terminal) = 0, which
         telescopes to G[i, 0] - Phi(s_{i,0}).
       A[i, k] = A_ep(i) + w1 A_pre(i, k) + w2 C(i, k)   (w1 = ``prefix_weight``,
-        w2 = ``transition_weight``; A_ep = GRPO via ``episode_advantage`` with ``mode``).
-    Reductions: w2 = 0 with prefix_mode = mode is step_group(key="history") (exact-prefix
-    GiGPO); w1 = w2 = 0 is GRPO. Degenerate cases: a lone trajectory in which no state recurs
-    has every key to itself, so Phi = G and C = gamma G_{k+1} - G_k (G_K := R; 0 for
-    outcome-only rewards and gamma = 1); equal returns and outcomes everywhere give Phi = G
-    and A = 0 for gamma = 1. Sums of zero weight never divide (no NaN).
+        w2 = ``transition_weight``; A_ep = GRPO via ``episode_advantage`` with ``normalize``).
+    Reductions: w2 = 0 with prefix_normalize = normalize is step_group(key="history")
+    (exact-prefix GiGPO); w1 = w2 = 0 is GRPO. Degenerate cases: a lone trajectory in which no
+    state recurs has every key to itself, so Phi = G and C = gamma G_{k+1} - G_k (G_K := R; 0
+    for outcome-only rewards and gamma = 1); equal returns and outcomes everywhere give
+    Phi = G and A = 0 for gamma = 1. Sums of zero weight never divide (no NaN).
     Not implemented: the paper's "semantic expansion" (merging near-duplicate observations);
     pass such merged ids as ``state_keys``.
+
+    Args:
+      batch: reads ``state_keys``, ``action_keys``, ``turn_rewards`` and ``turn_mask`` [N, K]
+        (N trajectories x K turns), ``outcome``, ``group_ids`` and ``traj_mask`` [N].
+      gamma: per-turn discount, in [0, 1].
+      prefix_weight: w1, the weight of A_pre.
+      transition_weight: w2, the weight of C.
+      max_depth: D, the longest history suffix of the potentials, an int >= 0.
+      prior_std: s0, > 0.
+      terminal: ``"outcome"`` or ``"td"`` (above).
+      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
+        Former name ``mode``.
+      prefix_normalize: the same choice for A_pre. Former name ``prefix_mode``.
+      episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
+      eps: added to the stds, > 0.
+      singleton: ``"zero"`` or ``"raw"``: A_ep of a singleton task group.
+      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
+
+    Returns:
+      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+      on turn k's action tokens, 0 elsewhere).
     """
     check_choice("terminal", terminal, TERMINALS)
-    check_choice("prefix_mode", prefix_mode, MODES)
+    check_choice("prefix_normalize", prefix_normalize, MODES)
     check_positive("prior_std", prior_std)
     if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
-    _check_episode(mode, episode_weighting, eps, singleton, gamma)
+    _check_episode(normalize, episode_weighting, eps, singleton, gamma)
     b = segments.local_view(batch, axis_name)
-    a_ep = episode_advantage(b, mode=mode, weighting=episode_weighting, eps=eps,
+    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     t = _progpo_terms(b, gamma=gamma, max_depth=max_depth, prior_std=prior_std,
-                      terminal=terminal, prefix_mode=prefix_mode, eps=eps)
+                      terminal=terminal, prefix_normalize=prefix_normalize, eps=eps)
     return combine(b, a_ep, prefix_weight * t["a_pre"] + transition_weight * t["credit"],
                    1.0, 1.0)

@@ -1,7 +1,7 @@
 """Slow reference estimators, written straight from the docstring formulas.
 
 Independent oracle: plain Python loops over trajectories, turns and tokens in float64, from
-the rollout *records* (the JSONL format of ``batch.pack_records``) or from a host numpy copy
+the rollout *records* (the JSONL format of ``rollout.records.pack_records``) or from a host numpy copy
 of a batch (``records_from_batch``). Nothing here imports ``jaxrl_agent.estimators`` or
 ``jaxrl_agent.segments``; the only link to the library is ``place``, which writes per-record
 results into the batch's [N, K] / [R, T] positions using a ``RecordIndex`` (``traj``, ``spans``).
@@ -190,7 +190,7 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-# ----------------------------------------------------------------------------- family (a)
+# ----------------------------------------------------------------------------- outcome baselines
 
 
 def grpo(records, *, eps=1e-6, ddof=1, singleton="zero") -> RefOut:
@@ -374,7 +374,7 @@ def spo_pp(records, *, state, rho=0.96, eps=1e-8, task_index=None) -> RefOut:
 # ----------------------------------------------------------------------------- rollout level
 
 
-def rollout_level(records, *, layout, eps=1e-6, ddof=1, normalize_std=True, row_weighted=False,
+def rollout_level(records, *, layout, eps=1e-6, ddof=1, normalize=True, row_weighted=False,
                   singleton="zero") -> RefOut:
     """One group-normalised advantage per rollout. row_weighted: frequency weights
     w_i = number of rows of trajectory i (1 in the concatenated layout, its number of turns in
@@ -394,7 +394,7 @@ def rollout_level(records, *, layout, eps=1e-6, ddof=1, normalize_std=True, row_
                 continue
             mean = sum(wi * r for wi, r in zip(ws, rs)) / sum(ws)
             a[i] = trajs[i].outcome - mean
-            if normalize_std:
+            if normalize:
                 assert sum(ws) - ddof > 0
                 std = math.sqrt(sum(wi * (r - mean) ** 2 for wi, r in zip(ws, rs))
                                 / (sum(ws) - ddof))
@@ -405,7 +405,7 @@ def rollout_level(records, *, layout, eps=1e-6, ddof=1, normalize_std=True, row_
     return _traj_out(trajs, a, tol)
 
 
-# ----------------------------------------------------------------------------- family (c)
+# ----------------------------------------------------------------------------- returns and critics
 
 
 def returns(records, *, gamma=1.0) -> RefOut:
@@ -436,7 +436,7 @@ def _token_value_stream(tr: Traj):
     return out
 
 
-def gae(records, *, gamma=1.0, lam=1.0, whiten=True, eps=1e-8) -> RefOut:
+def gae(records, *, gamma=1.0, lam=1.0, normalize=True, eps=1e-8) -> RefOut:
     """Token-level GAE along each trajectory's action tokens in turn order (observations
     skipped): delta_t = r_t + gamma V_next - V_t, A_t = delta_t + gamma lam A_next (V, A past
     the last action token 0); returns = A + V; optional token-weighted whitening (population
@@ -458,7 +458,7 @@ def gae(records, *, gamma=1.0, lam=1.0, whiten=True, eps=1e-8) -> RefOut:
         ret.append(_unflatten([x + y for x, y in zip(a, v)], like))
         scales.append(sum(abs(x) for x in r) + 2 * sum(abs(x) for x in v))
     rtol = _plain_tol([[x for turn in rec for x in turn] for rec in ret])
-    if whiten:
+    if normalize:
         token, tol = _whiten_tokens(adv, eps, max(scales + [1.0]))
     else:
         token = adv

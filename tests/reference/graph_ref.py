@@ -1,7 +1,7 @@
 """Slow references for the state-graph estimators G2PO, GraphGPO and GAGPO.
 
-Written straight from the formulas of METHODS.md b4, b5, b7 (and the docstrings of
-``jaxrl_agent/estimators/graph.py``): Python dictionaries keyed by (task group, state) where
+Written straight from the formulas in the docstrings of
+``jaxrl_agent/estimators/graph.py``: Python dictionaries keyed by (task group, state) where
 the state is the record's ``state_key`` or observation tuple (never the library's hash), float64
 loops over trajectories and turns, the distances to SUCCESS by breadth-first search from
 SUCCESS over reversed edges (the library uses Bellman-Ford), sentinels as tagged tuples.

@@ -98,7 +98,7 @@ def streams(records, *, gamma=1.0, lam_turn=1.0, lam_seg=0.95, switch_stream="au
                          switch_stream=switch_stream) for tr in parse_steps(records)]
 
 
-def _standardise(per, name, label, norm_adv, eps):
+def _standardise(per, name, label, normalize, eps):
     """Stats of stream ``name`` over the turns carrying >= 1 token labelled ``label`` (each
     counted once, or by its number of such tokens): returns (fn x -> x', denom, n, S)."""
     xs, ws = [], []
@@ -107,7 +107,7 @@ def _standardise(per, name, label, norm_adv, eps):
             c = sum(lab == label for lab in labels)
             if c:
                 xs.append(p[name][k] if name in p else 0.0)
-                ws.append(float(c) if norm_adv == "token" else 1.0)
+                ws.append(float(c) if normalize == "token" else 1.0)
     if not ws:
         return (lambda x: x), 1.0, 0, 0.0
     tot = sum(ws)
@@ -118,17 +118,17 @@ def _standardise(per, name, label, norm_adv, eps):
 
 
 def hae(records, *, gamma=1.0, lam_turn=1.0, lam_seg=0.95, switch_stream="auto",
-        norm_adv="none", eps=1e-8) -> RefOut:
+        normalize="none", eps=1e-8) -> RefOut:
     per = streams(records, gamma=gamma, lam_turn=lam_turn, lam_seg=lam_seg,
                   switch_stream=switch_stream)
     scale = max(p["scale"] for p in per)
     fns, tol_of = {}, {}
     for name, label in ((LOW, LOW), (HIGH, HIGH), (TERM, TERM)):
-        if norm_adv == "none":
+        if normalize == "none":
             fns[label] = lambda x: x
             tol_of[label] = lambda x, p: BASE_ATOL + BASE_RTOL * p["scale"]
             continue
-        fn, denom, n, _ = _standardise(per, name, label, norm_adv, eps)
+        fn, denom, n, _ = _standardise(per, name, label, normalize, eps)
         fns[label] = fn
         if n == 0:
             tol_of[label] = lambda x, p: BASE_ATOL + BASE_RTOL * p["scale"]

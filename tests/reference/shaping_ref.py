@@ -13,7 +13,7 @@ Signatures (by kind of the registered name):
   transform  ``ref(records, base, **hp) -> RefOut`` where ``base`` is the base estimator's
              per-record list of per-turn advantages (e.g. ``estimators_ref.grpo(records).turn``).
 Record fields read: ``turn_extras`` / ``token_extras`` / ``traj_extras`` / ``edges`` as
-packed by ``batch.pack_records``; ``ref_logprobs`` / ``logprobs`` of each turn.
+packed by ``rollout.records.pack_records``; ``ref_logprobs`` / ``logprobs`` of each turn.
 """
 
 from __future__ import annotations
