@@ -415,9 +415,10 @@ def _suggest(leaf: str) -> str:
 
 
 def from_dict(d: dict | None) -> RunConfig:
-    """A ``RunConfig`` from a nested dict (as read from YAML); missing keys take their defaults.
-    Raises ``ConfigError`` naming the key for unknown keys and wrong types. No semantic checks."""
-    return _build(RunConfig, d, "")
+    """A ``RunConfig`` from a nested dict (as read from YAML); missing keys take their defaults
+    and former hyper-parameter names their current ones (``canonical_params``). Raises
+    ``ConfigError`` naming the key for unknown keys and wrong types. No semantic checks."""
+    return canonical_params(_build(RunConfig, d, ""))
 
 
 def to_dict(cfg: RunConfig) -> dict:
@@ -580,8 +581,7 @@ def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
     if path is not None and isinstance(raw.get("imports"), list):
         raw = dict(raw, imports=resolve_imports(raw["imports"], os.path.dirname(
             os.path.abspath(path))))
-    cfg = canonical_params(from_dict(apply_overrides(raw, overrides,
-                                                     defaults=to_dict(RunConfig()))))
+    cfg = from_dict(apply_overrides(raw, overrides, defaults=to_dict(RunConfig())))
     if validate:
         _semantic_check(cfg)
     return cfg
@@ -594,26 +594,29 @@ def canonical_params(cfg: RunConfig) -> RunConfig:
     malformed stages pass unchanged (validation reports them)."""
     from jaxrl_agent import estimators, losses, registry  # noqa: F401  (registers the methods)
 
-    def fix(name, params, kind):
+    def fix(name, params, kind, key):
         e = registry.find(name, kind) if isinstance(name, str) else None
         if e is None or not isinstance(params, dict):
             return params
         try:
             return e.canonical(params)
         except ValueError as err:
-            raise ConfigError(str(err)) from None
+            raise ConfigError(f"{key}: {err}") from None
 
     est = cfg.estimator
     staged = {}
     for which in ("shaping", "then"):
         items = []
-        for item in getattr(est, which):
+        for i, item in enumerate(getattr(est, which)):
             if isinstance(item, dict) and isinstance(item.get("params"), dict):
-                item = dict(item, params=fix(item.get("name"), item["params"], "estimator"))
+                item = dict(item, params=fix(item.get("name"), item["params"], "estimator",
+                                             f"estimator.{which}[{i}].params"))
             items.append(item)
         staged[which] = items
-    est = dataclasses.replace(est, params=fix(est.name, est.params, "estimator"), **staged)
-    loss = dataclasses.replace(cfg.loss, params=fix(cfg.loss.policy, cfg.loss.params, "loss"))
+    est = dataclasses.replace(est, params=fix(est.name, est.params, "estimator",
+                                              "estimator.params"), **staged)
+    loss = dataclasses.replace(cfg.loss, params=fix(cfg.loss.policy, cfg.loss.params, "loss",
+                                                    "loss.params"))
     return dataclasses.replace(cfg, estimator=est, loss=loss)
 
 

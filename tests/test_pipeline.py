@@ -69,6 +69,25 @@ def test_register_checks_kind_and_duplicates():
         E.register("__x", lambda b: b, kind="reward_model")
     with pytest.raises(ValueError, match="stateful"):
         E.register("__y", lambda a, b: a, kind="transform", stateful=True)
+    with pytest.raises(ValueError, match="renamed 'old' -> 'missing'"):
+        E.register("__z", lambda b, *, scale=1.0: b, renamed={"old": "missing"})
+
+
+def test_former_hyper_parameter_names_map_in_configs_and_pipelines():
+    from jaxrl_agent import config as config_lib
+
+    d = config_lib.to_dict(config_lib.RunConfig())
+    d["estimator"] = {"name": "gigpo", "params": {"mode": "mean_norm"},
+                      "then": [{"name": "trial", "params": {"lam": 0.5}}]}
+    cfg = config_lib.from_dict(d)
+    assert cfg.estimator.params == {"normalize": "mean_norm"}
+    assert cfg.estimator.then == [{"name": "trial", "params": {"weight": 0.5}}]
+    d["estimator"]["params"] = {"mode": "mean_norm", "normalize": "mean_std_norm"}
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"^estimator.params: .*give 'normalize' only \('mode' is its"):
+        config_lib.from_dict(d)
+    assert E.Pipeline.build("gigpo", {"mode": "mean_norm"}) == \
+        E.Pipeline.build("gigpo", {"normalize": "mean_norm"})
 
 
 # ----------------------------------------------------------------------------- pipeline
