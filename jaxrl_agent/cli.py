@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -236,7 +237,8 @@ def cmd_estimators(args) -> int:
     for kind, title in titles.items():
         print(f"# {title}")
         for entry in registry.entries(kind):
-            hp = ", ".join(f"{k}={v!r}" for k, v in entry.hyper_params.items()
+            hp = ", ".join(f"{k} (required)" if v is inspect.Parameter.empty else f"{k}={v!r}"
+                           for k, v in entry.hyper_params.items()
                            if kind != "loss" or k not in ("agg", "agg_constant"))
             doc = ((entry.fn.__doc__ or "").strip().splitlines() or [""])[0]
             notes = [f"reads {', '.join(entry.reads)}"] if isinstance(entry.reads, tuple) and \

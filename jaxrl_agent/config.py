@@ -582,9 +582,30 @@ def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
         raw = dict(raw, imports=resolve_imports(raw["imports"], os.path.dirname(
             os.path.abspath(path))))
     cfg = from_dict(apply_overrides(raw, overrides, defaults=to_dict(RunConfig())))
+    if path is not None:
+        cfg = _env_base_dir(cfg, os.path.dirname(os.path.abspath(path)))
     if validate:
         _semantic_check(cfg)
     return cfg
+
+
+def _env_base_dir(cfg: RunConfig, base_dir: str) -> RunConfig:
+    """An environment whose constructor takes ``base_dir`` (files it reads, such as a task
+    file, relative to it) gets the config file's directory unless the config sets it, so a
+    config finds its files from any working directory (and the run records the path)."""
+    from jaxrl_agent import envs
+
+    if "base_dir" in cfg.env.kwargs:
+        return cfg
+    try:
+        factory, _ = envs.resolve_env(cfg.env.name)
+        takes = "base_dir" in inspect.signature(factory).parameters
+    except (ValueError, ImportError, TypeError):
+        return cfg  # validation names the problem
+    if not takes:
+        return cfg
+    env = dataclasses.replace(cfg.env, kwargs={**cfg.env.kwargs, "base_dir": base_dir})
+    return dataclasses.replace(cfg, env=env)
 
 
 def canonical_params(cfg: RunConfig) -> RunConfig:
@@ -887,20 +908,29 @@ def _check_model(cfg: RunConfig) -> None:
 
 
 def _check_env(cfg: RunConfig) -> None:
-    """The environment: registered, and its keyword arguments."""
+    """The environment: a registered name or a name form (``envs.resolve_env``), and its
+    keyword arguments."""
     from jaxrl_agent import envs
-    env_names = envs.names()
-    if cfg.env.name not in env_names:
-        raise ConfigError(f"env.name: unknown environment {cfg.env.name!r}; known: "
-                          f"{', '.join(env_names)}")
-    env_cls = envs.env_class(cfg.env.name)
+    try:
+        env_cls, fixed = envs.resolve_env(cfg.env.name)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"env.name: {e}") from None
+    for key in fixed:
+        if key in cfg.env.kwargs:
+            raise ConfigError(f"env.kwargs.{key}: the env name {cfg.env.name!r} already sets "
+                              f"it; leave it out")
     if inspect.isclass(env_cls) or inspect.isfunction(env_cls):
-        sig = inspect.signature(env_cls)
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
-            allowed = [p.name for p in sig.parameters.values()
-                       if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                     inspect.Parameter.KEYWORD_ONLY)]
-            _check_params(cfg.env.kwargs, allowed, "env.kwargs", f"environment {cfg.env.name!r}")
+        params = [p for p in inspect.signature(env_cls).parameters.values()
+                  if p.name not in fixed and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                        inspect.Parameter.KEYWORD_ONLY)]
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD
+                   for p in inspect.signature(env_cls).parameters.values()):
+            _check_params(cfg.env.kwargs, [p.name for p in params], "env.kwargs",
+                          f"environment {cfg.env.name!r}")
+        for p in params:
+            if p.default is inspect.Parameter.empty and p.name not in cfg.env.kwargs:
+                raise ConfigError(f"env.kwargs.{p.name} is required for environment "
+                                  f"{cfg.env.name!r}")
 
 
 def _check_rollout(cfg: RunConfig) -> None:

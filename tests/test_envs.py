@@ -369,7 +369,7 @@ def test_http_env_local_server():
 
 
 def test_registry():
-    assert names() == sorted(ENV_NAMES)
+    assert set(ENV_NAMES) <= set(names())
     with pytest.raises(ValueError, match="gridworld"):
         make_env("nethack")
     assert make_env("gridworld", size=6).size == 6

@@ -1,17 +1,25 @@
 """Multi-turn text environments: the protocol, built-in envs, fault handling and adapters.
 
-See docs/envs.md. ``make_env(name, **kwargs)`` builds ``gridworld``, ``calculator`` or ``chain``.
+See docs/envs.md. ``make_env(name, **kwargs)`` builds a registered environment (``gridworld``,
+``calculator``, ``chain``, ``tasks``, ``reasoning_gym``, plug-ins) or one of the name forms
+``gymnasium:<id>``, ``http:<base_url>``, ``mcp:<server command>``, ``reasoning_gym:<dataset>``
+(``resolve_env``).
 """
 
-from jaxrl_agent.envs.base import (Env, Episode, SafeEnv, StepResult, Task, env_class, make_env, names,
-                                   normalize_action, register, reset_group, run_episode,
+from jaxrl_agent.envs.base import (ENV_NAME_FORMS, Env, Episode, SafeEnv, StepResult, Task,
+                                   env_class, gymnasium_env, make_env, names, normalize_action,
+                                   register, reset_group, resolve_env, run_episode,
                                    solver_policy, split_of, stable_hash)
 from jaxrl_agent.envs.gridworld import GridWorld
 from jaxrl_agent.envs.calculator import Calculator, ParseError, evaluate
 from jaxrl_agent.envs.chain import Chain
 from jaxrl_agent.envs.adapters import GymnasiumTextAdapter, HTTPEnv
+from jaxrl_agent.envs.tasks import (ConversationEnv, ReasoningGymEnv, RewardError, TaskEnv,
+                                    TaskFileError, load_reward, load_tasks)
 
 __all__ = ["Env", "Episode", "SafeEnv", "StepResult", "Task", "env_class", "make_env", "names",
            "normalize_action", "register", "reset_group", "run_episode", "solver_policy",
            "split_of", "stable_hash", "GridWorld", "Calculator", "ParseError", "evaluate",
-           "Chain", "GymnasiumTextAdapter", "HTTPEnv"]
+           "Chain", "GymnasiumTextAdapter", "HTTPEnv", "ENV_NAME_FORMS", "gymnasium_env",
+           "resolve_env", "ConversationEnv", "ReasoningGymEnv", "RewardError", "TaskEnv",
+           "TaskFileError", "load_reward", "load_tasks"]

@@ -306,7 +306,10 @@ class Trainer:
             raise config_lib.ConfigError(
                 f"mesh.tensor={tp} must divide the model's attention heads ({mc.num_heads}) and "
                 f"key/value heads ({mc.num_kv_heads}), so no head is split across devices")
-        self.env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
+        try:
+            self.env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
+        except (ValueError, ImportError) as e:
+            raise config_lib.ConfigError(f"env: {e}") from None
         r = cfg.rollout
         if r.branch_turns and r.branch_factor > 1 and not callable(getattr(self.env, "fork",
                                                                            None)):
