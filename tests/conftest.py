@@ -1,8 +1,17 @@
-"""Test set-up: 8 host CPU devices (before jax is imported) and one hypothesis profile."""
+"""Test set-up: 8 host CPU devices and quick compiles (before jax is imported), and one
+hypothesis profile."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Most of the suite's time is XLA compiling small programs once: the CPU backend's LLVM passes
+# at their lowest level compile about 30% faster here, and the programs' numbers are the same
+# (no fast-math). Training and benchmarks keep XLA's defaults. Set in XLA_FLAGS to override.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    _flags += " --xla_force_host_platform_device_count=8"
+if "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
