@@ -949,6 +949,13 @@ def _check_rollout(cfg: RunConfig) -> None:
     _choice(r.on_invalid, ON_INVALID, "rollout.on_invalid")
     _choice(r.history, HISTORY_MODES, "rollout.history")
     _check_branching(r)
+    if r.chat and cfg.model.hf_path is None:
+        raise ConfigError("rollout.chat: true needs a tokenizer with a chat template: set "
+                          "model.hf_path to a Hugging Face checkpoint folder (the built-in model "
+                          "talks through a byte codec, which has none)")
+    if r.chat and cfg.trainer.warmup_sft_steps > 0:
+        raise ConfigError("rollout.chat: the supervised warm-up does not build chat prompts yet; "
+                          "set trainer.warmup_sft_steps: 0 (or rollout.chat: false)")
 
 
 def _check_estimator(cfg: RunConfig) -> None:

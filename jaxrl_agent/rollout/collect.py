@@ -29,6 +29,17 @@ independently. The turns of a fork before the branch turn are token-for-token (a
 those of its parent, as independent copies; with ``history="full"`` its prompt at the branch
 turn is its parent's. A task then yields up to ``G * branch_factor ** len(branch_turns)``
 trajectories, all in one group (a trajectory that ended earlier is not forked).
+
+Chat-template rollouts (``chat=True``): the prompt of turn 0 is the codec's chat template
+rendered over ``[system?, first observation]`` with the generation prompt, and ``obs_k`` for
+``k >= 1`` is what the template writes after the assistant's sampled ids: the close of the
+assistant turn where not sampled, the new observation message(s) and the next generation
+prompt; ``act_k`` stays the sampled ids verbatim. Each trajectory also keeps its message list
+(observations as ``user`` / ``tool`` messages per ``info["observation_role"]``, actions as
+``assistant`` messages with the decoded text). The record format and the invariants above are
+unchanged, so ``pack_records``' action mask covers exactly the sampled assistant tokens.
+The module ``jaxrl_agent.rollout.chat`` documents the bookkeeping and the policy for
+templates that rewrite earlier turns.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from jaxrl_agent.envs.base import Env, SafeEnv, reset_group
+from jaxrl_agent.rollout.chat import ChatTemplate, observation_messages, warn_if_unstable
 from jaxrl_agent.sampling.base import SamplingParams
 
 __all__ = ["TextCodec", "ByteCodec", "RolloutConfig", "collect_groups", "HISTORY_MODES"]
@@ -188,6 +200,20 @@ class RolloutConfig:
         ``K - 1`` forks). ``group_size`` stays the number of independent roots per task, so a
         task yields up to ``group_size * K ** len(branch_turns)`` trajectories. ``K = 1`` or no
         ``branch_turns`` collects exactly as without them.
+      chat: talk to the policy through the codec's chat template (module docstring; the codec
+        must have one, e.g. an HF instruct tokenizer, else ``collect_groups`` raises a
+        ValueError naming ``rollout.chat``). Observations become ``user`` messages, or ``tool``
+        messages when the env sets ``info["observation_role"] = "tool"`` (several messages at
+        once: ``info["observation_messages"]``); the env's ``tools`` (JSON schemas, OpenAI
+        function format), when it has any, are passed to the template as ``tools=``.
+        ``observation_template`` and ``prompt_prefix`` are not used: the template writes the
+        whole prompt (BOS included where the family has one). With ``stop_token_ids = None``
+        sampling also stops on the template's end-of-turn token (``<|im_end|>``,
+        ``<|eot_id|>``) when it is not the codec's EOS. ``history="last"`` works too: every
+        prompt is then the render of ``[system?, newest observation message(s)]``.
+      system_prompt: the system message put first in every chat conversation; None = the
+        env's ``system_prompt`` attribute when it has one, else no system message. Only used
+        with ``chat``.
     """
 
     group_size: int = 8
@@ -204,6 +230,8 @@ class RolloutConfig:
     prompt_prefix: tuple[int, ...] = ()
     branch_turns: tuple[int, ...] = ()
     branch_factor: int = 1
+    chat: bool = False
+    system_prompt: str | None = None
 
     def __post_init__(self):
         for name in ("group_size", "max_turns", "max_new_tokens", "max_context_tokens"):
@@ -224,6 +252,11 @@ class RolloutConfig:
         k = self.branch_factor
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"RolloutConfig.branch_factor must be an int >= 1, got {k!r}")
+        if not isinstance(self.chat, bool):
+            raise ValueError(f"RolloutConfig.chat must be a bool, got {self.chat!r}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"RolloutConfig.system_prompt must be a str or None, got "
+                             f"{self.system_prompt!r}")
 
 
 def _is_int(v) -> bool:
@@ -280,6 +313,8 @@ class _Live:
     dropped: bool = False
     order: tuple = ()  # (task position, root, copy at each branch so far): the record order
     fork_failed: bool = False
+    chat: Any = None  # the ChatTemplate of this trajectory (chat rollouts)
+    messages: list = dataclasses.field(default_factory=list)  # its conversation, no system
 
 
 def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCodec,
@@ -311,20 +346,26 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
       ``forks`` (fork trajectories created, failed ones included), ``fork_errors``, ``generate_calls``,
       ``tokens_generated``, ``wall_time_s``, ``tokens_per_s``. ``turns`` and
       ``invalid_actions`` count per trajectory (a turn shared by a tree's copies once for each);
-      ``tokens_generated`` counts the tokens actually sampled.
+      ``tokens_generated`` counts the tokens actually sampled. With ``config.chat`` also
+      ``chat_template_prefix_stable`` (1 when every chat template used passed the
+      prefix-stability probe of ``jaxrl_agent.rollout.chat``, else 0) and
+      ``chat_rerender_differs`` (recorded trajectories, ``history="full"``, whose last prompt
+      differs from the template's render of their conversation up to it).
 
     A fork whose ``Env.fork`` fails (``SafeEnv.fork``) is dropped (counted in ``dropped``,
     ``env_errors`` and ``fork_errors``): its shared turns are its parent's, and recording them
     with a made-up ending would bias the group's baseline. Its siblings go on.
     """
     t0 = time.perf_counter()
+    chats = _ChatTemplates(codec, config) if config.chat else None
     stop_ids = config.stop_token_ids
     if stop_ids is None:
-        if codec.eos_token_id is None:
+        stop_ids = tuple(dict.fromkeys(int(i) for i in (
+            codec.eos_token_id, chats.base.end_of_turn_id if chats else None) if i is not None))
+        if not stop_ids:
             raise ValueError("codec has no eos_token_id: give RolloutConfig.stop_token_ids")
-        stop_ids = (int(codec.eos_token_id),)
     stop_set = set(stop_ids)
-    live = _start(_base_env(env_factory_or_env), list(tasks), codec, config)
+    live = _start(_base_env(env_factory_or_env), list(tasks), codec, config, chats)
     calls = tokens_generated = forks = 0
     for turn in range(config.max_turns):
         running = [tr for tr in live if not tr.done]
@@ -354,10 +395,69 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
     records = [_record(tr) for tr in live if not tr.dropped]
     stats = _stats(records, live, forks=forks, calls=calls, tokens_generated=tokens_generated,
                    wall=time.perf_counter() - t0)
+    if chats is not None:
+        stats["chat_template_prefix_stable"] = int(chats.prefix_stable())
+        stats["chat_rerender_differs"] = sum(
+            _rerender_differs(tr) for tr in live if not tr.dropped and config.history == "full")
     return records, stats
 
 
-def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig) -> list:
+class _EnvAttributeError(RuntimeError):
+    """Reading an env's chat attributes (``tools``, ``system_prompt``) raised."""
+
+
+class _ChatTemplates:
+    """The chat templates of one collection: one ``ChatTemplate`` per (system prompt, tools)
+    that the trajectories use, made when first needed; ``base`` (the config's system prompt,
+    no tools) is made at the start, so a codec without a chat template fails there."""
+
+    def __init__(self, codec, config: RolloutConfig):
+        self.codec, self.config = codec, config
+        self.base = ChatTemplate(codec, system_prompt=config.system_prompt)
+        self.made: dict = {}
+
+    def for_env(self, env) -> ChatTemplate:
+        """The template of a trajectory on ``env`` (its ``tools`` and ``system_prompt``,
+        the config's system prompt first)."""
+        system = self.config.system_prompt
+        try:  # an env's attribute may be a property that talks to a server
+            if system is None:
+                system = getattr(env, "system_prompt", None)
+            tools = getattr(env, "tools", None) or None
+        except Exception as e:  # noqa: BLE001 - an env fault ends the trajectory
+            raise _EnvAttributeError(f"reading the env's system_prompt / tools failed: "
+                                     f"{type(e).__name__}: {e}") from e
+        if tools is not None and not isinstance(tools, (str, bytes, dict)):
+            try:
+                tools = list(tools)
+            except TypeError:
+                pass
+        key = (system if isinstance(system, str) else repr(system), repr(tools))
+        if key not in self.made:
+            template = ChatTemplate(self.codec, system_prompt=system, tools=tools)
+            warn_if_unstable(template, stacklevel=4)  # the caller of collect_groups
+            self.made[key] = template
+        return self.made[key]
+
+    def prefix_stable(self) -> bool:
+        return all(t.prefix_stable for t in (self.made.values() or [self.base]))
+
+
+def _rerender_differs(tr: _Live) -> bool:
+    """Whether the last prompt of a chat trajectory differs from the template's render of its
+    conversation up to that prompt."""
+    if tr.chat is None or len(tr.turns) < 2:
+        return False
+    last = max(i for i, m in enumerate(tr.messages) if m["role"] == "assistant")
+    held = [t for turn in tr.turns[:-1] for t in turn["observation"] + turn["action"]]
+    try:
+        return held + tr.turns[-1]["observation"] != tr.chat.prompt(tr.messages[:last])
+    except ValueError:  # the template cannot render the whole conversation at once
+        return True
+
+
+def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig,
+           chats: _ChatTemplates | None = None) -> list:
     """``G`` group-reset copies of every task, observed; a copy whose reset failed is marked
     dropped (nothing to record)."""
     ids = [t.id for t in tasks]
@@ -368,6 +468,11 @@ def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig) -> l
         label = task.id if ids.count(task.id) == 1 else f"{task.id}#{ti}"
         for g, (env, obs, info) in enumerate(reset_group(root, task, config.group_size)):
             tr = _Live(len(live), env, label, label, [], [], None, order=(ti, g))
+            if chats is not None and not (info.get("done") or info.get("env_error")):
+                try:
+                    tr.chat = chats.for_env(env)
+                except _EnvAttributeError as e:  # like a failed reset
+                    info = {"env_error": str(e)}
             if info.get("done") or info.get("env_error"):  # reset failed: nothing to record
                 tr.done, tr.dropped, tr.env_error = True, True, str(info.get("env_error"))
             else:
@@ -397,6 +502,8 @@ def _act(tr: _Live, prompt: list, out, codec: TextCodec, config: RolloutConfig,
                            f"and {len(lps)} logprobs (need equal and >= 1)")
     text_ids = act[:-1] if act[-1] in stop_set else act
     text = codec.decode(text_ids)
+    if tr.chat is not None:
+        tr.messages.append({"role": "assistant", "content": text})
     res = tr.env.step(text)
     info = res.info or {}
     invalid = bool(info.get("invalid_action", False))
@@ -474,7 +581,8 @@ def _fork(tr: _Live, index: int, order: tuple) -> _Live:
     env = tr.env.fork()
     out = dataclasses.replace(tr, index=index, env=env, order=order, history=list(tr.history),
                               pending_obs=list(tr.pending_obs), turns=copy.deepcopy(tr.turns),
-                              subgoal=copy.deepcopy(tr.subgoal))
+                              subgoal=copy.deepcopy(tr.subgoal),
+                              messages=copy.deepcopy(tr.messages))
     error = getattr(env, "fork_error", None)
     if error is not None:  # not a trajectory of the policy: never trained on or counted
         out.done, out.env_error, out.dropped, out.fork_failed = True, str(error), True, True
@@ -482,9 +590,30 @@ def _fork(tr: _Live, index: int, order: tuple) -> _Live:
 
 
 def _observe(tr: _Live, obs_text: str, info: dict, codec: TextCodec, config: RolloutConfig):
-    prefix = list(config.prompt_prefix) if (config.history == "last" or not tr.turns) else []
-    tr.pending_obs = prefix + [int(i) for i in codec.encode(
-        config.observation_template.format(observation=obs_text))]
+    if tr.chat is not None:
+        _observe_chat(tr, obs_text, info, config)
+    else:
+        prefix = list(config.prompt_prefix) if (config.history == "last" or not tr.turns) else []
+        tr.pending_obs = prefix + [int(i) for i in codec.encode(
+            config.observation_template.format(observation=obs_text))]
     key = info.get("state_key")
     tr.state_key = key if isinstance(key, (str, int)) and not isinstance(key, bool) else obs_text
     tr.subgoal = info.get("subgoal")
+
+
+def _observe_chat(tr: _Live, obs_text: str, info: dict, config: RolloutConfig):
+    """The new observation's tokens of a chat trajectory (module docstring)."""
+    try:
+        new = observation_messages(obs_text, info)
+    except ValueError as e:
+        env = getattr(tr.env, "env", tr.env)  # the env inside its SafeEnv
+        raise ValueError(f"rollout.chat: env {type(env).__name__}, task {tr.task}: {e}") from None
+    if config.history == "last":
+        tr.messages = new
+        tr.pending_obs = tr.chat.prompt(new)
+    elif not tr.turns:
+        tr.messages = list(new)
+        tr.pending_obs = tr.chat.prompt(new)
+    else:
+        tr.messages.extend(new)
+        tr.pending_obs = tr.chat.continuation(new, after=tr.turns[-1]["action"])

@@ -754,6 +754,8 @@ class Trainer:
         probe = getattr(self.sampler, "last_sync", {}).get("probe_error")
         if probe is not None:
             metrics["sampler/probe_error"] = probe
+        if "chat_rerender_differs" in stats:  # chat rollouts (docs/envs.md)
+            metrics["train/chat_rerender_differs"] = stats["chat_rerender_differs"] / n
         self._watch_signal(s + 1, m)
         return state, metrics, (records, batch, out["advantages"])
 
@@ -848,7 +850,10 @@ class _NullLogger:
 def _merge_stats(parts: list) -> dict:
     """Rollout statistics of several processes as if one collector had run them all."""
     out = {k: sum(p[k] for p in parts) for k in parts[0]
-           if k not in ("success_rate", "mean_reward", "wall_time_s", "tokens_per_s")}
+           if k not in ("success_rate", "mean_reward", "wall_time_s", "tokens_per_s",
+                        "chat_template_prefix_stable")}
+    if "chat_template_prefix_stable" in parts[0]:  # one template: stable on every process or none
+        out["chat_template_prefix_stable"] = min(p["chat_template_prefix_stable"] for p in parts)
     n = out["trajectories"]
     out["success_rate"] = out["successes"] / n if n else 0.0
     out["mean_reward"] = sum(p["mean_reward"] * p["trajectories"] for p in parts) / n if n else 0.0
