@@ -1,4 +1,5 @@
-"""Writes a tiny random Qwen2 checkpoint folder in Hugging Face format, with a tokenizer.
+"""Writes a tiny random Qwen2 checkpoint folder in Hugging Face format, with a tokenizer that
+carries Qwen2.5-Instruct's real chat template (tool calls included).
 
     python examples/make_tiny_checkpoint.py /tmp/tiny-qwen2
 
@@ -12,12 +13,23 @@ import json
 import os
 import sys
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+#: the chat template of Qwen2.5-Instruct (its tool-call format included), as vendored in
+#: examples/chat_templates/ (the first line there is a note on where it comes from)
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates",
+                        "qwen2.5-instruct.jinja")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 CORPUS = [f"the agent adds {a} and {b} to get {a + b} then answers" for a in range(40)
-          for b in range(0, 40, 7)] + ["user assistant system tool call result error"] * 20
+          for b in range(0, 40, 7)] + ["user assistant system tool call result error"] * 20 + [
+    '{"name": "calculate", "arguments": {"expression": "3 + 4"}}',
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    "# Tools\n\nYou may call one or more functions to assist with the user query."] * 10
+
+
+def chat_template() -> str:
+    with open(TEMPLATE, encoding="utf-8") as f:
+        first, rest = f.read().split("\n", 1)
+    return rest if first.startswith("{#-") else first + "\n" + rest
 
 
 def write_tokenizer(folder: str) -> int:
@@ -29,11 +41,12 @@ def write_tokenizer(folder: str) -> int:
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
         vocab_size=512, special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens(TOOL_TOKENS)
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
                    "pad_token": "<|endoftext|>", "bos_token": None,
-                   "chat_template": CHAT_TEMPLATE}, f, indent=2)
+                   "chat_template": chat_template()}, f, indent=2)
     return tok.get_vocab_size()
 
 

@@ -1,5 +1,5 @@
 """Tiny local tokenizers that carry the special tokens of real instruct-model families, with
-those families' real chat templates (``tests/fixtures/chat_templates``; no hub access).
+those families' real chat templates (``examples/chat_templates``; no hub access).
 
 Each tokenizer is a byte-level BPE trained in memory on a few strings, with the family's
 pre-tokenizer split pattern (the one Qwen2 / Llama 3 tokenizers use), its special tokens as
@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-TEMPLATE_DIR = Path(__file__).parent / "fixtures" / "chat_templates"
+TEMPLATE_DIR = Path(__file__).resolve().parents[1] / "examples" / "chat_templates"
 
 # The pre-tokenizer split patterns of the Qwen2 and Llama 3 tokenizers.
 _QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"

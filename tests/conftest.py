@@ -27,6 +27,25 @@ import gc  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny random Qwen2 checkpoint folder with Qwen2.5-Instruct's chat template, made once
+    per test session by ``examples/make_tiny_checkpoint.py``."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("tokenizers")
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        import make_tiny_checkpoint
+    finally:
+        sys.path.remove(examples)
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    make_tiny_checkpoint.main(str(folder))
+    return folder
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop JAX's compiled programs after every test module: the suite compiles thousands of

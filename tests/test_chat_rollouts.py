@@ -1,6 +1,6 @@
 """Chat-template rollouts (``RolloutConfig.chat``): the held ids are the sampled ids verbatim
 plus the template's own tokens, through the real chat templates of Qwen2.5-Instruct, Qwen3 and
-Llama 3.1 / 3.2 Instruct (``tests/fixtures/chat_templates``) on tiny local tokenizers that
+Llama 3.1 / 3.2 Instruct (``examples/chat_templates``) on tiny local tokenizers that
 carry those families' special tokens, rendered by both tokenizer backends.
 
 The oracle is the codec's own ``apply_chat_template`` of the whole conversation (transformers'

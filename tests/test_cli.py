@@ -179,19 +179,6 @@ def test_console_script(tmp_path):
     assert len(read_jsonl(out_path)) == len(read_jsonl(EXAMPLE))
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    pytest.importorskip("tokenizers")
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        import make_tiny_checkpoint
-    finally:
-        sys.path.pop(0)
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    make_tiny_checkpoint.main(str(folder))
-    return folder
-
-
 def test_convert_round_trip(tiny_checkpoint, tmp_path, capsys):
     from safetensors.numpy import load_file
 
