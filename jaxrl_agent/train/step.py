@@ -535,66 +535,55 @@ def advantage_metrics(adv_tok, batch: TrajectoryBatch) -> dict:
     }
 
 
-def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
-               batch: TrajectoryBatch, *, mesh=None, state_shardings=None):
-    """One step: ``cfg.ppo_epochs x cfg.mini_batches`` optimizer updates on one batch; pure
-    (jit it with ``graphdef``, ``rest``, ``optimizer``, ``cfg`` static, or use
-    ``make_train_step``). Returns ``(new_state, {"metrics": ..., "advantages": ...})``.
-
-    ``mesh``: the batch is split over its ``data x fsdp`` axes (the estimator then runs under
-    ``shard_map``); ``state_shardings``: the shardings the new state is constrained to.
-    """
-    pin = None if mesh is None else NamedSharding(mesh, sharding_lib.batch_spec())
-    fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin, cfg=cfg)
-    all_blocks = cfg.blocks
-    tree = _tree_of(batch.extras)  # prefix sharing: the model runs on the packed trees
-    if tree and tree["tree_blocks"].shape[0] != all_blocks:
-        raise ValueError(f"the prefix trees were packed in {tree['tree_blocks'].shape[0]} "
-                         f"blocks, but this step splits the batch into data_shards x "
-                         f"mini_batches x micro_batches = {all_blocks}: "
-                         f"attach_prefix_trees(batch, num_blocks={all_blocks})")
-    batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
-    adv, est_state = _advantages(graphdef, rest, fwd, cfg, state, batch, tree, mesh)
+def _step_inputs(fwd, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch, adv, tree,
+                 mesh):
+    """The rows every update reads, split into ``[mini, micro, rows, ...]`` blocks: the batch
+    fields and row extras, the advantages, value targets and reference log-probs, the prefix
+    trees; with each mini-batch's loss denominators (they depend on masks only) and whether it
+    carries any learning signal."""
     adv_tok = jax.lax.stop_gradient(adv.token)
-    returns = _token_returns(adv, batch)
-    zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
-    ref_lp = zeros
+    ref_lp = jnp.zeros(batch.tokens.shape, jnp.float32)
     if cfg.kl_coef:
         ref_lp, _, _, _ = fwd(state.ref_params, tokens=batch.tokens,
                               extras={**batch.extras, **tree}, want_entropy=False,
-                              blocks=all_blocks)
+                              blocks=cfg.blocks)
         ref_lp = jax.lax.stop_gradient(ref_lp)
-
-    n_rows = batch.num_rows
     row_fields = dict(tokens=batch.tokens, action_mask=batch.action_mask, turn_ids=batch.turn_ids,
                       row_traj=batch.row_traj, old_logprobs=batch.old_logprobs)
-    per_row = dict(fields=row_fields, extras=_row_extras(batch.extras, n_rows), adv=adv_tok,
-                   returns=returns, ref=ref_lp,
+    per_row = dict(fields=row_fields, extras=_row_extras(batch.extras, batch.num_rows),
+                   adv=adv_tok, returns=_token_returns(adv, batch), ref=ref_lp,
                    tree=tree)  # tree rows are per block too: block (b, u) of each shard's trees
     split = jax.tree.map(lambda x: _split_rows(x, cfg), per_row)  # [mini, micro, rows, ...]
     if mesh is not None:  # micro-batch (b, u) keeps block (b, u) of every shard on that shard
         mb_rows = NamedSharding(mesh, P(None, None, sharding_lib.BATCH_AXES))
         split = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, mb_rows), split)
 
-    def as_batch(mbd) -> TrajectoryBatch:
-        return batch.replace(**mbd["fields"], extras={**batch.extras, **mbd["extras"]})
-
     def micro_dens(mbd):  # the denominators depend on masks only: evaluate at lp = lp_old
-        mb = as_batch(mbd)
+        mb = _micro_batch(batch, mbd)
         z = jnp.zeros(mb.tokens.shape, jnp.float32)
         return {k: d for k, (_, d) in _terms(mb.old_logprobs, z, z, mb, mbd["adv"], mbd["ref"],
                                              mbd["returns"], cfg).items()}
 
     # Each mini-batch's denominators: sums over its micro-batches (counts are additive).
     dens = {k: jnp.sum(v, axis=1) for k, v in jax.vmap(jax.vmap(micro_dens))(split).items()}
-    value_trained = bool(cfg.needs_values and cfg.value_coef)
     signal = jnp.any((split["adv"] != 0) & split["fields"]["action_mask"], axis=(1, 2, 3))
-    signal = signal | value_trained
+    signal = signal | bool(cfg.needs_values and cfg.value_coef)
+    return split, dens, signal
+
+
+def _micro_batch(batch: TrajectoryBatch, mbd) -> TrajectoryBatch:
+    """The batch of one micro-batch's rows (``mbd``: one block of ``_step_inputs``' split)."""
+    return batch.replace(**mbd["fields"], extras={**batch.extras, **mbd["extras"]})
+
+
+def _micro_loss(fwd, cfg: StepConfig, batch: TrajectoryBatch):
+    """``loss(params, mbd, den) -> (total, (term sums, diagnostic sums))`` of one micro-batch:
+    every loss term's sum over the mini-batch's denominator, weighted by its coefficient."""
     coefs = _coefs(cfg)
     clip = _clip_params(cfg)
 
     def micro_loss(params, mbd, den):
-        mb = as_batch(mbd)
+        mb = _micro_batch(batch, mbd)
         lp, ent, values, outside = fwd(params, tokens=mb.tokens,
                                        extras={**mb.extras, **mbd["tree"]}, want_entropy=True,
                                        remat=cfg.remat, blocks=cfg.data_shards)
@@ -610,16 +599,61 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
         diag["tokens"] = jnp.sum(mb.action_mask.astype(jnp.float32))
         return total, ({k: s for k, (s, _) in terms.items()}, diag)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    return micro_loss
 
-    def micro(params, den):
-        def body(carry, mbd):
-            g_acc, l_acc, aux_acc = carry
-            (loss, aux), g = grad_fn(params, mbd, den)
-            return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
-                    jax.tree.map(jnp.add, aux_acc, aux)), None
-        return body
 
+def _accumulate(grad_fn, params, mbs, den, aux0):
+    """Gradients, loss and diagnostics summed over one mini-batch's micro-batches (a scan)."""
+    def body(carry, mbd):
+        g_acc, l_acc, aux_acc = carry
+        (loss, aux), g = grad_fn(params, mbd, den)
+        return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss,
+                jax.tree.map(jnp.add, aux_acc, aux)), None
+
+    g0 = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss, aux), _ = jax.lax.scan(body, (g0, jnp.zeros((), jnp.float32), aux0), mbs)
+    return grads, loss, aux
+
+
+def _apply_update(optimizer, params, opt_state, grads, loss, has_signal):
+    """One optimizer update, kept only when the loss and gradient are finite and the
+    mini-batch has a learning signal. Returns ``(params, opt_state, finite, grad_norm)``."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    apply = finite & has_signal
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)  # noqa: E731
+    return keep(new_params, params), keep(new_opt, opt_state), finite, grad_norm
+
+
+def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
+               batch: TrajectoryBatch, *, mesh=None, state_shardings=None):
+    """One step: ``cfg.ppo_epochs x cfg.mini_batches`` optimizer updates on one batch; pure
+    (jit it with ``graphdef``, ``rest``, ``optimizer``, ``cfg`` static, or use
+    ``make_train_step``). Returns ``(new_state, {"metrics": ..., "advantages": ...})``.
+
+    The stages: advantages (``_advantages``: the loop's inputs, then the credit pipeline) ->
+    the rows each update reads (``_step_inputs``) -> per mini-batch, gradients accumulated
+    over its micro-batches (``_accumulate``) -> the update (``_apply_update``), repeated for
+    ``ppo_epochs`` passes -> metrics.
+
+    ``mesh``: the batch is split over its ``data x fsdp`` axes (the estimator then runs under
+    ``shard_map``); ``state_shardings``: the shardings the new state is constrained to.
+    """
+    pin = None if mesh is None else NamedSharding(mesh, sharding_lib.batch_spec())
+    fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin, cfg=cfg)
+    all_blocks = cfg.blocks
+    tree = _tree_of(batch.extras)  # prefix sharing: the model runs on the packed trees
+    if tree and tree["tree_blocks"].shape[0] != all_blocks:
+        raise ValueError(f"the prefix trees were packed in {tree['tree_blocks'].shape[0]} "
+                         f"blocks, but this step splits the batch into data_shards x "
+                         f"mini_batches x micro_batches = {all_blocks}: "
+                         f"attach_prefix_trees(batch, num_blocks={all_blocks})")
+    batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
+    adv, est_state = _advantages(graphdef, rest, fwd, cfg, state, batch, tree, mesh)
+    split, dens, signal = _step_inputs(fwd, cfg, state, batch, adv, tree, mesh)
+    grad_fn = jax.value_and_grad(_micro_loss(fwd, cfg, batch), has_aux=True)
     aux0 = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
                         jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(
                             lambda x: x[0, 0], split), {k: v[0] for k, v in dens.items()})[0][1]))
@@ -627,17 +661,10 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     def update(carry, xs):
         params, opt_state, n_bad, n_idle = carry
         mbs, den, has_signal = xs
-        g0 = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss, aux), _ = jax.lax.scan(micro(params, den),
-                                             (g0, jnp.zeros((), jnp.float32), aux0), mbs)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        apply = finite & has_signal
-        updates, new_opt = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)  # noqa: E731
-        carry = (keep(new_params, params), keep(new_opt, opt_state),
-                 n_bad + (~finite).astype(jnp.int32),
+        grads, loss, aux = _accumulate(grad_fn, params, mbs, den, aux0)
+        params, opt_state, finite, grad_norm = _apply_update(optimizer, params, opt_state,
+                                                             grads, loss, has_signal)
+        carry = (params, opt_state, n_bad + (~finite).astype(jnp.int32),
                  n_idle + (finite & ~has_signal).astype(jnp.int32))
         return carry, {"loss": loss, "grad_norm": grad_norm, "aux": aux}
 
@@ -657,7 +684,8 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     if state_shardings is not None:
         new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
 
-    metrics = _step_metrics(cfg, per, dens, n_bad, n_idle, adv_tok, batch)
+    metrics = _step_metrics(cfg, per, dens, n_bad, n_idle, jax.lax.stop_gradient(adv.token),
+                            batch)
     return new_state, {"metrics": metrics, "advantages": adv}
 
 
