@@ -509,3 +509,29 @@ def test_env_whose_tools_raise_loses_only_that_trajectory(tokenizer):
                                     ToolPolicySampler(tok, tok.token_to_id("<|im_end|>")), tok, config)
     assert len(records) == 1 and stats["dropped"] == 1 and stats["env_errors"] == 1
     assert records[0]["success"] == 1.0
+
+
+def test_task_file_few_shot_history_comes_before_the_first_observation(tokenizer, tmp_path):
+    """A task given as messages: its system message and earlier turns (``TaskEnv``'s
+    ``system_prompt`` and ``context_messages``) open the conversation the sampler sees."""
+    from jaxrl_agent.envs import TaskEnv
+
+    tok = tokenizer("qwen2.5")
+    msgs = [{"role": "system", "content": "Answer with one word."},
+            {"role": "user", "content": "The opposite of up?"},
+            {"role": "assistant", "content": "down"},
+            {"role": "user", "content": "The opposite of hot?"}]
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"id": "o", "messages": msgs, "answer": "cold",
+                                "split": "train"}) + "\n")
+    reward = tmp_path / "r.py"
+    reward.write_text("def score(task, messages):\n    return 1.0\n")
+    env = TaskEnv(str(path), f"{reward}:score")
+    eot = ChatTemplate(tok).end_of_turn_id
+    sampler = ScriptSampler([(tok.encode("cold") + [eot], True)])
+    config = RolloutConfig(group_size=1, max_turns=1, max_new_tokens=8,
+                           max_context_tokens=1 << 12, chat=True)
+    [task] = env.sample_tasks(0, 1, "train")
+    records, _ = collect_groups(env, [task], sampler, tok, config, seed=0)
+    assert sampler.calls[0][0][0] == template_ids(tok, msgs)
+    assert records[0]["turns"][0]["observation"] == template_ids(tok, msgs)

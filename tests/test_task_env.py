@@ -16,6 +16,7 @@ from jaxrl_agent import registry
 from jaxrl_agent.envs import (GymnasiumTextAdapter, HTTPEnv, RewardError, SafeEnv, TaskEnv,
                               TaskFileError, load_reward, make_env, resolve_env, run_episode,
                               solver_policy)
+from jaxrl_agent.envs.tasks import answer_reward, load_tasks, make_tasks
 from jaxrl_agent.rollout import ByteCodec, RolloutConfig, collect_groups
 from jaxrl_agent.sampling import SampleOutput
 
@@ -368,6 +369,58 @@ def test_splits_sampling_and_answers(tmp_path, monkeypatch):
         env.sample_tasks(0, 4, "test")
     with pytest.raises(ValueError, match="needs a Task of family 'tasks'"):
         env.reset(make_env("gridworld").sample_tasks(0, 1)[0])
+
+
+def test_answer_reward_and_reward_functions_as_values(tmp_path, monkeypatch):
+    def said(text):
+        return [{"role": "user", "content": "q"}, {"role": "assistant", "content": text}]
+
+    assert answer_reward({"answer": 12}, said("The answer is 12.")) == 1.0
+    assert answer_reward({"answer": 1234}, said("1,234 in all")) == 1.0
+    assert answer_reward({"answer": 2.5}, said("2.50")) == 1.0
+    assert answer_reward({"answer": 12}, said("<think>12?</think> 13")) == 0.0
+    assert answer_reward({"answer": "Paris"}, said("  paris. ")) == 1.0
+    assert answer_reward({"answer": "Paris"}, said("It is Paris")) == 0.0
+    with pytest.raises(ValueError, match='no "answer"'):
+        answer_reward({}, said("x"))
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "t.jsonl", jsonl({"id": 1, "prompt": "7+5?", "answer": 12, "split": "train"}))
+    env = make_env("tasks", path="t.jsonl", reward="jaxrl_agent.envs.tasks:answer_reward")
+    env.reset(env.sample_tasks(0, 1)[0])
+    assert env.step("<think>7+5</think>12").info["success"]
+    # a function itself is a reward too (checked the same way), named by its name in errors
+    def judge(task, messages):
+        raise KeyError("answer")
+
+    env = make_env("tasks", path="t.jsonl", reward=judge)
+    env.reset(env.sample_tasks(0, 1)[0])
+    with pytest.raises(RewardError, match=r"reward function test_answer_reward_and_reward_"
+                                          r"functions_as_values.<locals>.judge raised KeyError"):
+        env.step("12")
+    with pytest.raises(ValueError, match=r"must take two arguments \(task, messages\)"):
+        load_reward(lambda answer: 0.0)
+
+
+def test_task_rows_and_extra_checks(tmp_path):
+    def check(row, where):
+        if not isinstance(row.get("tool", ""), str):
+            raise TaskFileError(f"{where}: \"tool\" must be a string")
+
+    rows = [("t[0]", "t[0]", {"id": "a", "prompt": "x", "tool": "calc"}),
+            ("t[1]", "t[1]", {"prompt": "y"})]
+    tasks = make_tasks(rows, "fam", check)
+    assert [(t.family, t.key) for t in tasks][0] == ("fam", "a")
+    assert tasks[0].data == {"id": "a", "prompt": "x", "tool": "calc"}
+    with pytest.raises(TaskFileError, match=r'^t\[1\]: "tool" must be a string'):
+        make_tasks(rows[:1] + [("t[1]", "t[1]", {"prompt": "y", "tool": 3})], "fam", check)
+    with pytest.raises(TaskFileError, match=r"^t\[1\]: id 'a' repeats t\[0\]"):
+        make_tasks(rows[:1] + [("t[1]", "t[1]", {"id": "a", "prompt": "z"})], "fam", check)
+    with pytest.raises(TaskFileError, match=r"^t\[0\]: a task must be a JSON object"):
+        make_tasks([("t[0]", "t[0]", "prompt")])
+    path = write(tmp_path, "f.jsonl", jsonl({"prompt": "x"}, {"prompt": "y", "tool": [1]}))
+    with pytest.raises(TaskFileError, match=r'f.jsonl:2: "tool" must be a string'):
+        load_tasks(path, check=check)
+    assert [t.data["prompt"] for t in load_tasks(path)] == ["x", "y"]
 
 
 # --- reasoning-gym ------------------------------------------------------------------------------

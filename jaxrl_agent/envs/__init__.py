@@ -15,7 +15,8 @@ from jaxrl_agent.envs.calculator import Calculator, ParseError, evaluate
 from jaxrl_agent.envs.chain import Chain
 from jaxrl_agent.envs.adapters import GymnasiumTextAdapter, HTTPEnv
 from jaxrl_agent.envs.tasks import (ConversationEnv, ReasoningGymEnv, RewardError, TaskEnv,
-                                    TaskFileError, load_reward, load_tasks)
+                                    TaskFileError, answer_reward, load_reward, load_tasks,
+                                    make_tasks, run_reward)
 from jaxrl_agent.envs.tools import (FunctionTool, Tool, ToolCall, ToolCallError, ToolEnv,
                                     ToolEnvironmentError, ToolError, check_arguments,
                                     format_tool_calls, parse_tool_calls, tool_schema)
@@ -26,7 +27,7 @@ __all__ = ["Env", "Episode", "SafeEnv", "StepResult", "Task", "env_class", "make
            "split_of", "stable_hash", "GridWorld", "Calculator", "ParseError", "evaluate",
            "Chain", "GymnasiumTextAdapter", "HTTPEnv", "ENV_NAME_FORMS", "gymnasium_env",
            "resolve_env", "ConversationEnv", "ReasoningGymEnv", "RewardError", "TaskEnv",
-           "TaskFileError", "load_reward", "load_tasks", "FunctionTool", "Tool", "ToolCall",
+           "TaskFileError", "answer_reward", "load_reward", "load_tasks", "make_tasks", "run_reward", "FunctionTool", "Tool", "ToolCall",
            "ToolCallError", "ToolEnv", "ToolEnvironmentError", "ToolError", "check_arguments",
            "format_tool_calls", "parse_tool_calls", "tool_schema", "MCPEnv", "MCPServerError",
            "close_idle_servers"]

@@ -601,6 +601,22 @@ def _observe(tr: _Live, obs_text: str, info: dict, codec: TextCodec, config: Rol
     tr.subgoal = info.get("subgoal")
 
 
+def _context_messages(tr: _Live) -> list:
+    """The env's ``context_messages`` for this task (the conversation before its first
+    observation, e.g. a task file's few-shot turns), or []; a ValueError naming the env when
+    they are not chat messages."""
+    ctx = getattr(tr.env, "context_messages", None) or []
+    ok = isinstance(ctx, (list, tuple)) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(
+            m.get("content"), str) for m in ctx)
+    if not ok:
+        env = getattr(tr.env, "env", tr.env)
+        raise ValueError(f"rollout.chat: env {type(env).__name__}, task {tr.task}: "
+                         f"context_messages must be a list of {{role, content}} messages, got "
+                         f"{ctx!r:.200}")
+    return [dict(m) for m in ctx]
+
+
 def _observe_chat(tr: _Live, obs_text: str, info: dict, config: RolloutConfig):
     """The new observation's tokens of a chat trajectory (module docstring)."""
     try:
@@ -611,9 +627,9 @@ def _observe_chat(tr: _Live, obs_text: str, info: dict, config: RolloutConfig):
     if config.history == "last":
         tr.messages = new
         tr.pending_obs = tr.chat.prompt(new)
-    elif not tr.turns:
-        tr.messages = list(new)
-        tr.pending_obs = tr.chat.prompt(new)
+    elif not tr.turns:  # the task's own earlier turns (few-shot history) come first
+        tr.messages = _context_messages(tr) + list(new)
+        tr.pending_obs = tr.chat.prompt(tr.messages)
     else:
         tr.messages.extend(new)
         tr.pending_obs = tr.chat.continuation(new, after=tr.turns[-1]["action"])
