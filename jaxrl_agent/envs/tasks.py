@@ -182,14 +182,8 @@ class ConversationEnv:
             self._score, copy.deepcopy(self.messages), name=self._score_name,
             context=f"task {self.task.id}, turn {self.turn}")
         info = dict(extra)
-        if not done and self.turn >= self.max_turns:
-            done = True
-            info["truncated"] = True
-            if success is None:
-                success = False
-        if done:
-            info["success"] = bool(reward > 0) if success is None else success
-        else:
+        done = end_of_turn(reward, done, success, self.turn, self.max_turns, info)
+        if not done:
             self.messages.append({"role": "user", "content": observation})
         self.done = done
         return StepResult(observation or "", reward, done, self._info(info))
@@ -491,6 +485,21 @@ def _check_task(row: dict, where: str) -> None:
 
 
 # --- reward functions ----------------------------------------------------------------------------
+
+
+def end_of_turn(reward: float, done: bool, success, turn: int, max_turns: int,
+                info: dict) -> bool:
+    """Whether the episode ends after this turn: as the reward function said, or at the turn
+    limit (``info["truncated"]``; no success unless the reward function said so). On the last
+    turn ``info["success"]`` is the reward function's verdict, else ``reward > 0``."""
+    if not done and turn >= max_turns:
+        done = True
+        info["truncated"] = True
+        if success is None:
+            success = False
+    if done:
+        info["success"] = bool(reward > 0) if success is None else bool(success)
+    return done
 
 
 def load_reward(spec: str | Callable, base_dir: str | None = None) -> Callable:

@@ -56,7 +56,7 @@ import typing
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from jaxrl_agent.envs.base import Env, StepResult, Task, stable_hash
-from jaxrl_agent.envs.tasks import final_answer_text, run_reward
+from jaxrl_agent.envs.tasks import end_of_turn, final_answer_text, run_reward
 
 __all__ = ["ToolCall", "ToolCallError", "ToolError", "ToolEnvironmentError", "Tool",
            "FunctionTool", "ToolEnv", "parse_tool_calls", "format_tool_calls", "tool_schema",
@@ -599,14 +599,8 @@ class ToolEnv(Env):
                     reward, success = 0.0, False
                 else:
                     shown = info["observation_messages"]
-        if not done and self.turn >= self.max_turns:
-            done = True
-            info["truncated"] = True
-            if success is None:
-                success = False
-        if done:
-            info["success"] = bool(reward > 0) if success is None else bool(success)
-        else:
+        done = end_of_turn(reward, done, success, self.turn, self.max_turns, info)
+        if not done:
             self.messages.extend(copy.deepcopy(shown) if shown is not None else
                                  [{"role": "user", "content": obs}])
         self.done = done
