@@ -4,13 +4,12 @@
 Every setting runs inside one jitted program per batch shape (``run_all``) and is compared with
 the float64 loops of tests/reference/allocation_ref.py on hypothesis batches in both layouts;
 then the methods' invariants: mass conservation at the stated level, sign preservation,
-bit-identical reductions to the base, weight bounds, stop-gradient, padding (NaN and extra
-padding), degenerate inputs, shard invariance on 8 host CPU devices, and clear errors.
+bit-identical reductions to the base, weight bounds, the shuffle's multisets, stop-gradient
+and clear errors. Padding (NaN in padding too), permutation and shard invariance and
+degenerate batches: tests/test_conformance.py, with the settings of each name's row.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +17,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
@@ -31,7 +28,7 @@ from tests.reference import estimators_ref as ref
 from tests.strategies import MAX_ACT, MAX_OBS, MAX_TURNS, PAD
 
 EX = settings(max_examples=10, deadline=None)
-# extra padding (trajectories, turns, rows, tokens); also the shape of the sharded batches
+# extra padding (trajectories, turns, rows, tokens) for the shuffle's layout-freedom test
 BIG_PAD = {"concatenated": {"num_traj": 32, "num_turns": 8, "row_len": 64},
            "per_step": {"num_traj": 32, "num_turns": 8, "num_rows": 128, "row_len": 16}}
 
@@ -84,11 +81,6 @@ CONFIGS = {
 # settings that must give the base advantages bit for bit on every batch; the others do
 # on a batch whose teacher equals the student (test_reductions_and_degenerate_inputs)
 IDENTITY = ("re_ones",)
-# one program per batch shape: the big-padding, sharded and gradient programs run this subset
-# (every registered name, with the settings that touch batch-wide statistics or shuffles)
-SUBSET = ("re_group", "re_tok_clip", "sh_turn", "sh_tok", "sh_tok_turn", "trial", "stepopsd_tok",
-          "cort", "rvco", "agentopsd_grp", "pbsd_add", "dcsd", "verpo", "taco_cur", "eapo",
-          "fipo", "craft", "adrs", "adrs_l2", "adrs_l1", "r3l_lae")
 # re-allocations: A' = A w with w >= 0 and token mean 1 at a level (mass conservation, signs)
 CONSERVING = {"re_turn": "trajectory", "re_group": "group",
               "re_tok_clip": "trajectory", "sh_turn": "trajectory", "sh_tok": "trajectory",
@@ -507,63 +499,14 @@ def test_shuffle_moves_weights_and_seeds_differ():
     assert (outs[0] != outs[1]).any() or (outs[1] != outs[2]).any()
 
 
-# ----------------------------------------------------------------------------- padding
-
-
-@EX
-@given(recs=alloc_records(), layout=st.sampled_from(LAYOUTS))
-def test_padding_invariance(recs, layout):
-    """NaN/inf in every padded float entry changes nothing; extra padding rows, turns and
-    tokens change nothing on the real entries (the shuffle included)."""
-    batch, index = pack(recs, layout)
-    res = run_all(batch)
-    am, tm = np.asarray(batch.action_mask), np.asarray(batch.turn_mask)
-    trm = np.asarray(batch.traj_mask)
-
-    def poison(x):
-        x = np.asarray(x)
-        if not np.issubdtype(x.dtype, np.floating):
-            return x
-        if x.shape == am.shape:
-            return np.where(am, x, np.nan)
-        if x.shape[:2] == tm.shape:
-            return np.where(tm.reshape(tm.shape + (1,) * (x.ndim - 2)), x, np.inf)
-        if x.shape[:1] == trm.shape:
-            return np.where(trm, x, np.nan)
-        return x
-
-    bad = batch.replace(old_logprobs=poison(batch.old_logprobs),
-                        turn_rewards=poison(batch.turn_rewards), outcome=poison(batch.outcome),
-                        extras={k: poison(v) for k, v in batch.extras.items()})
-    res_bad = run_all(bad)
-    for cid in CONFIGS:
-        for a, b in zip(jax.tree.leaves(res[cid]), jax.tree.leaves(res_bad[cid])):
-            a, b = np.asarray(a), np.asarray(b)
-            if a.shape == trm.shape:  # shaped outcomes keep the padding they were given
-                a, b = a[trm], b[trm]
-            elif a.shape == tm.shape:
-                a, b = a[tm], b[tm]
-            np.testing.assert_array_equal(a, b, err_msg=cid)
-    big, bindex = pack(recs, layout, pad=BIG_PAD[layout])
-    res_big = run_all(big, SUBSET)
-    shapes, bshapes = shapes_of(batch), shapes_of(big)
-    for cid in SUBSET:
-        if _kind(cid) == "shaping":
-            x, y = res[cid]["token_rewards"], res_big[cid]["token_rewards"]
-        else:
-            x, y = res[cid].token, res_big[cid].token
-        for spans, bspans in zip(index.spans, bindex.spans):
-            for (r, a, b), (r2, a2, b2) in zip(spans, bspans):
-                np.testing.assert_allclose(x[r, a:b], y[r2, a2:b2], atol=1e-5, rtol=1e-5,
-                                           err_msg=cid)
-    assert shapes != bshapes
+# ----------------------------------------------------------------------------- reductions
 
 
 def test_reductions_and_degenerate_inputs():
     """Reduction to the base: with the teacher equal to the student (and current = old
     log-probs, a constant high entropy) every transform gives the base advantages bit for bit.
-    Singleton and zero-variance groups stay finite; an all-padding batch (no valid action
-    token) gives finite outputs and exact zeros."""
+    Singleton and zero-variance groups stay finite (every setting; the all-padding batch is
+    in tests/test_conformance.py)."""
     rng = np.random.default_rng(3)
     recs = _random_records(rng, [1, 3, 2, 1])
     for r in recs[1:4]:
@@ -584,16 +527,6 @@ def test_reductions_and_degenerate_inputs():
         if _kind(cid) == "transform" and name not in ("reallocate", "shuffled_control"):
             np.testing.assert_array_equal(res[cid].token, base, err_msg=cid)
             np.testing.assert_allclose(res[cid].turn, res["base"].turn, rtol=1e-6, err_msg=cid)
-    empty = batch.replace(action_mask=np.zeros_like(batch.action_mask),
-                          turn_ids=np.full_like(batch.turn_ids, -1),
-                          traj_mask=np.zeros_like(batch.traj_mask),
-                          turn_mask=np.zeros_like(batch.turn_mask))
-    res = run_all(empty)
-    for cid in CONFIGS:
-        for leaf in jax.tree.leaves(res[cid]):
-            assert np.all(np.isfinite(leaf)), cid
-        if _kind(cid) != "shaping":
-            assert (res[cid].token == 0).all(), cid
 
 
 # ----------------------------------------------------------------------------- method specifics
@@ -767,35 +700,7 @@ def test_clear_errors():
         A.token_weights(b.extras["w"], b, per="token")
 
 
-# ----------------------------------------------------------------------------- sharding
-
-
-@pytest.mark.parametrize("layout", ["concatenated"])
-def test_shard_invariance(layout):
-    """Shard invariance: groups whole per block, 8 host devices: equal to the unsharded run
-    (the batch-wide statistics of FIPO and ADRS are psummed; the shuffle keys are global)."""
-    devs = jax.devices()
-    assert len(devs) >= 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8"
-    recs = _random_records(np.random.default_rng(2024), [4, 3, 2, 1, 4, 1, 2, 3, 1, 1])
-    for r in recs[4:7]:
-        r["outcome"] = 1.0
-    batch, index = pack(recs, layout, pad=BIG_PAD[layout], num_shards=8)
-    batch.validate(num_shards=8)
-    mesh = Mesh(np.array(devs[:8]), ("data",))
-    sharded = jax.jit(jax.shard_map(functools.partial(_run, axis_name="data", ids=SUBSET),
-                                    mesh=mesh, in_specs=(P("data"),), out_specs=P("data")))
-    got = jax.tree.map(np.asarray, sharded(batch))
-    want = run_all(batch, SUBSET)
-    for cid in SUBSET:
-        leaves_w, leaves_g = jax.tree.leaves(want[cid]), jax.tree.leaves(got[cid])
-        assert len(leaves_w) == len(leaves_g)
-        for a, b in zip(leaves_w, leaves_g):
-            np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5, err_msg=cid)
-    assert np.any(want["fipo"].token != want["base"].token)
-    assert np.any(want["sh_tok"].token != want["re_tok_clip"].token)
-    assert np.any(want["adrs_l2"]["turn_rewards"] != np.asarray(batch.turn_rewards))
-    # the whole program also matches the references on this batch
-    compare_all(recs, layout, batch, index, want)
+# ----------------------------------------------------------------------------- method specifics
 
 
 def test_damped_belief_without_evidence_revises_nothing():

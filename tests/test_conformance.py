@@ -4,13 +4,14 @@ credit method of the package, each in its settings) in one jitted program per ba
 * every registered name has a row (and a reference, compared in its family's module);
 * jit equals eager (eager on a batch whose padding holds NaN);
 * padding invariance: more padded trajectories, turns, rows and tokens, holding NaN, change
-  nothing, and every output is exactly 0 on padding;
+  nothing, and every output (credit and value targets: ``token``, ``turn``,
+  ``token_returns``, ``turn_returns``) is exactly 0 on padding;
 * group-permutation equivariance: reordering the records (and so the groups and their
   members) moves each record's credit with it;
 * shard invariance: on 4 host devices, whole groups per shard, under ``shard_map`` with
-  ``axis_name``, the same credit as on one device;
+  ``axis_name``, the same credit as on one device (per-step layout);
 * degenerate batches (every group a singleton; every group's rollouts scoring alike; rows of
-  padding only): finite credit, 0 on padding;
+  padding only; a batch of padding only): finite credit, 0 on padding;
 * finite gradients of the credit with respect to every float input.
 
 Shaping stages run before ``grpo``, transforms after it.
@@ -57,7 +58,8 @@ CASES = [(f"{name}#{i}", _pipeline(name, hp)) for name, row in sorted(ROWS.items
 
 
 def run_all(batch, axis_name=None):
-    """{case: (token [R, T], turn [N, K])} of every case."""
+    """{case: (token [R, T], turn [N, K], token_returns [R, T], turn_returns [N, K])} of every
+    case (0 where the method has no such output)."""
     out = {}
     for key, pipe in CASES:
         if pipe.stateful:
@@ -65,8 +67,10 @@ def run_all(batch, axis_name=None):
                           axis_name=axis_name)
         else:
             adv = pipe(batch, axis_name=axis_name)
-        turn = adv.turn if adv.turn is not None else jnp.zeros(batch.turn_mask.shape)
-        out[key] = (adv.token, turn)
+        tz, kz = jnp.zeros(batch.action_mask.shape), jnp.zeros(batch.turn_mask.shape)
+        out[key] = (adv.token, kz if adv.turn is None else adv.turn,
+                    tz if adv.token_returns is None else adv.token_returns,
+                    kz if adv.turn_returns is None else adv.turn_returns)
     return out
 
 
@@ -81,13 +85,17 @@ def pack(records, layout, pad=None, num_shards=1):
     return with_negatives(batch), index
 
 
+FIELDS = ("token", "turn", "token_returns", "turn_returns")
+
+
 def per_record(out, index):
-    """{case: [(turn values, action-token values) per record]}."""
+    """{case: [(values of each field of FIELDS: a turn field's values of the record's turns,
+    a token field's values of its action tokens in order) per record]}."""
     res = {}
-    for key, (tok, turn) in out.items():
-        tok, turn = np.asarray(tok), np.asarray(turn)
-        res[key] = [(turn[index.traj[i], :len(sp)],
-                     np.concatenate([tok[r, s:e] for r, s, e in sp]))
+    for key, arrays in out.items():
+        arrays = [np.asarray(x) for x in arrays]
+        res[key] = [tuple(np.concatenate([x[r, s:e] for r, s, e in sp]) if f.startswith("token")
+                          else x[index.traj[i], :len(sp)] for f, x in zip(FIELDS, arrays))
                     for i, sp in enumerate(index.spans)]
     return res
 
@@ -95,9 +103,9 @@ def per_record(out, index):
 def assert_same(a, b, what, order=None, rtol=2e-4, atol=2e-5):
     bad = []
     for key in a:
-        for i, (turn, tok) in enumerate(a[key]):
+        for i, fields in enumerate(a[key]):
             j = i if order is None else order[i]
-            for x, y, f in ((turn, b[key][j][0], "turn"), (tok, b[key][j][1], "token")):
+            for x, y, f in zip(fields, b[key][j], FIELDS):
                 if x.shape != y.shape or not np.allclose(x, y, rtol=rtol, atol=atol):
                     bad.append(f"{key} record {i} {f}: {x} vs {y}")
                     break
@@ -106,11 +114,11 @@ def assert_same(a, b, what, order=None, rtol=2e-4, atol=2e-5):
 
 def assert_padding_zero(out, batch, what):
     am, tm = np.asarray(batch.action_mask), np.asarray(batch.turn_mask)
-    for key, (tok, turn) in out.items():
-        tok, turn = np.asarray(tok), np.asarray(turn)
-        assert np.all(np.isfinite(tok)) and np.all(np.isfinite(turn)), f"{what} {key}: not finite"
-        assert np.all(tok[~am] == 0), f"{what} {key}: token credit off the action tokens"
-        assert np.all(turn[~tm] == 0), f"{what} {key}: turn credit off the turns"
+    for key, arrays in out.items():
+        for f, x in zip(FIELDS, arrays):
+            x, mask = np.asarray(x), am if f.startswith("token") else tm
+            assert np.all(np.isfinite(x)), f"{what} {key}: {f} not finite"
+            assert np.all(x[~mask] == 0), f"{what} {key}: {f} nonzero on padding"
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
@@ -143,7 +151,7 @@ def test_every_registered_name_has_a_row():
 def test_every_case_gives_credit_zero_on_padding(base):
     layout, _, batch, _, out = base
     assert_padding_zero(out, batch, layout)
-    silent = [k for k, (tok, _) in out.items() if not np.any(tok)]
+    silent = [k for k, (tok, *_) in out.items() if not np.any(tok)]
     assert not silent, f"no credit at all on the conformance batch: {silent}"
 
 
@@ -205,6 +213,9 @@ def test_group_permutation_equivariance(base):
 
 def test_shard_invariance(base):
     layout, recs, _, _, _ = base
+    if layout != "per_step":
+        pytest.skip("per_step is enough: its shard blocks hold several rows per trajectory, so "
+                    "row and trajectory offsets differ (concatenated: one row each)")
     mesh = Mesh(np.array(jax.devices()[:SHARDS]), ("data",))
     batch, index = pack(recs, layout, num_shards=SHARDS)
     sharded = jax.jit(jax.shard_map(functools.partial(run_all, axis_name="data"), mesh=mesh,
@@ -215,6 +226,8 @@ def test_shard_invariance(base):
 
 
 def _degenerate(recs, how):
+    if how == "all_padding":
+        return recs
     out = []
     for i, r in enumerate(recs):
         r = dict(r)
@@ -226,10 +239,15 @@ def _degenerate(recs, how):
     return out
 
 
-@pytest.mark.parametrize("how", ["singleton", "equal"])
+@pytest.mark.parametrize("how", ["singleton", "equal", "all_padding"])
 def test_degenerate_batches_give_finite_credit(base, how):
     layout, recs, _, _, _ = base
     batch, _ = pack(_degenerate(recs[:12], how), layout)  # 4 trajectories of padding
+    if how == "all_padding":  # every row, turn and trajectory padding: credit exactly 0
+        batch = batch.replace(traj_mask=np.zeros_like(batch.traj_mask),
+                              turn_mask=np.zeros_like(batch.turn_mask),
+                              action_mask=np.zeros_like(batch.action_mask),
+                              turn_ids=np.full_like(batch.turn_ids, -1))
     out = jax.tree.map(np.asarray, run_all_jit(batch))
     assert_padding_zero(out, batch, f"{how} {layout}")
 
@@ -248,7 +266,8 @@ def test_gradients_are_finite(base):
         b = batch.replace(outcome=x["outcome"], turn_rewards=x["turn_rewards"],
                           old_logprobs=x["old_logprobs"], extras={**batch.extras,
                                                                    **x["extras"]})
-        return {k: jnp.sum(tok ** 2) + jnp.sum(turn ** 2) for k, (tok, turn) in run_all(b).items()}
+        return {k: jnp.sum(tok ** 2) + jnp.sum(turn ** 2)
+                for k, (tok, turn, *_) in run_all(b).items()}
 
     # one backward pass through every case (a NaN anywhere makes the sum's gradient NaN);
     # only when it is not finite, one per case to name the culprits

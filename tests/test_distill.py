@@ -2,7 +2,8 @@
 jaxrl_agent/estimators/distill.py): references in both layouts and every aggregation mode,
 gradients against finite differences of the reference, stop-gradient of every teacher and
 signal input, teacher = student, NaN in padding, degenerate batches, each method's invariants,
-clear errors, and shard invariance on 8 host devices."""
+clear errors, and shard invariance on 8 host devices of the losses (the distillation credit's
+padding, permutation and shard invariance: tests/test_conformance.py)."""
 
 import functools
 
@@ -291,16 +292,15 @@ def _nan_padding(batch, lp):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nan_in_padding_changes_nothing(layout):
-    """NaN in every padded entry (log-probs, extras, outcome) changes no value or gradient."""
+    """NaN in every padded entry (log-probs, extras, outcome) changes no loss value or
+    gradient (the losses have no conformance row; the distillation credit's padding,
+    permutation and shard invariance: tests/test_conformance.py)."""
     batch, lp = _fixed(layout, seed=5, num_traj=6)
     bad_batch, bad_lp = _nan_padding(batch, lp)
     for (p0, g0), (p1, g1) in zip(_losses(lp, batch), _losses(bad_lp, bad_batch)):
         for agg in p0:
             np.testing.assert_array_equal(np.asarray(p0[agg]), np.asarray(p1[agg]))
         np.testing.assert_array_equal(np.asarray(g0), np.asarray(g1))
-    for (t0, u0), (t1, u1) in zip(_advantages(batch)[1], _advantages(bad_batch)[1]):
-        np.testing.assert_array_equal(np.asarray(t0), np.asarray(t1))
-        np.testing.assert_array_equal(np.asarray(u0), np.asarray(u1))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -313,8 +313,6 @@ def test_all_masked_batch_gives_zero_pairs_and_finite_gradients(layout):
         for agg in pairs:
             assert float(pairs[agg][0]) == 0.0 and float(pairs[agg][1]) == 0.0
         assert not np.any(np.asarray(grad))
-    for tok, turn in _advantages(empty)[1]:
-        assert not np.any(np.asarray(tok)) and not np.any(np.asarray(turn))
 
 
 def _one_per_loss(lp, batch):
@@ -690,10 +688,7 @@ def test_clear_errors():
 
 # ----------------------------------------------------------------------------- sharding
 
-_SHARD_PAD = {
-    "concatenated": {"num_traj": 64, "num_turns": 4, "row_len": 32},
-    "per_step": {"num_traj": 64, "num_turns": 4, "num_rows": 256, "row_len": 8},
-}
+_SHARD_PAD = {"num_traj": 64, "num_turns": 4, "num_rows": 256, "row_len": 8}
 # the losses with statistics beyond one token: batch-wide (ICSD), per group (EDGE, CRAFT),
 # per trajectory (T-REG)
 SHARD_SETTINGS = (("icsd", {}), ("edge", {}), ("craft", {}), ("t_reg", {"sign": "pref"}))
@@ -723,13 +718,13 @@ def _sharded(lp, batch):
                          in_specs=(P("data"), P("data")), out_specs=P())(lp, batch)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_shard_invariance(layout):
+def test_shard_invariance():
     """Over 8 devices (groups whole per shard) every loss and its gradient equals the
-    unsharded run; ICSD's batch std is psummed."""
+    unsharded run; ICSD's batch std is psummed. The per-step layout only: the losses run the
+    same code on both, and here a shard block holds several rows per trajectory."""
     assert len(jax.devices()) == 8
     recs = random_records(np.random.default_rng(21), num_traj=16, num_groups=8)
-    batch = make_batch(recs, layout, num_shards=8, pad_to=_SHARD_PAD[layout])
+    batch = make_batch(recs, "per_step", num_shards=8, pad_to=_SHARD_PAD)
     batch, lp = with_signals(batch, 21)
     vals, grad = _value_and_grad(_sharded)(lp, batch)
     vals0, grad0 = _value_and_grad(_global)(lp, batch)

@@ -5,8 +5,9 @@ by BFS from SUCCESS, states as Python values) on batches whose states collide
 (tests.strategies.step_records), in both layouts; then the methods' own properties: G2PO's
 no-merge reduction and zero-mean edges, GraphGPO's distance ordering, all-failed and
 all-singleton reductions to GRPO, GAGPO's lam limits (lam = 1: G - V_hat, the GiGPO residual;
-lam = 0: G2PO's TD error) and zero-mean groups; padding, permutation, layout and shard
-invariance; degenerate input; hand-worked examples; error messages.
+lam = 0: G2PO's TD error) and zero-mean groups; layout invariance; degenerate groups;
+hand-worked examples; error messages. Padding, permutation and shard invariance and
+degenerate batches: tests/test_conformance.py (with the settings of each name's row).
 
 Compile budget: every setting in CONFIGS runs in ONE jitted program per batch shape.
 """
@@ -17,13 +18,10 @@ import copy
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
@@ -35,10 +33,6 @@ from tests.reference.step_ref import parse_steps
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
-BIG_PAD = {
-    "concatenated": {"num_traj": 12, "num_turns": 6, "row_len": 40},
-    "per_step": {"num_traj": 12, "num_turns": 6, "num_rows": 40, "row_len": 8},
-}
 
 CONFIGS = {
     "g2po": ("g2po", {}),
@@ -65,9 +59,6 @@ CONFIGS = {
     "grpo": ("grpo", {}),
 }
 OWN = [c for c, (name, _) in CONFIGS.items() if name in graph_ref.REFERENCES]
-# the bigger padding shape compiles a second program: a subset covering every estimator,
-# both normalisation scopes and the truncated Bellman-Ford
-P5_IDS = ("g2po_batch_ep", "g2po", "graphgpo", "graphgpo_iters1", "gagpo", "gagpo_batch")
 # graph_distances(batch, outcome >= threshold, max_iters) in the same program
 DISTANCES = {"dist": (0.5, None), "dist_any": (0.0, None), "dist_cut1": (0.5, 1),
              "dist_cut2": (0.5, 2)}
@@ -349,48 +340,7 @@ def test_arbitrary_key_values(seed):
         np.testing.assert_array_equal(out2[name][0], out[name][0], err_msg=name)
 
 
-# ----------------------------------------------------------------------------- (3)-(5) invariance
-
-
-_run_big = jax.jit(functools.partial(_estimate, P5_IDS, distances=False))
-
-
-def _bigger_run(batch):
-    return jax.tree.map(np.asarray, _run_big(batch))
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@EX
-@given(recs=step_records(), data=st.data())
-def test_padding_and_permutation_invariance(layout, recs, data):
-    """(3) a bigger pad_to gives the same per-record values and zeros outside the masks;
-    (4) shuffling the records and relabelling the groups permutes the outputs (both on the
-    bigger shape: one extra compile)."""
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
-    big, bindex = pack(recs, layout, pad=BIG_PAD[layout])
-    perm = data.draw(st.permutations(range(len(recs))), label="perm")
-    relabel = {g: f"relabelled-{(5 - g) % 7}" for g in {r["group"] for r in recs}}
-    shuffled = [dict(recs[p], group=relabel[recs[p]["group"]]) for p in perm]
-    sbig, sindex = pack(shuffled, layout, pad=BIG_PAD[layout])
-    out_big, out_perm = _bigger_run(big), _bigger_run(sbig)
-    for cid in P5_IDS:
-        a, b, c = out[cid], out_big[cid], out_perm[cid]
-        for j, p in enumerate(perm):
-            k = len(recs[p]["turns"])
-            n, m, s = index.traj[p], bindex.traj[p], sindex.traj[j]
-            np.testing.assert_allclose(b.turn[m, :k], a.turn[n, :k], atol=2e-5, err_msg=cid)
-            np.testing.assert_allclose(c.turn[s, :k], a.turn[n, :k], atol=2e-5, err_msg=cid)
-        for x, bb in ((b, big), (c, sbig)):
-            tm, am = np.asarray(bb.turn_mask), np.asarray(bb.action_mask)
-            assert (x.turn[~tm] == 0).all() and (x.token[~am] == 0).all(), cid
-            assert np.isfinite(x.token).all()
-        big_tok = [np.concatenate([b.token[r, s_:e] for r, s_, e in bindex.spans[i]])
-                   for i in range(len(recs))]
-        small_tok = [np.concatenate([a.token[r, s_:e] for r, s_, e in index.spans[i]])
-                     for i in range(len(recs))]
-        for x, y in zip(big_tok, small_tok):
-            np.testing.assert_allclose(x, y, atol=2e-5, err_msg=cid)
+# ----------------------------------------------------------------------------- (3) layouts
 
 
 @EX
@@ -402,41 +352,14 @@ def test_layouts_agree(recs):
         np.testing.assert_allclose(a[cid].turn, c[cid].turn, atol=1e-6, err_msg=cid)
 
 
-SHARD_PAD = {"num_traj": 48, "num_turns": 4, "num_rows": 192, "row_len": 4}
-SHARD_IDS = ("g2po_batch_ep", "graphgpo_iters1", "gagpo_batch")
-
-
-def test_shard_invariance():
-    """(5) Shard invariance under jax.shard_map on 8 host devices (groups whole per block,
-    per_step rows), with the batch-wide normalisations (psum over the axis): the sharded
-    outputs match the float64 reference (the unsharded program is what
-    test_matches_reference checks). tests/test_sharding.py runs every registered estimator in
-    both layouts too."""
-    devs = jax.devices()
-    assert len(devs) >= 8
-    mesh = Mesh(np.array(devs[:8]), ("data",))
-    recs = rng_records(1, num_groups=12, max_size=3)
-    batch, index = pack(recs, "per_step", pad=SHARD_PAD, num_shards=8)
-    batch.validate(num_shards=8)
-
-    def run(b):
-        return {cid: E.get(CONFIGS[cid][0])(b, axis_name="data", **CONFIGS[cid][1])
-                for cid in SHARD_IDS}
-
-    sm = jax.shard_map(run, mesh=mesh, in_specs=(P("data"),), out_specs=P("data"))
-    got = jax.tree.map(np.asarray, jax.jit(sm)(batch))
-    for cid in SHARD_IDS:
-        assert np.any(got[cid].token != 0), cid
-        check(cid, got[cid], recs, index, batch)
-
-
-# ----------------------------------------------------------------------------- (6) degenerate
+# ----------------------------------------------------------------------------- (4) degenerate
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_degenerate_inputs(layout):
     """One trajectory of one turn: every term is a singleton, so all outputs are 0 (G2PO's and
-    GAGPO's unnormalised delta is r - G = 0 too). Four identical trajectories: exactly 0."""
+    GAGPO's unnormalised delta is r - G = 0 too). Four identical trajectories: exactly 0. A
+    loop: finite, with BFS distances. (All-padding batches: tests/test_conformance.py.)"""
     one = [{"group": 0, "outcome": 1.0, "turns": [
         {"observation": [1], "action": [1], "reward": 1.0}]}]
     out = run_all(pack(one, layout)[0])
@@ -459,24 +382,7 @@ def test_degenerate_inputs(layout):
         assert np.isfinite(out[cid].token).all(), cid
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_all_padding_batch(layout):
-    b = pack([{"group": 0, "outcome": 1.0, "turns": [{"observation": [1], "action": [1]}]}],
-             layout)[0]
-    b = b.replace(traj_mask=jnp.zeros_like(b.traj_mask), turn_mask=jnp.zeros_like(b.turn_mask),
-                  action_mask=jnp.zeros_like(b.action_mask),
-                  turn_ids=jnp.full_like(b.turn_ids, -1),
-                  turn_rewards=jnp.full_like(b.turn_rewards, jnp.nan),
-                  outcome=jnp.full_like(b.outcome, jnp.nan))
-    out = run_all(b)
-    for cid in CONFIGS:
-        adv = out[cid]
-        assert (adv.token == 0).all() and (adv.turn == 0).all(), cid
-        if adv.turn_returns is not None:
-            assert (adv.turn_returns == 0).all(), cid
-
-
-# ----------------------------------------------------------------------------- (7) by hand
+# ----------------------------------------------------------------------------- (5) by hand
 
 
 def _hand_records():
@@ -539,7 +445,7 @@ def test_hand_built_graphgpo(layout):
     np.testing.assert_allclose(out["graphgpo_paper"].turn[:3, :2], z, atol=1e-4)
 
 
-# ----------------------------------------------------------------------------- (8) errors
+# ----------------------------------------------------------------------------- (6) errors
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@
 Compared with the loop-over-segments reference of tests/reference/hae_ref.py on step_records
 batches (both layouts) with random subgoal boundaries, value heads and token masks; then the
 method's reductions (one segment = turn GAE; every turn a boundary = one-step SMDP bootstrap),
-GAE limits per level, disjoint token streams, padding / permutation / layout / shard
-invariance, degenerate input, a hand-worked example and the error messages.
+GAE limits per level, disjoint token streams, layout invariance, degenerate input, a
+hand-worked example and the error messages. Padding, permutation and shard invariance (the
+batch-wide normalisations too) and degenerate batches: tests/test_conformance.py.
 
 Compile budget: every setting in CONFIGS runs inside one jitted function per batch shape.
 """
@@ -21,8 +22,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
@@ -33,10 +32,6 @@ from tests.reference import hae_ref
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
-BIG_PAD = {
-    "concatenated": {"num_traj": 16, "num_turns": 8, "row_len": 64},
-    "per_step": {"num_traj": 16, "num_turns": 8, "num_rows": 64, "row_len": 8},
-}
 MASKS = ("subgoal_mask", "switch_mask")
 
 STREAM_HP = dict(gamma=0.9, lam_turn=0.8, lam_seg=0.6)
@@ -82,7 +77,6 @@ def _estimate(ids, sids, batch, axis_name=None, flat=True):
 
 
 _run_all = jax.jit(functools.partial(_estimate, tuple(CONFIGS), tuple(STREAMS)))
-_run_configs = jax.jit(functools.partial(_estimate, tuple(CONFIGS), (), flat=False))
 
 
 def run_all(batch):
@@ -353,37 +347,6 @@ def test_each_token_gets_at_most_one_stream(layout, recs):
 # ----------------------------------------------------------------------------- invariances
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@EX
-@given(recs=records(), data=st.data())
-def test_padding_and_permutation_invariance(layout, recs, data):
-    """Shuffled records with relabelled groups in a bigger padding bucket: the same values
-    per record (normalised settings too: their statistics do not depend on order), exact
-    zeros outside the masks."""
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
-    perm = data.draw(st.permutations(range(len(recs))), label="perm")
-    relabel = {g: f"relabelled-{(5 - g) % 7}" for g in {r["group"] for r in recs}}
-    shuffled = [dict(recs[p], group=relabel[recs[p]["group"]]) for p in perm]
-    big, bindex = pack(shuffled, layout, pad=BIG_PAD[layout])
-    out_big = jax.tree.map(np.asarray, _run_configs(big))
-    tm, am = np.asarray(big.turn_mask), np.asarray(big.action_mask)
-    for cid in CONFIGS:
-        a, b = out[cid], out_big[cid]
-        for j, p in enumerate(perm):
-            n, m = index.traj[p], bindex.traj[j]
-            k = len(recs[p]["turns"])
-            np.testing.assert_allclose(b.turn[m, :k], a.turn[n, :k], atol=2e-5, err_msg=cid)
-            np.testing.assert_allclose(b.turn_returns[m, :k], a.turn_returns[n, :k],
-                                       atol=2e-5, err_msg=cid)
-            for (r1, s1, e1), (r2, s2, e2) in zip(index.spans[p], bindex.spans[j]):
-                np.testing.assert_allclose(b.token[r2, s2:e2], a.token[r1, s1:e1], atol=2e-5,
-                                           err_msg=cid)
-        for f in ("turn", "turn_returns"):
-            assert (getattr(b, f)[~tm] == 0).all(), cid
-        assert (b.token[~am] == 0).all() and np.isfinite(b.token).all(), cid
-
-
 @EX
 @given(recs=records())
 def test_layouts_agree(recs):
@@ -398,32 +361,6 @@ def test_layouts_agree(recs):
             np.testing.assert_allclose(ta, tc, atol=1e-6, err_msg=cid)
 
 
-SHARD_PAD = {"concatenated": {"num_traj": 32, "num_turns": 4, "row_len": 32},
-             "per_step": {"num_traj": 32, "num_turns": 4, "num_rows": 128, "row_len": 8}}
-SHARD_IDS = ("norm_turn", "norm_token_high")  # the batch-wide statistics, both modes
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_shard_invariance(layout):
-    devs = jax.devices()
-    assert len(devs) >= 8
-    mesh = Mesh(np.array(devs[:8]), ("data",))
-    recs = [r for seed in range(6) for r in seeded_records(seed, num_traj=4)]
-    batch = pack(recs, layout, pad=SHARD_PAD[layout], num_shards=8)[0]
-    fn = functools.partial(_estimate, SHARD_IDS, ("streams",), flat=False)
-    sm = jax.shard_map(functools.partial(fn, axis_name="data"), mesh=mesh,
-                       in_specs=(P("data"),), out_specs=P("data"))
-    got = jax.tree.map(np.asarray, jax.jit(sm)(batch))
-    exp = jax.tree.map(np.asarray, jax.jit(fn)(batch))
-    for cid in SHARD_IDS:
-        assert np.any(exp[cid].token != 0)
-        for f in ("token", "turn", "turn_returns"):
-            np.testing.assert_allclose(getattr(got[cid], f), getattr(exp[cid], f), atol=1e-5,
-                                       err_msg=f"{cid}.{f}")
-    for name, x in exp["streams"].items():
-        np.testing.assert_allclose(got["streams"][name], x, atol=1e-5, err_msg=name)
-
-
 # ----------------------------------------------------------------------------- degenerate
 
 
@@ -436,7 +373,8 @@ def _turn(obs, act, r, v, vh, sw, vt, sub, swm):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_degenerate_inputs(layout):
     """A one-turn episode: A_low = r - V_low, A_high = r - V_high, A_term = r - V_term;
-    normalised settings stay finite. All-equal streams standardise to exactly 0."""
+    normalised settings stay finite. All-equal streams standardise to exactly 0. (The
+    all-padding batch: tests/test_conformance.py.)"""
     one = [{"group": 0, "turns": [_turn([1], [1, 2, 3], 1.0, 0.25, 0.5, 0.0, 2.0,
                                         [False, True, False], [True, False, False])]}]
     batch, _ = pack(one, layout)
@@ -454,20 +392,6 @@ def test_degenerate_inputs(layout):
     for cid in ("norm_turn", "norm_token_high", "no_masks_no_term"):
         adv = run_all(pack(same, layout)[0])[cid]
         assert (adv.turn == 0).all() and (adv.token == 0).all(), cid
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_all_padding_batch(layout):
-    b = pack([{"group": 0, "turns": [_turn([1], [1], 1.0, 0.0, 0.0, 0.0, 0.0, [False],
-                                          [False])]}], layout)[0]
-    b = b.replace(traj_mask=jnp.zeros_like(b.traj_mask), turn_mask=jnp.zeros_like(b.turn_mask),
-                  action_mask=jnp.zeros_like(b.action_mask),
-                  turn_ids=jnp.full_like(b.turn_ids, -1))
-    out = run_all(b)
-    for cid in CONFIGS:
-        adv = out[cid]
-        for f in ("token", "turn", "turn_returns"):
-            assert (getattr(adv, f) == 0).all(), cid
 
 
 # ----------------------------------------------------------------------------- by hand

@@ -6,9 +6,10 @@ dyadic per-turn base (so "A_i" as the token mean and per-token multiplication ar
 Then the methods' own properties: mass conservation, sign preservation, exact
 reductions on neutral labels, bounds, STAMP's group ranking, the shuffled control's
 multiset, ProAS/ECHO/Neos/GGPO masking rules, SkillGate's disjoint channels, Shapley
-efficiency / symmetry / null player, the TRIAGE projection as the least-squares minimiser,
-stop-gradient, padding / permutation invariance with NaN in padding, shard invariance on
-8 host CPU devices, degenerate batches and the error messages.
+efficiency / symmetry / null player, the TRIAGE projection as the least-squares minimiser
+(and its constants' shard invariance), exact zeros on degenerate groups, stop-gradient and
+the error messages. Padding (NaN in padding too), permutation and shard invariance and
+degenerate batches of every registered name: tests/test_conformance.py.
 
 Compile budget: every setting runs inside one jitted function per batch shape.
 """
@@ -38,12 +39,8 @@ from tests.reference import routing_ref
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=15, deadline=None)
-# more trajectories, turns, rows and tokens than PAD; also the shard tests' shape (8 blocks),
-# so the padding and shard tests share one compiled program per layout
-BIG_PAD = {
-    "concatenated": {"num_traj": 32, "num_turns": 8, "row_len": 64},
-    "per_step": {"num_traj": 32, "num_turns": 8, "num_rows": 128, "row_len": 8},
-}
+# the triage-constants shard test's shape (8 blocks)
+SHARD_PAD = {"num_traj": 32, "num_turns": 8, "num_rows": 128, "row_len": 8}
 NUM_AGENTS = 4  # = num_turns of PAD: [N, 4] traj vectors look like [N, K] turn arrays
 BASE_VALUES = (-2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 1.5)  # dyadic: exact sums
 
@@ -578,72 +575,7 @@ def test_grse_credit_matches_reference():
     assert (got[pad] == 0).all()
 
 
-# ----------------------------------------------------------------------------- invariances
-
-
-TRAJ_EXTRAS = ("trace_complete", "read_correct", "divergence_step", "counterfactual_outcome",
-               "coalition_values", "tool_rewards", "pair_active")
-
-
-def _poison(batch):
-    """NaN in every float entry outside its mask (labels, base and outcome), and edges that
-    point at turns on padding trajectories."""
-    am = np.asarray(batch.action_mask)
-    tm = np.asarray(segments.valid_turns(batch))
-    trm = np.asarray(batch.traj_mask)
-    ex = {k: np.asarray(v) for k, v in batch.extras.items()}
-    for name, x in ex.items():
-        if name == "edges":
-            x = x.copy()
-            x[~trm] = 0
-            ex[name] = x
-        elif x.dtype != np.float32:
-            continue
-        elif name in TRAJ_EXTRAS:
-            ex[name] = np.where(trm.reshape((-1,) + (1,) * (x.ndim - 1)), x, np.nan)
-        elif x.shape == am.shape:
-            ex[name] = np.where(am, x, np.nan)
-        else:
-            ex[name] = np.where(tm, x, np.nan)
-    return batch.replace(extras=ex, outcome=np.where(trm, np.asarray(batch.outcome), np.nan))
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@settings(max_examples=8, deadline=None)
-@given(recs=records(), data=st.data())
-def test_padding_and_permutation_invariance(layout, recs, data):
-    """Shuffled records with relabelled groups in a bigger padding bucket with NaN in every
-    padded float entry: the same values per record, exact zeros outside the masks."""
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
-    perm = data.draw(st.permutations(range(len(recs))), label="perm")
-    relabel = {g: f"relabelled-{(5 - g) % 7}" for g in {r["group"] for r in recs}}
-    shuffled = [dict(recs[p], group=relabel[recs[p]["group"]]) for p in perm]
-    big, bindex = pack(shuffled, layout, pad=BIG_PAD[layout])
-    out_big = run_all(_poison(big))
-    am = np.asarray(big.action_mask)
-    for key, b in out_big.items():
-        assert np.isfinite(b.token).all() and (b.token[~am] == 0).all(), key
-        if key.endswith("~shuffle"):  # the random placement depends on the position
-            continue
-        a = out[key]
-        for j, p in enumerate(perm):
-            n, m = index.traj[p], bindex.traj[j]
-            k = len(recs[p]["turns"])
-            np.testing.assert_allclose(b.turn[m, :k], a.turn[n, :k], atol=2e-5, err_msg=key)
-            for (r1, s1, e1), (r2, s2, e2) in zip(index.spans[p], bindex.spans[j]):
-                np.testing.assert_allclose(b.token[r2, s2:e2], a.token[r1, s1:e1], atol=2e-5,
-                                           err_msg=key)
-        assert np.isfinite(b.token).all() and (b.token[~am] == 0).all(), key
-        assert np.isfinite(b.turn).all(), key
-
-
-SHARD_PAD = BIG_PAD
-
-
-# one setting per registered name (the batch-wide and hashed parts: shuffles, triage_constants)
-SHARD_CONFIGS = ("stamp", "iapo", "self_credit_c", "triage_sc", "serl_tok", "vict", "echo_n",
-                 "skillgate", "proas", "neos", "ggpo_tok")
+# ----------------------------------------------------------------------------- triage constants
 
 
 def _constants(batch, axis_name=None):
@@ -652,29 +584,21 @@ def _constants(batch, axis_name=None):
                                     base.turn, batch, axis_name=axis_name)
 
 
-def _shard_fn(batch, axis_name=None):
-    out = _estimate(batch, axis_name=axis_name, configs=SHARD_CONFIGS, bases=("grpo",))
-    return out, _constants(batch, axis_name)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_shard_invariance(layout):
+def test_triage_constants_shard_invariance():
+    """The TRIAGE constants are batch-wide (psum over the axis): on 8 host devices, groups
+    whole per block, the unsharded values (the registered names' shard invariance is in
+    tests/test_conformance.py)."""
     devs = jax.devices()
     assert len(devs) >= 8
     mesh = Mesh(np.array(devs[:8]), ("data",))
     recs = [r for seed in range(6) for r in seeded_records(seed, num_traj=4, num_groups=2)]
-    batch = pack(recs, layout, pad=SHARD_PAD[layout], num_shards=8)[0]
-    sm = jax.shard_map(functools.partial(_shard_fn, axis_name="data"), mesh=mesh,
-                       in_specs=(P("data"),), out_specs=(P("data"), P()))
-    got, c_got = jax.tree.map(np.asarray, jax.jit(sm)(batch))
-    exp = run_all(batch)
-    c_exp = np.asarray(jax.jit(_constants)(batch))
-    for key in got:
-        assert np.any(exp[key].token != 0), key
-        for f in ("token", "turn"):
-            np.testing.assert_allclose(getattr(got[key], f), getattr(exp[key], f), atol=1e-5,
-                                       err_msg=f"{key}.{f}")
-    np.testing.assert_allclose(c_got, c_exp, atol=1e-5)
+    batch = pack(recs, "per_step", pad=SHARD_PAD, num_shards=8)[0]
+    sm = jax.shard_map(functools.partial(_constants, axis_name="data"), mesh=mesh,
+                       in_specs=(P("data"),), out_specs=P())
+    got = np.asarray(jax.jit(sm)(batch))
+    want = np.asarray(jax.jit(_constants)(batch))
+    assert np.any(want != 0)
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- degenerate
@@ -688,14 +612,14 @@ def _one(outcome=1.0, group=0):
     return rec
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_degenerate_inputs(layout):
-    """Singleton groups and zero-variance groups: GRPO gives 0, so every transform and both
-    estimators give exactly 0 (no NaN); an all-padding batch gives zeros."""
+def test_degenerate_groups_give_exact_zeros():
+    """Singleton groups and zero-variance groups: GRPO gives 0, so every re-allocation (and
+    its shuffled control) gives exactly 0 (no NaN). Finite credit and the all-padding batch:
+    tests/test_conformance.py."""
     single = [_one(1.0, g) for g in range(3)]
     same = [_one(0.5, 0) for _ in range(4)]
     for recs in (single, same):
-        out = run_all(pack(recs, layout)[0])
+        out = run_all(pack(recs, "concatenated")[0])
         for key, adv in out.items():
             if key.endswith("@turn"):
                 continue
@@ -704,12 +628,6 @@ def test_degenerate_inputs(layout):
                        "skillgate_raw@grpo", "ccpo", "ccpo_l", "sharp", "sharp_t"):
                 continue  # additive channels / per-agent rewards need not vanish
             assert (adv.token == 0).all(), key
-    b = pack(single, layout)[0]
-    b = b.replace(traj_mask=jnp.zeros_like(b.traj_mask), turn_mask=jnp.zeros_like(b.turn_mask),
-                  action_mask=jnp.zeros_like(b.action_mask),
-                  turn_ids=jnp.full_like(b.turn_ids, -1))
-    for key, adv in run_all(b).items():
-        assert (adv.token == 0).all() and (adv.turn == 0).all(), key
 
 
 def test_stop_gradient():

@@ -4,10 +4,10 @@ TreeMem) and progpo (ProGPO).
 Compile budget: every setting in ``GROUPS`` (plus the internal term dictionaries and the
 comparison estimators of ``HELPER_GROUPS``) runs inside ONE jitted program per batch shape
 (``run_all``); settings that differ only in numeric hyper-parameters share one vmapped call.
-Batches use the fixed ``PAD`` buckets of ``tests/strategies.py``, one larger bucket for the
-padding test and one sharded bucket for shard_map (those two with one structural group per
-estimator). References: ``tests/reference/tree_ref.py`` (dict-of-history loops in float64)
-with per-record float32 tolerances.
+Batches use the fixed ``PAD`` buckets of ``tests/strategies.py``. References:
+``tests/reference/tree_ref.py`` (dict-of-history loops in float64) with per-record float32
+tolerances. Padding, permutation and shard invariance and degenerate batches:
+tests/test_conformance.py (with the settings of each name's row).
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
@@ -37,12 +35,6 @@ from tests.reference.estimators_ref import place
 from tests.strategies import PAD, step_records
 
 FIELDS = ("token", "turn")
-BIG_PAD = {
-    "concatenated": {"num_traj": 12, "num_turns": 6, "row_len": 40},
-    "per_step": {"num_traj": 12, "num_turns": 6, "num_rows": 40, "row_len": 12},
-}
-SHARD_PAD = {"concatenated": {"num_traj": 64, "num_turns": 4, "row_len": 32},
-             "per_step": {"num_traj": 64, "num_turns": 4, "num_rows": 256, "row_len": 8}}
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -133,12 +125,6 @@ def _estimate(groups, terms, batch, axis_name=None):
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 _run_all_jit = jax.jit(functools.partial(_estimate, GROUPS + HELPER_GROUPS, True),
                        compiler_options=FAST_COMPILE)
-# One structural group per estimator (non-default options), for the larger padded shape and
-# for shard_map (each a compile of its own).
-P5_GROUPS = [GROUPS[1], GROUPS[4], GROUPS[6]]
-P5_IDS = tuple(cid for _, _, s in P5_GROUPS for cid in s)
-_run_subset_jit = jax.jit(functools.partial(_estimate, P5_GROUPS, False),
-                          compiler_options=FAST_COMPILE)
 
 
 def run_all(batch):
@@ -414,99 +400,7 @@ def test_arbitrary_key_values(records, data):
                             f"keys {cid}")
 
 
-# ------------------------------------------------------------ 3.-5. padding, permutation, shards
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@settings(max_examples=10)
-@given(records=step_records())
-def test_padding_invariance(layout, records):
-    b1, i1 = pack(records, layout)
-    b2, i2 = pack(records, layout, pad=BIG_PAD[layout])
-    assert b2.num_traj > b1.num_traj and b2.num_turns > b1.num_turns
-    o1 = run_all(b1)
-    o2 = jax.tree.map(np.asarray, _run_subset_jit(b2))
-    for cid in P5_IDS:
-        assert_padding_zero(o2[cid], b2, f"padding {cid}")
-        assert_same_records(per_record(o1[cid], i1), per_record(o2[cid], i2),
-                            reference(cid, records), f"padding {cid}")
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@settings(max_examples=10)
-@given(records=step_records(min_traj=2), data=st.data())
-def test_permutation_and_group_relabelling(layout, records, data):
-    n = len(records)
-    perm = data.draw(st.permutations(range(n)), label="perm")
-    permuted = []
-    for j in perm:
-        r = copy.deepcopy(records[j])
-        r["group"] = f"relabelled-{r['group'] * 7 + 3}"
-        permuted.append(r)
-    b1, i1 = pack(records, layout)
-    b2, i2 = pack(permuted, layout)
-    o1, o2 = run_all(b1), run_all(b2)
-    pos = {orig: p for p, orig in enumerate(perm)}
-    order = [pos[i] for i in range(n)]
-    for cid in OWN:
-        assert_same_records(per_record(o1[cid], i1), per_record(o2[cid], i2),
-                            reference(cid, records), f"permutation {cid}", order=order)
-
-
-def _tree_records(seed=11):
-    """30 trajectories in 10 groups of 1-4 (rollout trees: members copy a prefix of an earlier
-    member, then diverge); one singleton group and one group with equal outcomes."""
-    rng = np.random.default_rng(seed)
-    recs = []
-    for g, size in enumerate([4, 3, 2, 1, 4, 4, 2, 3, 4, 3]):
-        members = []
-        for _ in range(size):
-            k = int(rng.integers(1, 5))
-            turns = []
-            obs = None
-            if members and rng.random() < 0.7:
-                src = members[int(rng.integers(len(members)))]
-                j = int(rng.integers(0, min(k, len(src)) + 1))
-                turns = copy.deepcopy(src[:j])
-                if j < len(src) and rng.random() < 0.5:
-                    obs = src[j]["observation"]  # branch by the action, not the observation
-            while len(turns) < k:
-                turns.append({"observation": obs or [int(rng.integers(0, 3))],
-                              "action": [int(x) for x in rng.integers(0, 2,
-                                                                      rng.integers(1, 3))],
-                              "reward": float(rng.choice([0.0, 0.5, -1.0]))})
-                obs = None
-            members.append(turns)
-            outcome = 1.0 if g == 2 else float(rng.choice([0.0, 0.5, 1.0]))
-            recs.append({"group": f"g{g}", "outcome": outcome, "turns": turns})
-    return recs
-
-
-CHECK_VMA = True
-
-
-def test_shard_map_invariance():
-    """Shard invariance: one structural group of settings per estimator under jax.shard_map on
-    8 host CPU devices (groups whole per block, per-step layout) gives the unsharded values:
-    those of the reference (the unsharded program is checked against the same reference
-    elsewhere)."""
-    devs = jax.devices()
-    assert len(devs) >= 8
-    mesh = Mesh(np.array(devs[:8]), ("data",))
-    recs = _tree_records()
-    batch, index = pack(recs, "per_step", pad=SHARD_PAD["per_step"], num_shards=8)
-    f = functools.partial(_estimate, P5_GROUPS, False)
-    sharded = jax.jit(jax.shard_map(lambda b: f(b, axis_name="data"), mesh=mesh,
-                                    in_specs=(P("data"),), out_specs=P("data"),
-                                    check_vma=CHECK_VMA),
-                      compiler_options=FAST_COMPILE)
-    got = jax.tree.map(np.asarray, sharded(batch))
-    for cid in P5_IDS:
-        assert np.any(got[cid].turn != 0), cid
-        check_ref(cid, got, recs, index, batch)
-
-
-# ----------------------------------------------------------------------------- 6. degenerate
+# ----------------------------------------------------------------------------- 3. degenerate
 
 
 @given(records=step_records())
@@ -556,20 +450,10 @@ def test_all_outcomes_equal_give_exact_zero(records, value):
             (cid, out[cid].turn)
 
 
-def _empty_batch(layout):
-    b, _ = pack([{"group": 0, "outcome": 1.0, "turns": [{"action": [1]}]}], layout)
-    return b.replace(traj_mask=np.zeros_like(b.traj_mask), turn_mask=np.zeros_like(b.turn_mask),
-                     action_mask=np.zeros_like(b.action_mask),
-                     turn_ids=np.full_like(b.turn_ids, -1)).validate()
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_all_padding_and_single_trajectory(layout):
-    out = run_all(_empty_batch(layout))
-    for cid in OWN:
-        for f in FIELDS:
-            x = getattr(out[cid], f)
-            assert np.isfinite(x).all() and (x == 0).all(), cid
+def test_single_trajectory(layout):
+    """One trajectory revisiting its state: every setting gives its reference values (the
+    all-padding batch: tests/test_conformance.py)."""
     recs = [{"group": 0, "outcome": 0.75, "turns": [
         {"observation": [1], "action": [2, 3], "reward": 0.5},
         {"observation": [1], "action": [2, 3], "reward": 0.25}]}]
@@ -580,7 +464,7 @@ def test_all_padding_and_single_trajectory(layout):
         check_ref(cid, out, recs, index, batch)
 
 
-# ----------------------------------------------------------------------------- 7. by hand
+# ----------------------------------------------------------------------------- 4. by hand
 
 
 def _hand_records():
@@ -649,7 +533,7 @@ def test_hand_built_tree(layout):
             np.testing.assert_allclose(r.turn[i], exp, atol=1e-5, err_msg=cid)
 
 
-# ----------------------------------------------------------------------------- 8. errors
+# ----------------------------------------------------------------------------- 5. errors
 
 
 @pytest.mark.parametrize("name,hp,needle", [
