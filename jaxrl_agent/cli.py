@@ -9,6 +9,7 @@
                   [--task-set key=value ...] [--group-sizes G,...] [--num-groups B,...] [--out DIR]
   jaxrl-agent convert HF_DIR OUT_DIR [--dtype ...] [--max-shard-bytes N]
   jaxrl-agent sample HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
+  jaxrl-agent plan [CONFIG.yaml] --topology cpu:8|v5e:2x4|... [--hf-config NAME|PATH] [--set ...]
 """
 
 from __future__ import annotations
@@ -468,6 +469,27 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Compiles the run's train step ahead of time for a topology (shapes only) and prints the
+    per-device memory, compile time and collectives; exit 1 when it does not fit the chip's
+    HBM."""
+    from jaxrl_agent import config as config_lib
+
+    cfg = _with_imports(config_lib.load(args.config, args.set or (), validate=False),
+                        args.imports)
+    from jaxrl_agent.train import plan as plan_lib
+
+    try:
+        p = plan_lib.plan_run(cfg, args.topology, hf_config=args.hf_config)
+    except plan_lib.PlanError as e:
+        raise CliError(str(e)) from None
+    source = args.config or "(built-in default config)"
+    if args.hf_config:
+        source += f" with {args.hf_config}"
+    print(plan_lib.format_plan(p, source))
+    return 1 if p.fits is False else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxrl_agent import __version__
 
@@ -595,6 +617,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     g.set_defaults(func=cmd_sample)
+    pl = sub.add_parser("plan", help="compile the train step for a device topology (TPU without "
+                                     "a TPU) and print its memory per device",
+                        description="Builds the run's model, optimizer state and train step "
+                                    "from shapes only, lays them out on the config's mesh over "
+                                    "the topology's devices and compiles the real train step: "
+                                    "per-device parameters, optimizer state, temporaries, total "
+                                    "against the chip's HBM, compile time and collectives. TPU "
+                                    "topologies need the tpu-aot extra (libtpu), not a TPU. "
+                                    "Exit status 1 when the step does not fit.")
+    pl.add_argument("config", nargs="?", default=None, metavar="CONFIG.yaml",
+                    help="a YAML run config (default: the built-in CPU default)")
+    pl.add_argument("--topology", required=True, metavar="NAME",
+                    help="cpu:N (host devices) or a TPU slice libtpu knows, e.g. v5e:2x2, "
+                         "v5e:2x4, v5p:2x2x1, v4:2x2x4, v6e:2x4")
+    pl.add_argument("--hf-config", default=None, metavar="NAME|PATH",
+                    help="model shapes instead of model.hf_path's: a config.json, a folder "
+                         "holding one (no weights needed), or a known name (qwen2.5-0.5b, "
+                         "qwen2.5-1.5b, qwen3-1.7b, qwen2.5-7b, llama-3.1-8b)")
+    pl.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                    help="override a config value, e.g. --set mesh.fsdp=8 (repeatable)")
+    pl.set_defaults(func=cmd_plan)
     return p
 
 

@@ -325,25 +325,9 @@ class Trainer:
         self.eval_tasks = self.env.sample_tasks(step_seed(t.seed, -1, "eval"), t.eval_tasks,
                                                 "test")
         self._n_train = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
-        updates = t.ppo_epochs * t.mini_batches  # optimizer updates per step
-        self.optimizer = make_optimizer(
-            cfg.optimizer.lr, total_steps=t.steps * updates,
-            warmup_steps=cfg.optimizer.warmup_steps * updates,
-            decay=cfg.optimizer.decay, weight_decay=cfg.optimizer.weight_decay,
-            grad_clip=cfg.optimizer.grad_clip, b1=cfg.optimizer.b1, b2=cfg.optimizer.b2,
-            eps=cfg.optimizer.eps)
+        self.optimizer = run_optimizer(cfg)
         self.spec = estimators.spec(cfg.estimator.name)
-        self.step_cfg = StepConfig(
-            estimator=cfg.estimator.name,
-            estimator_params=tuple(sorted(cfg.estimator.params.items())),
-            shaping=config_lib.stages(cfg.estimator, "shaping"),
-            then=config_lib.stages(cfg.estimator, "then"),
-            policy_loss=cfg.loss.policy, policy_params=tuple(sorted(cfg.loss.params.items())),
-            agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
-            entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
-            micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-            data_shards=self.data_shards, remat=t.remat, temperature=r.temperature,
-            top_k=r.top_k, top_p=r.top_p)
+        self.step_cfg = step_config(cfg, self.data_shards)
         self.rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
         self.state_shardings = sharding.train_state_shardings(
             jax.eval_shape(self._init_state), self.optimizer, self.mesh, self.rules)
@@ -845,6 +829,34 @@ class _NullLogger:
 
     def close(self):
         pass
+
+
+def step_config(cfg: config_lib.RunConfig, data_shards: int) -> StepConfig:
+    """The train step's static settings of a run (``data_shards``: the batch's split over the
+    mesh's data x fsdp axes); the trainer and ``jaxrl-agent plan`` build the step from it."""
+    t, r = cfg.trainer, cfg.rollout
+    return StepConfig(
+        estimator=cfg.estimator.name,
+        estimator_params=tuple(sorted(cfg.estimator.params.items())),
+        shaping=config_lib.stages(cfg.estimator, "shaping"),
+        then=config_lib.stages(cfg.estimator, "then"),
+        policy_loss=cfg.loss.policy, policy_params=tuple(sorted(cfg.loss.params.items())),
+        agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
+        entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
+        micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
+        data_shards=data_shards, remat=t.remat, temperature=r.temperature,
+        top_k=r.top_k, top_p=r.top_p)
+
+
+def run_optimizer(cfg: config_lib.RunConfig):
+    """The run's optax optimizer: AdamW on the schedule of ``cfg.optimizer``, counted in
+    updates (``ppo_epochs x mini_batches`` per step)."""
+    t, o = cfg.trainer, cfg.optimizer
+    updates = t.ppo_epochs * t.mini_batches
+    return make_optimizer(o.lr, total_steps=t.steps * updates,
+                          warmup_steps=o.warmup_steps * updates, decay=o.decay,
+                          weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2,
+                          eps=o.eps)
 
 
 def _merge_stats(parts: list) -> dict:

@@ -1,0 +1,655 @@
+"""Ahead-of-time plan of a run's train step on a device topology (``jaxrl-agent plan``).
+
+Builds the run's model, optimizer state and train step *abstractly* (shapes only: no weights
+are read or allocated), lays them out on the config's ``(data, fsdp, tensor)`` mesh over the
+devices of a named topology, and compiles the real jitted train step for it::
+
+    devices  = topology_devices("v5e:2x4")           # abstract TPU devices (libtpu), or cpu:N
+    mesh     = sharding.make_mesh(cfg.mesh, devices=devices)
+    state    = eval_shape(init_state_from_params)     # + sharding.train_state_shardings
+    batch    = the largest batch the config packs (sizes below), over the batch axes
+    compiled = make_train_step(...).lower(state, batch).compile()   # exactly the Trainer's step
+    report   = compiled.memory_analysis() + collectives read from compiled.as_text()
+
+TPU topologies (``v4:2x2x4``, ``v5e:2x2``, ``v5e:2x4``, ``v5p:2x2x1``, ``v6e:2x4``, ...) need
+``libtpu`` (the ``tpu-aot`` extra) but no TPU: JAX compiles for the topology on a CPU-only host
+(``jax.experimental.topologies.get_topology_desc``). ``cpu:N`` uses N host devices (set before
+JAX starts its CPU backend, or by ``XLA_FLAGS=--xla_force_host_platform_device_count=N``).
+
+The batch is the largest the config can pack in one step: ``N = tasks_per_step x group_size x
+branch_factor ** len(branch_turns)`` trajectories (rounded up to the packer's blocks), ``K =
+rollout.max_turns`` turns, rows of ``rollout.max_context_tokens`` tokens (rounded up to 16;
+one row per trajectory, or one per turn with ``layout: per_step``). Real batches are at most
+this long, so the memory reported is an upper bound for the step's shapes.
+
+Numbers per device: ``parameters`` / ``optimizer state`` / ``reference`` from the shardings
+(the layout the rules give); ``arguments`` / ``outputs`` / ``temporaries`` / ``code`` from XLA's
+``memory_analysis()`` of the compiled program. ``total = arguments + outputs - aliased +
+temporaries + code`` is what the step needs at its peak (the trainer does not donate the old
+state, so old and new state are both alive). Collectives are counted statically in the compiled
+HLO (an op inside the micro-batch loop runs once per micro-batch but is counted once); their
+bytes are the per-device result buffers.
+
+Not covered yet: prefix-tree packing (``trainer.prefix_sharing``: compiled without the trees,
+and said so) and the JAX sampler's decode step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxrl_agent import config as config_lib
+from jaxrl_agent import estimators, sharding
+from jaxrl_agent.batch import TrajectoryBatch
+from jaxrl_agent.models.config import ModelConfig
+from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.rollout.collect import ByteCodec
+from jaxrl_agent.train.loop import run_optimizer, step_config
+from jaxrl_agent.train.step import init_state_from_params, make_train_step
+
+__all__ = ["PlanError", "Plan", "HBM_GIB", "HF_SHAPES", "topology_devices", "plan_run",
+           "format_plan", "count_collectives"]
+
+#: HBM per chip in GiB (Google Cloud TPU system architecture pages).
+HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+_KIND_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p"}
+#: cores per chip in the accelerator-type names (v4-32 is 16 chips; v5e/v6e count chips)
+_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
+_ACCEL_PREFIX = {"v4": "v4", "v5p": "v5p", "v5e": "v5litepod", "v6e": "v6e"}
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+#: config.json shapes (no weights) of public checkpoints, for planning without a download:
+#: ``--hf-config qwen2.5-0.5b``. Copied from the models' published config.json files.
+HF_SHAPES = {
+    "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    "qwen2.5-1.5b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=1536,
+                         intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                         max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    "qwen3-1.7b": dict(architectures=["Qwen3ForCausalLM"], hidden_size=2048,
+                       intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=40960,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                       max_position_embeddings=32768, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         tie_word_embeddings=False, max_position_embeddings=131072,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, torch_dtype="bfloat16",
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192}),
+}
+
+
+class PlanError(ValueError):
+    """A mistake the user can fix (unknown topology, a mesh that does not fit the devices,
+    libtpu missing, no model shapes): one clear message, no traceback."""
+
+
+# ----------------------------------------------------------------------------- topologies
+
+
+def chip_kind(topology: str) -> str | None:
+    """``"v5e"`` for ``"v5e:2x4"`` (also ``v5litepod``), ``"cpu"`` for ``cpu:N``; None when the
+    prefix is not a known chip."""
+    head = topology.split(":", 1)[0].strip().lower()
+    if head == "cpu":
+        return "cpu"
+    head = _KIND_ALIASES.get(head, head)
+    return head if head in HBM_GIB else None
+
+
+def _cpu_devices(n: int) -> list:
+    """``n`` host CPU devices: asks JAX for them when its CPU backend has not started yet."""
+    if n < 1:
+        raise PlanError(f"--topology cpu:{n}: need at least one device")
+    try:
+        if jax.config.jax_num_cpu_devices < n:
+            jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # the backend is already up: use what it has
+        pass
+    have = jax.devices("cpu")
+    if len(have) < n:
+        raise PlanError(f"--topology cpu:{n}: this process has {len(have)} CPU devices (JAX "
+                        "started before the plan could ask for more); set XLA_FLAGS="
+                        f"--xla_force_host_platform_device_count={n}")
+    return list(have[:n])
+
+
+def _chips(topology: str) -> int:
+    dims = topology.split(":", 1)[1] if ":" in topology else ""
+    try:
+        return math.prod(int(x) for x in dims.lower().split("x"))
+    except ValueError:
+        return 0
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """libtpu writes warnings to file descriptor 2 while it starts; keep them, and hand them
+    back only when something fails (``buf[0]``)."""
+    buf = [""]
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield buf
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            buf[0] = tmp.read().decode("utf-8", "replace")
+
+
+def _tpu_env(topology: str, kind: str) -> None:
+    """The TPU_* variables libtpu looks for on a TPU VM (unset on a CPU host): set quietly so it
+    does not warn or try the metadata server. Values already set are kept."""
+    chips = _chips(topology)
+    if chips:
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE",
+                              f"{_ACCEL_PREFIX[kind]}-{chips * _CORES_PER_CHIP[kind]}")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # compiling only: no chip is opened, so several processes may load libtpu at once (without
+    # this the second one fails on libtpu's lock file)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def libtpu_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+INSTALL_HINT = ('compiling for TPU needs libtpu: pip install -e ".[tpu-aot]" (or pip install '
+                f'"jax[tpu]=={jax.__version__}"); no TPU is needed')
+
+
+def topology_devices(topology: str) -> list:
+    """The devices of ``topology``: ``cpu:N`` host devices, or the abstract devices of a TPU
+    slice that libtpu knows (``v5e:2x2``, ``v5p:2x2x1``, ``v4:2x2x4``, ``v6e:2x4``, ...).
+
+    Raises:
+      PlanError: an unknown name, or libtpu not installed (with how to install it).
+    """
+    name = topology.strip()
+    kind = chip_kind(name)
+    if kind == "cpu":
+        try:
+            n = int(name.split(":", 1)[1]) if ":" in name else 1
+        except ValueError:
+            raise PlanError(f"--topology {name!r}: expected cpu:N, e.g. cpu:8") from None
+        return _cpu_devices(n)
+    if kind is None or not _chips(name):
+        raise PlanError(f"unknown topology {name!r}: use cpu:N or a TPU slice such as "
+                        "v5e:2x2, v5e:2x4, v5p:2x2x1, v4:2x2x4, v6e:2x4 "
+                        f"(chips: {', '.join(HBM_GIB)})")
+    if not libtpu_available():
+        raise PlanError(f"--topology {name}: {INSTALL_HINT}")
+    _tpu_env(name, kind)
+    from jax.experimental import topologies
+
+    with _quiet_stderr() as log:
+        try:
+            # v4 / v5p chips have two TensorCores; JAX meshes want one device per chip
+            chip_config = "megacore" if kind in ("v4", "v5p") else "default"
+            desc = topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                                chip_config_name=chip_config)
+            err = None
+        except Exception as e:  # libtpu's errors are JaxRuntimeError / ValueError
+            err = e
+    if err is not None:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "INVALID_ARGUMENT" in detail or "Invalid" in detail or "topology" in detail.lower():
+            raise PlanError(f"libtpu does not know the topology {name!r} ({detail}); examples: "
+                            "v5e:2x2, v5e:2x4, v5p:2x2x1, v4:2x2x4, v6e:2x4")
+        raise PlanError(f"libtpu could not describe the topology {name!r}: {detail}")
+    del log
+    return list(desc.devices)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def load_hf_config(source: str) -> dict:
+    """The config.json dict of ``source``: a name in ``HF_SHAPES``, a config.json file or a
+    folder holding one (weights are not read)."""
+    if source.lower() in HF_SHAPES:
+        return dict(HF_SHAPES[source.lower()])
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    if not os.path.isfile(path):
+        raise PlanError(f"no model config at {source!r}: give a folder with config.json, a "
+                        f"config.json file, or one of {sorted(HF_SHAPES)}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: not a JSON model config ({e})") from None
+
+
+def known_shape(path: str) -> str | None:
+    """The ``HF_SHAPES`` name a checkpoint folder's name stands for (``.../Qwen2.5-1.5B-Instruct``
+    -> ``qwen2.5-1.5b``), or None."""
+    name = os.path.basename(os.path.normpath(path)).lower()
+    for suffix in ("-instruct", "-base", "-chat"):
+        name = name.removesuffix(suffix)
+    name = name.removeprefix("meta-")
+    return name if name in HF_SHAPES else None
+
+
+def model_config(cfg: config_lib.RunConfig, hf_config: str | None = None,
+                 notes: list | None = None) -> ModelConfig:
+    """The ``ModelConfig`` the trainer would build (shapes only): ``hf_config`` (see
+    ``load_hf_config``) or the config's ``model.hf_path`` config.json, else the built-in dims.
+    A ``model.hf_path`` that is not on this machine but names a known model (``HF_SHAPES``)
+    takes that model's shapes (said in ``notes``)."""
+    m = cfg.model
+    source = hf_config if hf_config is not None else m.hf_path
+    if hf_config is None and m.hf_path is not None and not os.path.exists(m.hf_path):
+        known = known_shape(m.hf_path)
+        if known is not None:
+            source = known
+            if notes is not None:
+                notes.append(f"model.hf_path {m.hf_path} is not on this machine: planned with "
+                             f"the published shapes of {known} (--hf-config to choose)")
+    if source is not None:
+        try:
+            return ModelConfig.from_hf(load_hf_config(source), dtype=m.dtype,
+                                       value_head=m.value_head,
+                                       value_stop_gradient=m.value_stop_gradient)
+        except PlanError as e:
+            if hf_config is None:
+                raise PlanError(f"model.hf_path: {e}; the plan needs only config.json (no "
+                                "weights): point --hf-config at one, or name a known shape "
+                                f"({', '.join(sorted(HF_SHAPES))})") from None
+            raise
+        except ValueError as e:
+            raise PlanError(f"model config: {e}") from None
+    codec = ByteCodec()
+    return ModelConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                       intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                       max_position_embeddings=m.max_position_embeddings, dtype=m.dtype,
+                       family="qwen3", qk_norm=True, value_head=m.value_head,
+                       value_stop_gradient=m.value_stop_gradient,
+                       bos_token_id=codec.bos_token_id, eos_token_id=codec.eos_token_id,
+                       pad_token_id=codec.pad_token_id)
+
+
+def batch_dims(cfg: config_lib.RunConfig, blocks: int) -> dict:
+    """The largest packed batch of one step: trajectories N (a multiple of ``blocks``), turns
+    K, rows R and row length T."""
+    r = cfg.rollout
+    n = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
+    n = blocks * max(math.ceil(max(n, 8) / blocks), 1)
+    k = r.max_turns
+    t = 16 * math.ceil(r.max_context_tokens / 16)
+    rows = n * k if cfg.trainer.layout == "per_step" else n
+    return {"num_traj": n, "num_turns": k, "num_rows": rows, "row_len": t}
+
+
+def abstract_batch(dims: dict, layout: str, sharding_: NamedSharding) -> TrajectoryBatch:
+    """A ``TrajectoryBatch`` of ``ShapeDtypeStruct``s (rows / trajectories over the batch
+    axes)."""
+    n, k, r, t = dims["num_traj"], dims["num_turns"], dims["num_rows"], dims["row_len"]
+
+    def s(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding_)
+
+    return TrajectoryBatch(
+        tokens=s((r, t), "int32"), action_mask=s((r, t), "bool"), turn_ids=s((r, t), "int32"),
+        row_traj=s((r,), "int32"), old_logprobs=s((r, t), "float32"),
+        turn_mask=s((n, k), "bool"), turn_rewards=s((n, k), "float32"),
+        state_keys=s((n, k), "uint32"), action_keys=s((n, k), "uint32"),
+        group_ids=s((n,), "int32"), task_ids=s((n,), "int32"), traj_mask=s((n,), "bool"),
+        outcome=s((n,), "float32"), extras={}, layout=layout)
+
+
+# ----------------------------------------------------------------------------- the HLO
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+
+
+def _shape_bytes(text: str) -> list[int]:
+    out = []
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        out.append(_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d))
+    return out
+
+
+_FUSED_RS = re.compile(r"=\s*(.*?)\sfusion\(.*calls=%?(all-reduce-scatter[\w.-]*)")
+
+
+def count_collectives(hlo_text: str) -> dict:
+    """``{op: {"count": n, "bytes": b, "max_bytes": m}}`` for every collective in the compiled
+    HLO text: static op counts (an op in a loop body counts once), ``bytes`` the sum of the
+    per-device result buffers (for an async ``*-start`` op the largest buffer of its tuple: the
+    result), ``max_bytes`` the largest single one. The TPU compiler emits a reduce-scatter as a
+    fusion calling an ``all-reduce-scatter`` computation (an all-reduce and a slice inside):
+    that fusion counts as one reduce-scatter of its result, and the all-reduce inside it is
+    not counted again."""
+    out = {op: {"count": 0, "bytes": 0, "max_bytes": 0} for op in COLLECTIVES}
+
+    def add(op, b):
+        e = out[op]
+        e["count"] += 1
+        e["bytes"] += b
+        e["max_bytes"] = max(e["max_bytes"], b)
+
+    computation = ""
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            computation = line.split()[0].lstrip("%")  # a computation's header line
+            continue
+        if computation.startswith("all-reduce-scatter"):
+            continue
+        f = _FUSED_RS.search(line)
+        if f:
+            add("reduce-scatter", sum(_shape_bytes(f.group(1))))
+            continue
+        m = _OP.search(line)
+        if m:
+            sizes = _shape_bytes(m.group(1))
+            add(m.group(2), max(sizes, default=0) if m.group(3) else sum(sizes))
+    return out
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass
+class Plan:
+    """What ``plan_run`` found (bytes are per device; see the module docstring)."""
+
+    topology: str
+    chip: str
+    num_devices: int
+    num_hosts: int
+    device_kind: str
+    mesh: dict
+    model: dict
+    batch: dict
+    step: dict
+    params_bytes: int
+    params_total_bytes: int
+    opt_bytes: int
+    ref_bytes: int
+    batch_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    compile_s: float
+    collectives: dict
+    notes: list
+    hbm_bytes: int | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + \
+            self.code_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
+
+    @property
+    def gathers_whole_model(self) -> bool:
+        """Every device holds (or gathers at once) the whole model although there are several
+        devices."""
+        if self.num_devices == 1:
+            return False
+        if self.params_bytes >= 0.99 * self.params_total_bytes:
+            return self.mesh["fsdp"] * self.mesh["tensor"] > 1  # pure DP replicates by design
+        biggest = max((v["max_bytes"] for v in self.collectives.values()), default=0)
+        return biggest >= 0.9 * self.params_total_bytes
+
+    def verdicts(self) -> list[str]:
+        out = []
+        gib = 2 ** 30
+        if self.gathers_whole_model:
+            if self.params_bytes >= 0.99 * self.params_total_bytes:
+                out.append("every device holds the whole model: shard it with mesh.fsdp "
+                           "(and/or mesh.tensor), or check mesh.rules")
+            else:
+                out.append("this layout gathers the whole model on every device at once "
+                           "(a collective as large as all parameters): check mesh.rules")
+        if self.fits is False:
+            state = self.params_bytes + self.opt_bytes + self.ref_bytes
+            if 2 * state > self.hbm_bytes:  # old + new state alone do not fit
+                key = ("raise mesh.fsdp (parameters and optimizer state are split over it) or "
+                       "mesh.tensor, or use a larger slice")
+            else:
+                key = ("set trainer.remat: true, raise trainer.micro_batches, or lower "
+                       "rollout.max_context_tokens / rollout.tasks_per_step"
+                       if not self.step["remat"] else
+                       "raise trainer.micro_batches, or lower rollout.max_context_tokens / "
+                       "rollout.tasks_per_step")
+            out.append(f"DOES NOT FIT: {self.total_bytes / gib:.2f} GiB per device > "
+                       f"{self.hbm_bytes / gib:.0f} GiB HBM of a {self.chip} chip; {key}")
+        elif self.fits:
+            pct = 100 * self.total_bytes / self.hbm_bytes
+            out.append(f"fits: {self.total_bytes / gib:.2f} GiB of {self.hbm_bytes / gib:.0f} "
+                       f"GiB HBM per {self.chip} chip ({pct:.0f}%)")
+        else:
+            out.append(f"compiled for {self.num_devices} host devices: "
+                       f"{self.total_bytes / gib:.2f} GiB per device (no HBM limit to check)")
+        return out
+
+
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _exhausted_bytes(message: str) -> int | None:
+    """The bytes XLA says the step's temporaries need when it refuses to compile for lack of
+    HBM ("... HLO temporaries (46.20G) exceeds available HBM ..."); None for other errors."""
+    if "RESOURCE_EXHAUSTED" not in message:
+        return None
+    m = re.search(r"temporaries \(([0-9.]+)([KMGT]?)\)", message)
+    if m is None:
+        m = re.search(r"required[^0-9]*([0-9.]+)([KMGT]?)", message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
+
+
+def _local_bytes(tree, shardings) -> int:
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def _num_params(tree) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
+def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None = None) -> Plan:
+    """Compiles the run's train step for ``topology`` (shapes only) and reports its memory and
+    collectives per device. ``cfg`` is validated here.
+
+    Raises:
+      PlanError / ConfigError: an unknown topology, libtpu missing, a mesh that does not fit the
+        topology's devices, heads that the tensor axis does not divide, a bad config.
+    """
+    devices = topology_devices(topology)  # first: cpu:N must come before JAX's CPU backend
+    cfg = config_lib.validate(cfg)
+    try:
+        mesh = sharding.make_mesh(cfg.mesh, devices=devices)
+    except (ValueError, AssertionError) as e:  # JAX's mesh_utils asserts on TPU layouts
+        raise PlanError(f"{e} (topology {topology} has {len(devices)} devices)") from None
+    notes = []
+    n_hosts = len({getattr(d, "process_index", 0) for d in devices})
+    if mesh.size < len(devices) and n_hosts > 1:  # what make_mesh refuses on the real slice
+        raise PlanError(f"mesh: data*fsdp*tensor = {mesh.size} but the {topology} slice has "
+                        f"{len(devices)} chips on {n_hosts} hosts; a multi-host run must use "
+                        "them all (set one mesh axis to -1)")
+    if mesh.size < len(devices):
+        notes.append(f"the mesh uses {mesh.size} of the topology's {len(devices)} devices")
+    mc = model_config(cfg, hf_config, notes)
+    tp = mesh.shape["tensor"]
+    if mc.num_heads % tp or mc.num_kv_heads % tp:
+        raise PlanError(f"mesh.tensor={tp} must divide the model's attention heads "
+                        f"({mc.num_heads}) and key/value heads ({mc.num_kv_heads})")
+    data_shards = sharding.batch_shards(mesh)
+    scfg = step_config(cfg, data_shards)
+    opt = run_optimizer(cfg)
+    rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
+    spec = estimators.spec(cfg.estimator.name)
+    est_state = spec.init_state(cfg.trainer.task_capacity) if spec.stateful else ()
+    with_ref = cfg.loss.kl_coef > 0
+    if cfg.trainer.prefix_sharing:
+        notes.append("trainer.prefix_sharing is on, but the plan compiles the step without "
+                     "prefix trees (not covered yet)")
+
+    model = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.trainer.seed)))
+    params = nnx.state(model, nnx.Param)
+    state = jax.eval_shape(
+        lambda p, e: init_state_from_params(p, opt, seed=cfg.trainer.seed, est_state=e,
+                                            with_reference=with_ref), params, est_state)
+    shardings = sharding.train_state_shardings(state, opt, mesh, rules)
+    for row in sharding.layout_table(params, mesh, rules):
+        for n in row["notes"]:
+            notes.append(f"{row['path']}: {n}")
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    dims = batch_dims(cfg, scfg.blocks)
+    bsh = sharding.batch_sharding(mesh)
+    batch = abstract_batch(dims, cfg.trainer.layout, bsh)
+
+    step = make_train_step(model, opt, scfg, mesh=mesh, state_shardings=shardings)
+    t0 = time.perf_counter()
+    state_b = _local_bytes(state, shardings)
+    batch_b = _local_bytes(batch, jax.tree.map(lambda _: bsh, batch))
+    try:
+        compiled = step.lower(abstract_state, batch).compile()
+        ma = compiled.memory_analysis()
+        mem = dict(argument_bytes=int(ma.argument_size_in_bytes),
+                   output_bytes=int(ma.output_size_in_bytes),
+                   alias_bytes=int(ma.alias_size_in_bytes), temp_bytes=int(ma.temp_size_in_bytes),
+                   code_bytes=int(ma.generated_code_size_in_bytes))
+        collectives = count_collectives(compiled.as_text())
+    except Exception as e:  # XLA's "ran out of memory" is a result, not a crash
+        need = _exhausted_bytes(str(e))
+        if need is None:
+            raise
+        # the compiler refused: its temporaries figure, the arguments and outputs from the
+        # shardings (old state + batch in, new state out)
+        mem = dict(argument_bytes=state_b + batch_b, output_bytes=state_b, alias_bytes=0,
+                   temp_bytes=need, code_bytes=0)
+        collectives = {}
+        notes.append("XLA refused to compile the step (it ran out of HBM): temporaries are "
+                     "XLA's figure, arguments and outputs are from the shardings, collectives "
+                     "are unknown")
+    compile_s = time.perf_counter() - t0
+    kind = chip_kind(topology)
+    hosts = n_hosts
+    n_params = _num_params(params)
+    return Plan(
+        topology=topology, chip=kind, num_devices=mesh.size, num_hosts=hosts,
+        device_kind=getattr(devices[0], "device_kind", devices[0].platform),
+        mesh=dict(mesh.shape), batch=dims,
+        model={"family": mc.family, "params": n_params, "dtype": mc.dtype,
+               "layers": mc.num_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size,
+               "value_head": mc.value_head},
+        step={"estimator": scfg.estimator, "micro_batches": scfg.micro_batches,
+              "mini_batches": scfg.mini_batches, "ppo_epochs": scfg.ppo_epochs,
+              "remat": scfg.remat, "kl_reference": with_ref, "layout": cfg.trainer.layout},
+        params_bytes=_local_bytes(state.params, shardings.params),
+        params_total_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)),
+        opt_bytes=_local_bytes(state.opt_state, shardings.opt_state),
+        ref_bytes=_local_bytes(state.ref_params, shardings.ref_params) if with_ref else 0,
+        batch_bytes=batch_b, **mem, compile_s=compile_s, collectives=collectives,
+        notes=notes,
+        hbm_bytes=None if kind == "cpu" else HBM_GIB[kind] * 2 ** 30)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2 ** 20:,.1f}"
+
+
+def format_plan(p: Plan, source: str = "") -> str:
+    """The fit table printed by ``jaxrl-agent plan``."""
+    m, b, s = p.mesh, p.batch, p.step
+    hosts = f", {p.num_hosts} hosts" if p.num_hosts > 1 else ""
+    lines = [
+        f"plan{' ' + source if source else ''} on {p.topology}: {p.num_devices} x "
+        f"{p.device_kind}{hosts}; mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']}",
+        f"model: {p.model['family']}, {_count(p.model['params'])} parameters "
+        f"({p.model['dtype']}), {p.model['layers']} layers, hidden {p.model['hidden']}, vocab "
+        f"{p.model['vocab']}" + (", value head" if p.model["value_head"] else ""),
+        f"step: {s['estimator']}, {s['layout']} rows, micro_batches={s['micro_batches']} "
+        f"mini_batches={s['mini_batches']} ppo_epochs={s['ppo_epochs']} remat="
+        f"{'on' if s['remat'] else 'off'}" + (", KL reference" if s["kl_reference"] else ""),
+        f"batch: {b['num_traj']} trajectories x {b['num_turns']} turns, {b['num_rows']} rows x "
+        f"{b['row_len']} tokens (the largest the config packs: rows of "
+        "rollout.max_context_tokens)",
+        "",
+        f"{'per device':<34}{'MiB':>12}",
+        f"{'  parameters':<34}{_mib(p.params_bytes):>12}   (of {_mib(p.params_total_bytes)} "
+        "in all)",
+        f"{'  optimizer state':<34}{_mib(p.opt_bytes):>12}",
+    ]
+    if p.ref_bytes:
+        lines.append(f"{'  KL reference parameters':<34}{_mib(p.ref_bytes):>12}")
+    lines += [
+        f"{'  batch':<34}{_mib(p.batch_bytes):>12}",
+        f"{'  arguments (compiled)':<34}{_mib(p.argument_bytes):>12}",
+        f"{'  outputs (new state, metrics)':<34}{_mib(p.output_bytes):>12}",
+        f"{'  temporaries (activations, grads)':<34}{_mib(p.temp_bytes):>12}",
+        f"{'  code':<34}{_mib(p.code_bytes):>12}",
+    ]
+    if p.alias_bytes:
+        lines.append(f"{'  aliased (counted once)':<34}{'-' + _mib(p.alias_bytes):>12}")
+    hbm = f"   HBM {p.hbm_bytes / 2 ** 30:.0f} GiB per {p.chip} chip" if p.hbm_bytes else ""
+    lines += [f"{'  total':<34}{_mib(p.total_bytes):>12}{hbm}",
+              f"compile time: {p.compile_s:.1f} s", ""]
+    if p.collectives:
+        lines += ["collectives in the compiled step (static count; bytes: per-device results)",
+                  f"{'  op':<22}{'count':>7}{'MiB':>12}{'largest MiB':>14}"]
+    for op, v in p.collectives.items():
+        lines.append(f"{'  ' + op:<22}{v['count']:>7}{_mib(v['bytes']):>12}"
+                     f"{_mib(v['max_bytes']):>14}")
+    if p.collectives:
+        lines.append("")
+    notes = list(p.notes)
+    if p.num_devices > 1 and p.mesh["fsdp"] * p.mesh["tensor"] == 1:
+        notes.append("pure data parallelism: every device holds the whole model and optimizer "
+                     "state (mesh.fsdp / mesh.tensor would shard them)")
+    lines += [f"note: {n}" for n in notes]
+    lines += [f"verdict: {v}" for v in p.verdicts()]
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""``jaxrl-agent plan`` (issue 23): the real train step compiled ahead of time for a topology,
+from shapes only. On host devices (``cpu:8``: the conftest's 8 CPU devices) always; for a TPU
+v5e 2x2 slice when libtpu (the ``tpu-aot`` extra) is installed, skipped otherwise. Shapes are
+tiny so each compile takes seconds; user mistakes exit 2 with one line and no traceback.
+"""
+
+import os
+
+import pytest
+
+from jaxrl_agent import cli
+from jaxrl_agent import config as config_lib
+from jaxrl_agent.train import plan as plan_lib
+
+# tiny rollouts: 8 tasks x 2 = 16 trajectories of up to 2 turns, rows of 32 tokens
+SMALL = ["rollout.tasks_per_step=8", "rollout.group_size=2", "rollout.max_turns=2",
+         "rollout.max_new_tokens=8", "rollout.max_context_tokens=32",
+         "trainer.micro_batches=2"]
+FSDP_TP = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
+
+needs_libtpu = pytest.mark.skipif(
+    not plan_lib.libtpu_available(),
+    reason='libtpu is not installed (pip install -e ".[tpu-aot]"): TPU compile not checked')
+
+
+def _cfg(*sets):
+    return config_lib.load(None, list(SMALL) + list(sets), validate=False)
+
+
+@pytest.fixture
+def keep_env():
+    """plan sets TPU_* variables for libtpu; the rest of the session must not see them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+HLO = """
+  %all-gather.11 = bf16[512,1024]{1,0:T(8,128)(2,1)S(1)} all-gather(%convert.4), channel_id=1
+  %ags = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(%p), dimensions={0}
+  %agd = f32[16,8]{1,0} all-gather-done(%ags)
+  ROOT %all-reduce = f32[]{:T(128)} all-reduce(%fusion), channel_id=4, to_apply=%region
+  %rs = f32[2,3]{1,0} reduce-scatter(%x), dimensions={0}
+  %cp = (s32[5]{0}, u32[]) collective-permute-start(%y)
+  %fusion.3 = f32[8]{0} fusion(%all-gather.11), kind=kLoop
+  %fusion.430 = (f32[128,32]{0,1:T(8,128)S(1)}, f32[64,32]{0,1}) fusion(%a, %b), kind=kCustom, \
+calls=%all-reduce-scatter.15, backend_config={}
+}
+
+%all-reduce-scatter.15 (input_0: f32[128,64], input_1: f32[64,64]) -> (f32[128,32], f32[64,32]) {
+  %ar = (f32[128,64]{1,0}, f32[64,64]{1,0}) all-reduce(%input_0, %input_1), to_apply=%add
+}
+"""
+
+
+def test_count_collectives_reads_ops_and_result_bytes():
+    c = plan_lib.count_collectives(HLO)
+    assert c["all-gather"] == {"count": 2, "bytes": 512 * 1024 * 2 + 16 * 8 * 4,
+                               "max_bytes": 512 * 1024 * 2}
+    assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["bytes"] == 4
+    # one plain reduce-scatter and one TPU fused all-reduce-scatter (its inner all-reduce is
+    # not counted again)
+    assert c["reduce-scatter"] == {"count": 2, "bytes": 24 + (128 + 64) * 32 * 4,
+                                   "max_bytes": (128 + 64) * 32 * 4}
+    assert c["collective-permute"]["count"] == 1 and c["collective-permute"]["bytes"] == 20
+    assert c["all-to-all"]["count"] == 0
+
+
+def test_cpu8_plan_of_the_real_step_fsdp_x_tp():
+    p = plan_lib.plan_run(_cfg(*FSDP_TP, "mesh.data=2"), "cpu:8")
+    assert p.mesh == {"data": 2, "fsdp": 2, "tensor": 2} and p.num_devices == 8
+    # the built-in model's matrices are split 4 ways; norms are replicated
+    assert p.params_total_bytes / 4 <= p.params_bytes < p.params_total_bytes / 2
+    # Adam's two moments, laid out like the params (plus a few step counters)
+    assert 2 * p.params_bytes <= p.opt_bytes <= 2 * p.params_bytes + 64
+    assert p.argument_bytes >= p.params_bytes + p.opt_bytes  # (jit drops unused batch fields)
+    assert p.temp_bytes > 0 and p.fits is None and p.hbm_bytes is None
+    assert p.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
+    assert p.collectives["all-reduce"]["count"] > 0  # the loss / estimator statistics
+    assert not p.gathers_whole_model
+    text = plan_lib.format_plan(p, "test")
+    assert "mesh data=2 fsdp=2 tensor=2" in text and "all-gather" in text
+    assert "verdict: compiled for 8 host devices" in text
+
+
+def test_cli_plan_prints_the_table(capsys, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("rollout: {tasks_per_step: 8, group_size: 2, max_turns: 2, "
+                   "max_new_tokens: 8, max_context_tokens: 32}\n"
+                   "trainer: {micro_batches: 1}\nmesh: {data: -1, fsdp: 1}\n")
+    rc = cli.main(["plan", str(cfg), "--topology", "cpu:8"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "on cpu:8: 8 x cpu; mesh data=8 fsdp=1 tensor=1" in out
+    assert "pure data parallelism" in out and "temporaries" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--topology", "v9x:2x2"], "unknown topology 'v9x:2x2'"),
+    (["--topology", "cpu:eight"], "expected cpu:N"),
+    (["--topology", "cpu:8", "--set", "mesh.data=-1", "--set", "mesh.fsdp=3"],
+     "do not divide the 8 devices"),
+    (["--topology", "cpu:8", "--set", "mesh.data=1", "--set", "mesh.tensor=8"],
+     "mesh.tensor (8) must divide model.num_kv_heads"),
+    (["--topology", "cpu:8", "--hf-config", "qwen2.5-0.5b", "--set", "mesh.data=1", "--set",
+      "mesh.tensor=4"], "mesh.tensor=4 must divide the model's attention heads (14)"),
+    (["--topology", "cpu:8", "--hf-config", "no/such/folder"], "no model config"),
+])
+def test_user_mistakes_exit_2_with_one_line(capsys, args, words):
+    rc = cli.main(["plan", *args, "--set", "rollout.max_context_tokens=32"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_libtpu_says_how_to_install(capsys, monkeypatch):
+    monkeypatch.setattr(plan_lib, "libtpu_available", lambda: False)
+    rc = cli.main(["plan", "--topology", "v5e:2x2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and 'pip install -e ".[tpu-aot]"' in err and "Traceback" not in err
+
+
+def test_verdicts_name_the_key_to_change():
+    gib = 2 ** 30
+    base = dict(topology="v5e:2x2", chip="v5e", num_devices=4, num_hosts=1,
+                device_kind="TPU v5 lite", mesh={"data": 1, "fsdp": 2, "tensor": 2},
+                model={}, batch={}, step={"remat": False}, params_bytes=gib,
+                params_total_bytes=4 * gib, opt_bytes=2 * gib, ref_bytes=0, batch_bytes=0,
+                argument_bytes=3 * gib, output_bytes=3 * gib, alias_bytes=0,
+                temp_bytes=20 * gib, code_bytes=0, compile_s=1.0, collectives={}, notes=[],
+                hbm_bytes=16 * gib)
+    v = plan_lib.Plan(**base).verdicts()
+    assert v[0].startswith("DOES NOT FIT") and "trainer.remat" in v[0]
+    big = plan_lib.Plan(**{**base, "params_bytes": 4 * gib, "opt_bytes": 8 * gib}).verdicts()
+    assert any("whole model" in x and "mesh.fsdp" in x for x in big)
+    assert any("DOES NOT FIT" in x and "raise mesh.fsdp" in x for x in big)
+    ok = plan_lib.Plan(**{**base, "temp_bytes": gib}).verdicts()
+    assert ok == ["fits: 7.00 GiB of 16 GiB HBM per v5e chip (44%)"]
+
+
+@needs_libtpu
+def test_tpu_v5e_2x2_default_step_and_qwen_policy_value(keep_env):
+    """The default train step and a small Qwen3-shaped policy + value head step (gae reads the
+    value head) compile for a v5e 2x2 slice in the FSDP x TP layout; the compiled arguments
+    hold at least the sharded parameters and Adam state, and the total stays within a bound
+    from the parameter count plus the activations of these small shapes."""
+    p = plan_lib.plan_run(_cfg(*FSDP_TP), "v5e:2x2")
+    assert p.device_kind == "TPU v5 lite" and p.num_devices == 4 and p.fits
+    assert p.collectives["all-gather"]["count"] > 0  # FSDP gathers weights ...
+    assert p.collectives["reduce-scatter"]["count"] > 0  # ... and scatters their gradients
+    q = plan_lib.plan_run(_cfg(*FSDP_TP, "estimator.name=gae", "model.value_head=true",
+                               "model.dtype=bfloat16", "model.vocab_size=4096",
+                               "model.hidden_size=256", "model.intermediate_size=512",
+                               "model.num_layers=2", "model.num_heads=4",
+                               "model.num_kv_heads=2", "model.head_dim=64"), "v5e:2x2")
+    assert q.model["value_head"] and q.model["dtype"] == "bfloat16"
+    state = q.params_bytes + q.opt_bytes
+    assert q.argument_bytes >= state
+    # params are split over fsdp x tensor = 4: a device holds at most ~1/4 + replicated norms
+    assert q.params_bytes <= q.params_total_bytes / 4 * 1.1
+    assert q.total_bytes < 8 * q.params_total_bytes + 64 * 2 ** 20
+    assert q.fits and not q.gathers_whole_model
+
+
+@needs_libtpu
+def test_topology_libtpu_does_not_know_exits_2(capsys, keep_env):
+    rc = cli.main(["plan", "--topology", "v5e:3x7"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "libtpu does not know the topology 'v5e:3x7'" in err
+    assert "Traceback" not in err
+
+
+@needs_libtpu
+def test_cli_plan_on_tpu_prints_hbm_verdict(capsys, keep_env):
+    sets = [arg for s in SMALL + FSDP_TP for arg in ("--set", s)]
+    rc = cli.main(["plan", "--topology", "v5e:2x2", *sets])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "4 x TPU v5 lite" in out and "HBM 16 GiB per v5e chip" in out
+    assert "verdict: fits" in out
+
+
+def test_model_shapes_without_weights(tmp_path):
+    """The shipped TPU config names a checkpoint that is not here: its published shapes are
+    used (and said); a config.json alone is enough; an unknown missing folder is a PlanError."""
+    cfg = config_lib.load("configs/tpu_example.yaml", [], validate=False)
+    notes = []
+    mc = plan_lib.model_config(cfg, None, notes)
+    assert (mc.hidden_size, mc.num_layers, mc.vocab_size) == (1536, 28, 151936)
+    assert mc.dtype == "bfloat16" and "qwen2.5-1.5b" in notes[0]
+    folder = tmp_path / "MyModel"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128, '
+        '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+        '"head_dim": 16, "vocab_size": 300}')
+    assert plan_lib.model_config(cfg, str(folder)).family == "qwen3"
+    missing = config_lib.load("configs/tpu_example.yaml", ["model.hf_path=/nowhere/MyModel"],
+                              validate=False)
+    with pytest.raises(plan_lib.PlanError, match="needs only config.json"):
+        plan_lib.model_config(missing)
+
+
+@needs_libtpu
+def test_multihost_slice_must_use_every_chip(capsys, keep_env):
+    rc = cli.main(["plan", "--topology", "v5e:2x4", "--set", "mesh.data=1", "--set",
+                   "mesh.fsdp=2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "8 chips on 2 hosts; a multi-host run must use them all" in err
