@@ -125,6 +125,20 @@ def refuse_stale(records: list[dict], version: int, max_lag: int) -> tuple[list[
     return kept, len(records) - len(kept)
 
 
+def builtin_model_config(cfg: config_lib.RunConfig) -> ModelConfig:
+    """The built-in model's shapes (``model.hf_path: null``): a Qwen3-style decoder of the
+    ``model`` section's dims over the byte codec's ids."""
+    m, codec = cfg.model, ByteCodec()
+    return ModelConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                       intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                       max_position_embeddings=m.max_position_embeddings, dtype=m.dtype,
+                       family="qwen3", qk_norm=True, value_head=m.value_head,
+                       value_stop_gradient=m.value_stop_gradient,
+                       bos_token_id=codec.bos_token_id, eos_token_id=codec.eos_token_id,
+                       pad_token_id=codec.pad_token_id)
+
+
 def build_model(cfg: config_lib.RunConfig, seed: int):
     """``(model, codec, where)`` for the config: a local HF folder, or the tiny built-in model
     with the byte codec (saved as an HF folder, with the codec as its tokenizer, at
@@ -139,14 +153,7 @@ def build_model(cfg: config_lib.RunConfig, seed: int):
         return model, load_tokenizer(m.hf_path), m.hf_path
     from jaxrl_agent.models.hf import load_hf, save_hf
     codec = ByteCodec()
-    mc = ModelConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-                     intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                     max_position_embeddings=m.max_position_embeddings, dtype=m.dtype,
-                     family="qwen3", qk_norm=True, value_head=m.value_head,
-                     value_stop_gradient=m.value_stop_gradient,
-                     bos_token_id=codec.bos_token_id, eos_token_id=codec.eos_token_id,
-                     pad_token_id=codec.pad_token_id)
+    mc = builtin_model_config(cfg)
     folder = pathlib.Path(config_lib.run_paths(cfg).base_model)
     if (folder / "config.json").exists():
         model, loaded = load_hf(str(folder), dtype=m.dtype, seed=seed, value_head=m.value_head,

@@ -55,8 +55,7 @@ from jaxrl_agent import estimators, sharding
 from jaxrl_agent.batch import TrajectoryBatch
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
-from jaxrl_agent.rollout.collect import ByteCodec
-from jaxrl_agent.train.loop import run_optimizer, step_config
+from jaxrl_agent.train.loop import builtin_model_config, run_optimizer, step_config
 from jaxrl_agent.train.step import init_state_from_params, make_train_step
 
 __all__ = ["PlanError", "Plan", "HBM_GIB", "HF_SHAPES", "topology_devices", "plan_run",
@@ -290,15 +289,7 @@ def model_config(cfg: config_lib.RunConfig, hf_config: str | None = None,
             raise
         except ValueError as e:
             raise PlanError(f"model config: {e}") from None
-    codec = ByteCodec()
-    return ModelConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-                       intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                       max_position_embeddings=m.max_position_embeddings, dtype=m.dtype,
-                       family="qwen3", qk_norm=True, value_head=m.value_head,
-                       value_stop_gradient=m.value_stop_gradient,
-                       bos_token_id=codec.bos_token_id, eos_token_id=codec.eos_token_id,
-                       pad_token_id=codec.pad_token_id)
+    return builtin_model_config(cfg)
 
 
 def batch_dims(cfg: config_lib.RunConfig, blocks: int) -> dict:
