@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxrl_agent.batch import TrajectoryBatch, validate_batch
+from jaxrl_agent.batch import TrajectoryBatch, round_up_to_step, validate_batch
 from jaxrl_agent.rollout.records import (RecordError, pack, pack_records, parse_records,
                                          plan_packing, stable_key)
 from tests.strategies import random_records
@@ -305,6 +305,18 @@ def test_bucketed_shapes_are_powers_of_two(seed, layout):
     for v in (N, K, R, T):
         assert v & (v - 1) == 0
     assert N >= 8 and T >= 16
+
+
+@pytest.mark.parametrize("full,steps,multiple", [(768, 8, 1), (768, 8, 8), (100, 8, 4),
+                                                 (12, 8, 12), (7, 3, 1)])
+def test_round_up_to_step(full, steps, multiple):
+    sizes = {round_up_to_step(n, full, steps, multiple) for n in range(full + 1)}
+    for n in range(full + 1):
+        r = round_up_to_step(n, full, steps, multiple)
+        assert n <= r <= full and r % multiple == 0
+    assert len(sizes) <= steps and full in sizes
+    with pytest.raises(ValueError, match="n <= full"):
+        round_up_to_step(full + 1, full, steps, multiple)
 
 
 @pytest.mark.parametrize("layout,pad,shape", [

@@ -10,7 +10,7 @@ from JSONL, one per trajectory (the format: ``pack_records``). Packing runs in t
   (``RecordError``), returning ``Record`` / ``Turn`` dataclasses;
 * ``plan_packing`` decides the shapes (N trajectories, K turns, R rows of T tokens, each a
   power of two unless fixed) and which trajectories go to which shard (whole groups per shard);
-  ``PackPlan.padded`` fixes sizes (the trainer fixes them for one compile per run);
+  ``PackPlan.padded`` fixes sizes (the trainer fixes them for a few compiles per run);
 * ``pack`` allocates the arrays and fills them, then validates the batch.
 
 ``pack_records`` does the three in one call.

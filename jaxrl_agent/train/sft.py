@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxrl_agent.batch import round_up_to_step
 from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs.base import Task, run_episode, solver_policy
 from jaxrl_agent.models.transformer import token_logprobs
@@ -130,7 +131,12 @@ def run_sft(model: nnx.Module, records: list[dict], *, steps: int, batch_size: i
     out = []
     for i in range(1, steps + 1):
         chosen = rng.sample(records, min(batch_size, len(records)))
-        batch, _ = pack_records(chosen, layout=layout, pad_to=pad_to)
+        fixed = pad_to
+        if layout == "per_step" and "num_rows" in pad_to:  # rows for the turns taken
+            need = sum(len(r["turns"]) for r in chosen)
+            fixed = dict(pad_to, num_rows=round_up_to_step(min(need, pad_to["num_rows"]),
+                                                           pad_to["num_rows"]))
+        batch, _ = pack_records(chosen, layout=layout, pad_to=fixed)
         params, opt_state, loss = update(params, opt_state, batch)
         loss = float(loss)
         if not np.isfinite(loss):
