@@ -307,6 +307,10 @@ def test_credit_picture_png(tmp_path):
     _assert_png(path, 20000)
     _assert_png(credit_picture([trajectory] * 9, tmp_path / "many.png"))  # shows 6
     _assert_png(credit_picture([], tmp_path / "none.png"))
+    # an untrained policy's bytes are labels, not matplotlib mathtext ("$$" once crashed it)
+    garbage = {"title": "a $x$ task", "turns": [{"action": "?$$????<", "reward": 0.0,
+                                                 "credit": 0.1}]}
+    _assert_png(credit_picture([garbage], tmp_path / "dollars.png"))
 
 
 def test_success_standard_error():

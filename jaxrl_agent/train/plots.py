@@ -68,8 +68,11 @@ def _save(fig: Figure, path) -> pathlib.Path:
 
 
 def _short(text, n=_LABEL_CHARS) -> str:
+    """One line of at most ``n`` characters, with ``$`` escaped: a policy's text (an untrained
+    model's bytes) is shown as written, never parsed as matplotlib mathtext."""
     text = " ".join(str(text).split())  # one line
-    return text if len(text) <= n else text[: n - 1] + "\u2026"
+    text = text if len(text) <= n else text[: n - 1] + "\u2026"
+    return text.replace("$", r"\$")
 
 
 # ----------------------------------------------------------------------------- learning curve
