@@ -13,10 +13,12 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
                 shaping [], then []          (stages {name, params} or a bare name: reward
                                               shaping before the estimator, credit
                                               transforms such as re-allocation after it)
-    loss:       policy, params {}, agg, kl_coef, kl_estimator, entropy_coef, value_coef
+    loss:       policy, params {}, agg, kl_coef, kl_estimator, entropy_coef, value_coef,
+                is_weights, is_level, is_cap, is_lower, decoupled   (off-policy correction)
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
-    trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, seed, warmup_sft_steps, eval_every,
-                eval_tasks, layout, prefix_sharing, prefix_tree_len
+    trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, async_rollouts,
+                rollout_workers, seed, warmup_sft_steps, eval_every, eval_tasks, layout,
+                prefix_sharing, prefix_tree_len
     run:        dir                          (null = runs/<name>: everything of the run lives there)
     checkpoint: every, keep, export, export_warmup
     metrics:    tensorboard, plots
@@ -168,6 +170,12 @@ class LossSection:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     value_coef: float = 0.5
+    # Off-policy correction (train/step.py): weights pi_proximal / pi_behaviour on the policy loss
+    is_weights: str = "none"           # none | truncate (TIS) | mask (MIS)
+    is_level: str = "token"            # token | sequence (geometric mean over a row)
+    is_cap: float = 2.0                # truncate at / mask above this weight
+    is_lower: float = 0.0              # mask: weights below this are masked too
+    decoupled: bool = False            # PPO ratio against the proximal policy (needs is_weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +196,9 @@ class TrainerSection:
     ppo_epochs: int = 1                # passes over each step's rollouts
     mini_batches: int = 1              # optimizer updates per pass (1/mini_batches of the rows)
     micro_batches: int = 1             # gradient accumulation within one update
-    max_policy_lag: int = 0
+    max_policy_lag: int = 0            # tokens at most this many versions old are trained on
+    async_rollouts: bool = False       # rollout threads run ahead of the trainer (max_policy_lag >= 1)
+    rollout_workers: int = 2           # threads collecting steps ahead (async_rollouts)
     seed: int = 0
     warmup_sft_steps: int = 800
     sft_batch_size: int = 64
@@ -293,6 +303,8 @@ class RunConfig:
 DECAYS = ("cosine", "constant")
 LAYOUTS = ("concatenated", "per_step")
 ON_INVALID = ("penalise", "fail")
+IS_WEIGHTS = ("none", "truncate", "mask")
+IS_LEVELS = ("token", "sequence")
 SAMPLERS = ("jax", "vllm")
 TRANSFERS = ("auto", "host", "dlpack")
 HISTORY_MODES = ("full", "last")
@@ -461,6 +473,7 @@ def run_paths(cfg: RunConfig) -> RunPaths:
 #: keys that may differ between a run and its resume: how long it runs, how it is evaluated,
 #: logged and checkpointed, and how the work is laid out (none changes what is learned)
 RESUMABLE_KEYS = ("trainer.steps", "trainer.eval_every", "trainer.eval_tasks",
+                  "trainer.async_rollouts", "trainer.rollout_workers", "rollout.env_threads",
                   "trainer.eval_temperature", "trainer.micro_batches", "trainer.remat",
                   "trainer.prefix_sharing", "trainer.prefix_tree_len", "checkpoint.",
                   "metrics.", "sampler.", "mesh.", "distributed.", "name", "run.", "imports")
@@ -982,6 +995,29 @@ def _check_loss(cfg: RunConfig) -> None:
     _choice(lo.agg, losses.AGG_MODES, "loss.agg")
     _choice(lo.kl_estimator, [k for k in KL_ESTIMATORS if k in losses.names()], "loss.kl_estimator")
     _positive(lo, "loss", "kl_coef", "entropy_coef", "value_coef", allow_zero=True)
+    _choice(lo.is_weights, IS_WEIGHTS, "loss.is_weights")
+    _choice(lo.is_level, IS_LEVELS, "loss.is_level")
+    _positive(lo, "loss", "is_cap")
+    _positive(lo, "loss", "is_lower", allow_zero=True)
+    if lo.is_lower > lo.is_cap:
+        raise ConfigError(f"loss.is_lower ({lo.is_lower}) must be <= loss.is_cap ({lo.is_cap})")
+    if lo.decoupled and lo.is_weights == "none":
+        raise ConfigError("loss.decoupled: true takes the PPO ratio against the proximal policy "
+                          "and corrects for the sampler with importance weights, which must be "
+                          "bounded: set loss.is_weights: truncate (or mask)")
+    if lo.is_weights == "truncate" and not lo.decoupled:
+        raise ConfigError("loss.is_weights: truncate multiplies the loss by pi_proximal / "
+                          "pi_behaviour, but without loss.decoupled the PPO ratio already "
+                          "corrects for the sampler (the weight would count twice): set "
+                          "loss.decoupled: true, or use is_weights: mask to drop tokens whose "
+                          "weight is out of range")
+    sig = inspect.signature(losses.get(lo.policy)).parameters
+    needs = (["old_logprobs"] if lo.decoupled else []) + \
+        (["is_weights"] if lo.is_weights != "none" else [])
+    missing = [n for n in needs if n not in sig]
+    if missing:
+        raise ConfigError(f"loss.policy {lo.policy!r} takes no {' / '.join(missing)}, which "
+                          f"loss.decoupled / loss.is_weights need; use ppo")
 
 
 def _check_optimizer(cfg: RunConfig) -> None:
@@ -1003,6 +1039,11 @@ def _check_trainer(cfg: RunConfig) -> None:
     _positive(t, "trainer", "steps", "ppo_epochs", "mini_batches", "micro_batches", "eval_tasks")
     _positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
               allow_zero=True)
+    _positive(t, "trainer", "rollout_workers")
+    if t.async_rollouts and t.max_policy_lag < 1:
+        raise ConfigError("trainer.async_rollouts: true samples the next steps while the trainer "
+                          "trains, so their tokens are up to trainer.max_policy_lag versions old: "
+                          "set trainer.max_policy_lag to 1 or more (it is 0)")
     _choice(t.layout, LAYOUTS, "trainer.layout")
     _positive(t, "trainer", "eval_temperature", allow_zero=True)
     _positive(t, "trainer", "sft_batch_size", "sft_lr", "sft_tasks", "task_capacity")

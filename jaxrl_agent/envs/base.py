@@ -100,18 +100,25 @@ class Env(abc.ABC):
     ``info["invalid_action"] = True`` and gives ``invalid_penalty`` (default -0.1) as the step
     reward, or ends the episode (reward ``invalid_penalty``, ``success=False``) when
     ``invalid_ends=True``.
+
+    ``step_latency_s > 0`` makes every ``step`` wait that long first (a stand-in for a tool
+    call or a remote environment: the rollout benchmarks use it to measure how well the loop
+    hides environment latency; ``rollout.env_threads`` steps a turn's envs concurrently).
     """
 
     family: str = "env"
     default_max_turns: int = 16
 
     def __init__(self, max_turns: int | None = None, invalid_penalty: float = -0.1,
-                 invalid_ends: bool = False):
+                 invalid_ends: bool = False, step_latency_s: float = 0.0):
         self.max_turns = int(max_turns if max_turns is not None else self.default_max_turns)
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.invalid_penalty = float(invalid_penalty)
         self.invalid_ends = bool(invalid_ends)
+        self.step_latency_s = float(step_latency_s)
+        if not self.step_latency_s >= 0.0:
+            raise ValueError(f"step_latency_s must be >= 0, got {step_latency_s}")
         self.task: Task | None = None
         self.turn = 0
         self.done = True
@@ -141,7 +148,7 @@ class Env(abc.ABC):
 
     def _config(self) -> dict:
         return dict(max_turns=self.max_turns, invalid_penalty=self.invalid_penalty,
-                    invalid_ends=self.invalid_ends)
+                    invalid_ends=self.invalid_ends, step_latency_s=self.step_latency_s)
 
     def random_action(self, rng) -> str:
         """A valid action drawn uniformly from the env's action set (``rng``: ``random.Random``).
@@ -194,6 +201,8 @@ class Env(abc.ABC):
             raise RuntimeError("call reset(task) before step")
         if self.done:
             raise RuntimeError("the episode is done; call reset(task)")
+        if self.step_latency_s:
+            time.sleep(self.step_latency_s)
         self.turn += 1
         text = normalize_action(action)
         parsed = None if text is None else self._parse(text)

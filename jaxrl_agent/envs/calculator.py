@@ -116,8 +116,8 @@ class Calculator(Env):
 
     def __init__(self, lo: int = 2, hi: int = 20, show_known: int = 4,
                  max_turns: int | None = None, invalid_penalty: float = -0.1,
-                 invalid_ends: bool = False):
-        super().__init__(max_turns, invalid_penalty, invalid_ends)
+                 invalid_ends: bool = False, step_latency_s: float = 0.0):
+        super().__init__(max_turns, invalid_penalty, invalid_ends, step_latency_s)
         if not 0 <= lo < hi:
             raise ValueError(f"need 0 <= lo < hi, got lo={lo}, hi={hi}")
         self.lo, self.hi, self.show_known = int(lo), int(hi), int(show_known)

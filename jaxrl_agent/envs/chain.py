@@ -35,7 +35,7 @@ class Chain(Env):
     def __init__(self, length: int = 4, num_words: int = 4, density: float = 0.5,
                  step_reward: float | None = None, outcome_reward: float = 1.0,
                  max_turns: int | None = None, invalid_penalty: float = -0.1,
-                 invalid_ends: bool = False):
+                 invalid_ends: bool = False, step_latency_s: float = 0.0):
         if length < 1:
             raise ValueError(f"length must be >= 1, got {length}")
         if not 2 <= num_words <= len(WORDS):
@@ -43,7 +43,7 @@ class Chain(Env):
         if not 0.0 <= density <= 1.0:
             raise ValueError(f"density (V_d) must be in [0, 1], got {density}")
         super().__init__(max_turns if max_turns is not None else length + 2,
-                         invalid_penalty, invalid_ends)
+                         invalid_penalty, invalid_ends, step_latency_s)
         self.length, self.num_words, self.density = int(length), int(num_words), float(density)
         self.step_reward = float(step_reward) if step_reward is not None else 1.0 / self.length
         self.outcome_reward = float(outcome_reward)

@@ -46,8 +46,8 @@ class GridWorld(Env):
 
     def __init__(self, size: int = 5, extra_walls: int = 2, max_turns: int | None = None,
                  invalid_penalty: float = -0.1, invalid_ends: bool = False,
-                 action_names: str = "words"):
-        super().__init__(max_turns, invalid_penalty, invalid_ends)
+                 action_names: str = "words", step_latency_s: float = 0.0):
+        super().__init__(max_turns, invalid_penalty, invalid_ends, step_latency_s)
         if size < 4:
             raise ValueError(f"size must be >= 4, got {size}")
         if action_names not in ACTION_NAMES:

@@ -658,11 +658,12 @@ class MCPEnv(ToolEnv):
                  hidden_tools: Sequence[str] = (), system_prompt: str | None = None,
                  max_calls_per_turn: int = 4, max_calls: int = 16, max_result_chars: int = 500,
                  max_turns: int | None = None, invalid_penalty: float = -0.1,
-                 invalid_ends: bool = False, base_dir: str | None = None):
+                 invalid_ends: bool = False, base_dir: str | None = None,
+                 step_latency_s: float = 0.0):
         super().__init__((), system_prompt=system_prompt, max_calls_per_turn=max_calls_per_turn,
                          max_calls=max_calls, max_result_chars=max_result_chars,
                          max_turns=max_turns, invalid_penalty=invalid_penalty,
-                         invalid_ends=invalid_ends)
+                         invalid_ends=invalid_ends, step_latency_s=step_latency_s)
         _require_sdk()
         self._command_arg = command
         if command is None:

@@ -477,8 +477,8 @@ class ToolEnv(Env):
     def __init__(self, tools: Sequence[Tool] = (), *, system_prompt: str | None = None,
                  max_calls_per_turn: int = 8, max_calls: int = 32, max_result_chars: int = 1000,
                  max_turns: int | None = None, invalid_penalty: float = -0.1,
-                 invalid_ends: bool = False):
-        super().__init__(max_turns, invalid_penalty, invalid_ends)
+                 invalid_ends: bool = False, step_latency_s: float = 0.0):
+        super().__init__(max_turns, invalid_penalty, invalid_ends, step_latency_s)
         for key, v in (("max_calls_per_turn", max_calls_per_turn), ("max_calls", max_calls),
                        ("max_result_chars", max_result_chars)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

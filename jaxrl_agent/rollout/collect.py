@@ -44,6 +44,7 @@ templates that rewrite earlier turns.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import hashlib
@@ -214,6 +215,9 @@ class RolloutConfig:
       system_prompt: the system message put first in every chat conversation; None = the
         env's ``system_prompt`` attribute when it has one, else no system message. Only used
         with ``chat``.
+      env_threads: envs stepped at once within a turn (a thread pool); 1 steps them one after
+        another. For environments that wait rather than compute (tool calls, HTTP envs, the
+        built-in envs' ``step_latency_s``), N threads hide up to N waits behind one.
     """
 
     group_size: int = 8
@@ -232,9 +236,11 @@ class RolloutConfig:
     branch_factor: int = 1
     chat: bool = False
     system_prompt: str | None = None
+    env_threads: int = 1
 
     def __post_init__(self):
-        for name in ("group_size", "max_turns", "max_new_tokens", "max_context_tokens"):
+        for name in ("group_size", "max_turns", "max_new_tokens", "max_context_tokens",
+                     "env_threads"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {v!r}")
@@ -367,28 +373,40 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
     stop_set = set(stop_ids)
     live = _start(_base_env(env_factory_or_env), list(tasks), codec, config, chats)
     calls = tokens_generated = forks = 0
-    for turn in range(config.max_turns):
-        running = [tr for tr in live if not tr.done]
-        _stop_at_context_limit(running, config)
-        if turn in config.branch_turns and config.branch_factor > 1:
-            new = _branch([tr for tr in running if not tr.done], config.branch_factor, len(live))
-            forks += len(new)
-            live = sorted(live + new, key=lambda tr: tr.order)
-        ready = [tr for tr in live if not tr.done]
-        if not ready:
-            break
-        prompts = [tr.history + tr.pending_obs for tr in ready]
-        params = [SamplingParams(temperature=config.temperature, top_k=config.top_k,
-                                 top_p=config.top_p, max_new_tokens=config.max_new_tokens,
-                                 stop_token_ids=stop_ids,
-                                 seed=None if seed is None else _request_seed(seed, tr.index, turn))
-                  for tr in ready]
-        outputs = sampler.generate(prompts, params)
-        calls += 1
-        if len(outputs) != len(ready):
-            raise RuntimeError(f"sampler returned {len(outputs)} outputs for {len(ready)} prompts")
-        for tr, prompt, out in zip(ready, prompts, outputs):
-            tokens_generated += _act(tr, prompt, out, codec, config, stop_set)
+    pool = (concurrent.futures.ThreadPoolExecutor(config.env_threads, "env")
+            if config.env_threads > 1 else None)
+    try:
+        for turn in range(config.max_turns):
+            running = [tr for tr in live if not tr.done]
+            _stop_at_context_limit(running, config)
+            if turn in config.branch_turns and config.branch_factor > 1:
+                new = _branch([tr for tr in running if not tr.done], config.branch_factor,
+                              len(live))
+                forks += len(new)
+                live = sorted(live + new, key=lambda tr: tr.order)
+            ready = [tr for tr in live if not tr.done]
+            if not ready:
+                break
+            prompts = [tr.history + tr.pending_obs for tr in ready]
+            params = [SamplingParams(temperature=config.temperature, top_k=config.top_k,
+                                     top_p=config.top_p, max_new_tokens=config.max_new_tokens,
+                                     stop_token_ids=stop_ids,
+                                     seed=None if seed is None
+                                     else _request_seed(seed, tr.index, turn))
+                      for tr in ready]
+            outputs = sampler.generate(prompts, params)
+            calls += 1
+            if len(outputs) != len(ready):
+                raise RuntimeError(f"sampler returned {len(outputs)} outputs for {len(ready)} "
+                                   f"prompts")
+            texts = [_action_text(tr, out, codec, stop_set) for tr, out in zip(ready, outputs)]
+            steps = list((pool.map if pool else map)(
+                lambda tr_text: tr_text[0].env.step(tr_text[1]), zip(ready, texts)))
+            for tr, prompt, out, text, res in zip(ready, prompts, outputs, texts, steps):
+                tokens_generated += _act(tr, prompt, out, text, res, codec, config)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     for tr in live:  # still running after config.max_turns
         if not tr.done:
             tr.done = tr.truncated = True
@@ -491,20 +509,26 @@ def _stop_at_context_limit(running: list, config: RolloutConfig) -> None:
             tr.dropped = not tr.turns
 
 
-def _act(tr: _Live, prompt: list, out, codec: TextCodec, config: RolloutConfig,
-         stop_set: set) -> int:
-    """Records one sampled action of ``tr``, steps its env with the decoded text and observes
-    the result (or ends the trajectory). Returns the number of tokens sampled."""
+def _action_text(tr: _Live, out, codec: TextCodec, stop_set: set) -> str:
+    """The text the env gets for a sampled action: its ids decoded, one trailing stop token
+    removed. Raises RuntimeError for a malformed sampler output."""
+    n_tok, n_lp = len(out.token_ids), len(out.logprobs)
+    if not n_tok or n_lp != n_tok:
+        raise RuntimeError(f"sampler output for trajectory {tr.index}: {n_tok} tokens "
+                           f"and {n_lp} logprobs (need equal and >= 1)")
+    act = [int(t) for t in out.token_ids]
+    return codec.decode(act[:-1] if act[-1] in stop_set else act)
+
+
+def _act(tr: _Live, prompt: list, out, text: str, res, codec: TextCodec,
+         config: RolloutConfig) -> int:
+    """Records one sampled action of ``tr`` (``text``: ``_action_text``; ``res``: its env's
+    ``step(text)``) and observes the result (or ends the trajectory). Returns the number of
+    tokens sampled."""
     act = [int(t) for t in out.token_ids]
     lps = [float(x) for x in out.logprobs]
-    if not act or len(lps) != len(act):
-        raise RuntimeError(f"sampler output for trajectory {tr.index}: {len(act)} tokens "
-                           f"and {len(lps)} logprobs (need equal and >= 1)")
-    text_ids = act[:-1] if act[-1] in stop_set else act
-    text = codec.decode(text_ids)
     if tr.chat is not None:
         tr.messages.append({"role": "assistant", "content": text})
-    res = tr.env.step(text)
     info = res.info or {}
     invalid = bool(info.get("invalid_action", False))
     tr.invalid += invalid

@@ -44,12 +44,13 @@ from jaxrl_agent import config as config_lib
 from jaxrl_agent import envs, estimators, segments
 from jaxrl_agent import sharding
 from jaxrl_agent.sharding import multihost
-from jaxrl_agent.batch import bucket
+from jaxrl_agent.batch import bucket, round_up_to_step
 from jaxrl_agent.rollout.records import pack, parse_records, plan_packing
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig, collect_groups
 from jaxrl_agent.rollout.tree import attach_prefix_trees, attention_cost
+from jaxrl_agent.rollout.workers import RolloutWorkers
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
 from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
@@ -114,6 +115,11 @@ def step_seed(seed: int, step: int, what: str) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
+#: per_step batches have a multiple of N * K / ROW_STEPS rows: at most this many train-step
+#: compiles a run, each trained on at most 1 / ROW_STEPS of padding rows beyond its turns
+ROW_STEPS = 8
+
+
 def refuse_stale(records: list[dict], version: int, max_lag: int) -> tuple[list[dict], int]:
     """Drops every group that holds a turn sampled by a policy older than ``version - max_lag``
     (a turn's ``policy_version`` is that of all its tokens). Whole groups go, so group baselines
@@ -123,6 +129,24 @@ def refuse_stale(records: list[dict], version: int, max_lag: int) -> tuple[list[
                     if any(int(t.get("policy_version", version)) < oldest_ok for t in r["turns"])}
     kept = [r for r in records if r["group"] not in stale_groups]
     return kept, len(records) - len(kept)
+
+
+def staleness_metrics(records: list[dict], version: int) -> dict:
+    """How old the rollouts a step trains on are: per turn, lag = ``version`` - the policy
+    version that sampled it. ``async/lag_mean``, ``async/lag_max``, ``async/lag_<n>`` (the share
+    of turns with lag n, for every n present) and ``async/mixed_version_frac`` (trajectories
+    whose turns come from more than one version: partial rollouts that continued across a
+    weight sync)."""
+    lags = [version - int(t.get("policy_version", version)) for r in records for t in r["turns"]]
+    if not lags:
+        return {}
+    out = {"async/lag_mean": sum(lags) / len(lags), "async/lag_max": float(max(lags))}
+    for n in sorted(set(lags)):
+        out[f"async/lag_{n}"] = lags.count(n) / len(lags)
+    mixed = sum(len({int(t.get("policy_version", version)) for t in r["turns"]}) > 1
+                for r in records)
+    out["async/mixed_version_frac"] = mixed / len(records)
+    return out
 
 
 def builtin_model_config(cfg: config_lib.RunConfig) -> ModelConfig:
@@ -234,6 +258,7 @@ class Trainer:
         self.read_only = read_only
         self._lock = None
         self.sampler = None
+        self.workers = None  # RolloutWorkers while an async run trains
         if not read_only:
             self._take_run_dir(overwrite)
         try:
@@ -305,6 +330,11 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         t = cfg.trainer
+        if t.async_rollouts and jax.process_count() > 1:
+            raise config_lib.ConfigError(
+                "trainer.async_rollouts runs on one process for now (multi-host rollouts "
+                "gather every process's records in step; a worker thread cannot join that "
+                "collective): set trainer.async_rollouts: false")
         self.mesh = self._make_mesh()
         self.data_shards = sharding.batch_shards(self.mesh)
         self.model, self.codec, self.model_from = build_model(cfg, t.seed)
@@ -506,9 +536,12 @@ class Trainer:
                 "task_index": self.task_index, **extra}
 
     def _pack(self, records):
-        """One plan per batch: the packer's, with every size fixed in the per_step layout (one
-        compile for the whole run): K = rollout.max_turns, rows of 16-token multiples, and
-        trajectories bucketed to 8 (more when whole groups fill one shard beyond it)."""
+        """One plan per batch: the packer's, with the sizes fixed in the per_step layout so a
+        run compiles the step a few times at most: K = rollout.max_turns, rows of 16-token
+        multiples, trajectories bucketed to 8 (more when whole groups fill one shard beyond
+        it), and the row count rounded up to a multiple of N * K / ``ROW_STEPS`` (the rows the
+        turns taken need, not one per possible turn: a run whose episodes end early trains
+        on fewer padded rows)."""
         t = self.cfg.trainer
         recs = parse_records(records)
         plan = plan_packing(recs, t.layout, self.step_cfg.blocks)
@@ -518,7 +551,8 @@ class Trainer:
             n_traj = shards * max(math.ceil(bucket(len(recs), 8) / shards),
                                   plan.need["num_traj"] // shards)
             k = self.cfg.rollout.max_turns
-            plan = plan.padded(num_traj=n_traj, num_turns=k, num_rows=n_traj * k,
+            rows = round_up_to_step(plan.need["num_rows"], n_traj * k, ROW_STEPS, shards)
+            plan = plan.padded(num_traj=n_traj, num_turns=k, num_rows=rows,
                                row_len=16 * math.ceil(plan.need["row_len"] / 16))
         batch, _ = pack(recs, plan, task_index=self.task_index)
         if len(self.task_index) > t.task_capacity and self.spec.stateful:
@@ -579,6 +613,10 @@ class Trainer:
             extra = {"eval_before": eval_before, "eval_after_sft": eval_after_sft}
             last_eval = None
             done = None  # (step, state) of the newest step whose metrics are written
+            if t.async_rollouts:
+                self.workers = RolloutWorkers(self._collect_step, workers=t.rollout_workers,
+                                              max_lag=t.max_policy_lag, first_step=start,
+                                              last_step=t.steps, version=int(state.step))
             for s in range(start, t.steps):
                 state, metrics, out = self._one_step(state, s)
                 step = s + 1
@@ -608,6 +646,9 @@ class Trainer:
                             if newest is not None else "interrupted before the first step")
             raise
         finally:
+            if self.workers is not None:
+                self.workers.close()
+                self.workers = None
             if self.logger is not None:
                 self.logger.close()
             self.checkpointer.close()
@@ -701,12 +742,23 @@ class Trainer:
                 "--resume: the checkpoint was written with other settings: "
                 + "; ".join(f"{k}: the checkpoint has {a!r}, now {b!r}" for k, a, b in refused))
 
-    def _one_step(self, state: TrainState, s: int):
+    def _collect_step(self, s: int):
+        """Step ``s``'s rollouts: its tasks (a stream fixed by the seed and the step) collected
+        with the sampler's current weights. Called by the trainer, or by a rollout worker
+        thread with ``trainer.async_rollouts``."""
         t, r = self.cfg.trainer, self.cfg.rollout
-        t0 = time.perf_counter()
         tasks = self.env.sample_tasks(step_seed(t.seed, s, "tasks"), r.tasks_per_step, "train")
-        records, stats = self._collect(tasks, self.rollout_cfg, step_seed(t.seed, s, "rollout"))
+        return self._collect(tasks, self.rollout_cfg, step_seed(t.seed, s, "rollout"))
+
+    def _one_step(self, state: TrainState, s: int):
+        t = self.cfg.trainer
+        t0 = time.perf_counter()
+        if self.workers is not None:  # collected ahead by a worker thread (waits if not yet)
+            records, stats = self.workers.get(s)
+        else:
+            records, stats = self._collect_step(s)
         version = int(state.step)
+        lags = staleness_metrics(records, version) if t.max_policy_lag else {}
         records, refused = refuse_stale(records, version, t.max_policy_lag)
         if not records:
             raise StaleBatchError(f"step {s}: all {refused} trajectories were sampled by "
@@ -727,6 +779,8 @@ class Trainer:
         t2 = time.perf_counter()
         self._sync(state)
         t3 = time.perf_counter()
+        if self.workers is not None:
+            self.workers.advance(int(state.step))
         if m["update_skipped"]:
             self._print(f"step {s + 1}: non-finite loss or gradient in {int(m['update_skipped'])} "
                         f"update(s), skipped ({int(state.skipped)} so far)")
@@ -736,8 +790,10 @@ class Trainer:
             "train/reward": stats["mean_reward"], "train/success": stats["success_rate"],
             "train/turns": stats["turns"] / n, "train/invalid": stats["invalid_actions"] / n,
             "train/env_errors": stats["env_errors"], "train/stale_refused": refused,
-            "train/tokens_per_s": stats["tokens_generated"] / max(t2 - t0, 1e-9),
+            "train/tokens_per_s": stats["tokens_generated"] / max(
+                stats["wall_time_s"] if self.workers is not None else t2 - t0, 1e-9),
             "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+            **lags,
             **{f"train/{k}": float(v) for k, v in m.items()},
             "train/skipped_total": int(state.skipped), "train/idle_total": int(state.idle),
             **_length_stats(records), **shared,
@@ -852,7 +908,9 @@ def step_config(cfg: config_lib.RunConfig, data_shards: int) -> StepConfig:
         entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
         micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
         data_shards=data_shards, remat=t.remat, temperature=r.temperature,
-        top_k=r.top_k, top_p=r.top_p)
+        top_k=r.top_k, top_p=r.top_p, is_weights=cfg.loss.is_weights,
+        is_level=cfg.loss.is_level, is_cap=cfg.loss.is_cap, is_lower=cfg.loss.is_lower,
+        decoupled=cfg.loss.decoupled)
 
 
 def run_optimizer(cfg: config_lib.RunConfig):

@@ -29,6 +29,23 @@ Log-probs of the distribution actually sampled: with ``StepConfig.temperature`` 
 top-p set (possible after earlier updates moved the policy) gets the tempered log-prob
 without truncation, a finite stand-in (counted in ``outside_truncation_frac``).
 
+Off-policy correction, for rollouts sampled by older weights (asynchronous rollouts,
+``trainer.max_policy_lag > 0``). Three policies meet in a step: the behaviour policy b that
+sampled the tokens (``batch.old_logprobs``, possibly several versions old), the proximal
+policy p = the parameters at the start of this step (one extra forward pass, no gradient), and
+the current policy being updated. With ``StepConfig.is_weights`` the per-token weight
+w = p / b (``losses.truncated_is_weights``: per token, or the geometric mean over a row's
+action tokens with ``is_level="sequence"``) is truncated at ``is_cap`` (``"truncate"``, TIS) or
+turned into a 0/1 mask of ``is_lower <= w <= is_cap`` (``"mask"``, MIS) and multiplies the
+policy loss. With ``decoupled`` the PPO ratio is taken against p instead of b (our reading of
+AReaL's decoupled PPO objective: the clip keeps the update near the policy that is being
+improved, the weight corrects for the policy that sampled), which needs truncated or masked
+weights. Without either, the clipped ratio against b is the only correction: tokens whose
+ratio left the clip range no longer move the policy. Metrics (once per step, from p and b):
+``behaviour_kl_k3`` (k3 estimate of KL(b || p)), ``is_weight_mean``, ``is_ess`` (effective
+sample size of the raw weights over the action tokens, as a fraction: (sum w)^2 / (n sum
+w^2)) and ``is_corrected_frac`` (tokens whose weight was truncated or masked).
+
 Sharding (``make_train_step(..., mesh=, state_shardings=)``): the batch rows are split over the
 mesh's ``data x fsdp`` axes with whole task groups per shard, and the parameters and optimizer
 state carry the shardings of ``sharding.rules`` (FSDP along ``embed``, tensor parallelism along
@@ -136,6 +153,18 @@ class StepConfig:
     temperature: float = 1.0  # the rollouts' sampling parameters (log-probs of that distribution)
     top_k: int = 0
     top_p: float = 1.0
+    # Off-policy correction (module docstring): importance weights pi_prox / pi_behaviour
+    is_weights: str = "none"  # none | truncate | mask
+    is_level: str = "token"  # token | sequence
+    is_cap: float = 2.0
+    is_lower: float = 0.0  # mask mode: weights below it are masked too
+    decoupled: bool = False  # PPO ratio against the proximal policy, not the sampler's
+
+    @property
+    def proximal(self) -> bool:
+        """The step computes the proximal log-probs (the policy at the start of the step, one
+        extra forward pass): for importance weights or the decoupled ratio."""
+        return self.is_weights != "none" or self.decoupled
 
     @property
     def blocks(self) -> int:
@@ -415,10 +444,22 @@ def _split_rows(x, cfg: StepConfig):
 # ----------------------------------------------------------------------------- the step
 
 
-def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: StepConfig):
+def _off_policy_args(cfg: StepConfig, mbd) -> dict:
+    """The policy loss's extra arguments for the off-policy correction of one block."""
+    out = {}
+    if cfg.decoupled:
+        out["old_logprobs"] = mbd["prox"]
+    if cfg.is_weights != "none":
+        out["is_weights"] = mbd["isw"]
+    return out
+
+
+def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: StepConfig,
+           off_policy: dict | None = None):
     """(sum, denominator) of every loss term on one (micro-)batch."""
     pol = losses.get(cfg.policy_loss)
-    out = {"policy": pol(lp, mb, adv_tok, agg=cfg.agg, **dict(cfg.policy_params))}
+    out = {"policy": pol(lp, mb, adv_tok, agg=cfg.agg, **dict(cfg.policy_params),
+                         **(off_policy or {}))}
     if cfg.kl_coef:
         out["kl"] = losses.get(cfg.kl_estimator)(lp, mb, ref_logprobs=ref_lp, agg=cfg.agg)
     if cfg.entropy_coef:
@@ -553,6 +594,17 @@ def _step_inputs(fwd, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch
     per_row = dict(fields=row_fields, extras=_row_extras(batch.extras, batch.num_rows),
                    adv=adv_tok, returns=_token_returns(adv, batch), ref=ref_lp,
                    tree=tree)  # tree rows are per block too: block (b, u) of each shard's trees
+    off_metrics = {}
+    if cfg.proximal:
+        prox, _, _, _ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
+                            want_entropy=False, blocks=cfg.blocks)
+        prox = jax.lax.stop_gradient(prox)
+        per_row["prox"] = prox
+        if cfg.is_weights != "none":
+            per_row["isw"] = losses.truncated_is_weights(
+                prox, batch, level=cfg.is_level, cap=cfg.is_cap, mode=cfg.is_weights,
+                lower=cfg.is_lower)
+        off_metrics = off_policy_metrics(prox, batch, per_row.get("isw"), cfg)
     split = jax.tree.map(lambda x: _split_rows(x, cfg), per_row)  # [mini, micro, rows, ...]
     if mesh is not None:  # micro-batch (b, u) keeps block (b, u) of every shard on that shard
         mb_rows = NamedSharding(mesh, P(None, None, sharding_lib.BATCH_AXES))
@@ -562,13 +614,35 @@ def _step_inputs(fwd, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch
         mb = _micro_batch(batch, mbd)
         z = jnp.zeros(mb.tokens.shape, jnp.float32)
         return {k: d for k, (_, d) in _terms(mb.old_logprobs, z, z, mb, mbd["adv"], mbd["ref"],
-                                             mbd["returns"], cfg).items()}
+                                             mbd["returns"], cfg,
+                                             _off_policy_args(cfg, mbd)).items()}
 
     # Each mini-batch's denominators: sums over its micro-batches (counts are additive).
     dens = {k: jnp.sum(v, axis=1) for k, v in jax.vmap(jax.vmap(micro_dens))(split).items()}
     signal = jnp.any((split["adv"] != 0) & split["fields"]["action_mask"], axis=(1, 2, 3))
     signal = signal | bool(cfg.needs_values and cfg.value_coef)
-    return split, dens, signal
+    return split, dens, signal, off_metrics
+
+
+def off_policy_metrics(prox, batch: TrajectoryBatch, weights, cfg: StepConfig) -> dict:
+    """How far the sampling (behaviour) policy b is from the proximal policy p, over the
+    action tokens: ``behaviour_kl_k3`` = mean of (r - 1) - log r with r = p / b (k3 estimate
+    of KL(b || p), >= 0), ``is_weight_mean`` and ``is_ess`` of the raw weights r (at the
+    correction's level; ESS as a fraction, 1 when on-policy), and ``is_corrected_frac``: the
+    share of tokens whose weight ``weights`` (the truncated / masked ones, or None) differs
+    from r."""
+    m = batch.action_mask
+    mf = m.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(mf), 1.0)
+    lr = jnp.where(m, losses.log_ratio(prox, batch.old_logprobs), 0.0)
+    raw = losses.truncated_is_weights(prox, batch, level=cfg.is_level, cap=jnp.inf)
+    out = {"behaviour_kl_k3": jnp.sum(jnp.where(m, jnp.exp(lr) - 1.0 - lr, 0.0)) / n,
+           "is_weight_mean": jnp.sum(raw) / n,
+           "is_ess": jnp.sum(raw) ** 2 / jnp.maximum(n * jnp.sum(raw ** 2), 1e-30)}
+    if weights is not None:
+        out["is_corrected_frac"] = jnp.sum(jnp.where(m, (weights != raw).astype(jnp.float32),
+                                                     0.0)) / n
+    return out
 
 
 def _micro_batch(batch: TrajectoryBatch, mbd) -> TrajectoryBatch:
@@ -587,10 +661,12 @@ def _micro_loss(fwd, cfg: StepConfig, batch: TrajectoryBatch):
         lp, ent, values, outside = fwd(params, tokens=mb.tokens,
                                        extras={**mb.extras, **mbd["tree"]}, want_entropy=True,
                                        remat=cfg.remat, blocks=cfg.data_shards)
-        terms = _terms(lp, ent, values, mb, mbd["adv"], mbd["ref"], mbd["returns"], cfg)
+        off = _off_policy_args(cfg, mbd)
+        terms = _terms(lp, ent, values, mb, mbd["adv"], mbd["ref"], mbd["returns"], cfg, off)
         total = sum(coefs[k] * s / jnp.maximum(den[k], 1.0) for k, (s, _) in terms.items())
         # token sums of the diagnostics (divided by the token count after the scans)
-        pm = losses.policy_metrics(lp, mb, mbd["adv"], **(clip or {}))
+        pm = losses.policy_metrics(lp, mb, mbd["adv"], **(clip or {}),
+                                   old_logprobs=off.get("old_logprobs"))
         if clip is None:
             pm = {k: v for k, v in pm.items() if "clip" not in k}
         diag = {k: s for k, (s, _) in pm.items()}
@@ -652,7 +728,7 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
                          f"attach_prefix_trees(batch, num_blocks={all_blocks})")
     batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
     adv, est_state = _advantages(graphdef, rest, fwd, cfg, state, batch, tree, mesh)
-    split, dens, signal = _step_inputs(fwd, cfg, state, batch, adv, tree, mesh)
+    split, dens, signal, off_metrics = _step_inputs(fwd, cfg, state, batch, adv, tree, mesh)
     grad_fn = jax.value_and_grad(_micro_loss(fwd, cfg, batch), has_aux=True)
     aux0 = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
                         jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(
@@ -686,6 +762,7 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
 
     metrics = _step_metrics(cfg, per, dens, n_bad, n_idle, jax.lax.stop_gradient(adv.token),
                             batch)
+    metrics.update(off_metrics)
     return new_state, {"metrics": metrics, "advantages": adv}
 
 
