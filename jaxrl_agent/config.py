@@ -474,6 +474,7 @@ def run_paths(cfg: RunConfig) -> RunPaths:
 #: logged and checkpointed, and how the work is laid out (none changes what is learned)
 RESUMABLE_KEYS = ("trainer.steps", "trainer.eval_every", "trainer.eval_tasks",
                   "trainer.async_rollouts", "trainer.rollout_workers", "rollout.env_threads",
+                  "trainer.max_policy_lag",
                   "trainer.eval_temperature", "trainer.micro_batches", "trainer.remat",
                   "trainer.prefix_sharing", "trainer.prefix_tree_len", "checkpoint.",
                   "metrics.", "sampler.", "mesh.", "distributed.", "name", "run.", "imports")

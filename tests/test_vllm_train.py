@@ -70,12 +70,18 @@ def test_default_config_trains_with_vllm_and_a_bad_sync_stops_it(tmp_path, monke
     assert set(versions) == {0, 1}          # rollouts of step 1 at version 0, step 2 at 1
     assert latest_step(tmp_path / "checkpoints") == 1
 
-    # --resume with a healthy engine finishes the run.
+    # --resume with a healthy engine finishes the run, asynchronously: a rollout thread
+    # generates with vLLM while the trainer trains and syncs (each sync probed).
     monkeypatch.setattr(VllmSampler, "probe", real_probe)
+    cfg = _cfg(tmp_path, "trainer.steps=3", "trainer.async_rollouts=true",
+               "trainer.max_policy_lag=1", "trainer.rollout_workers=1")
     summary = loop.Trainer(cfg, resume=True, progress=False).run()
     assert summary.steps == 3
     rows = read_metrics(tmp_path / "metrics" / "metrics.jsonl")
-    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    assert all(r["sampler/probe_error"] < 1e-3 for r in train_rows)
+    assert all(r["async/lag_max"] <= 1 for r in train_rows[1:])
     assert max(versions) == 3                # the final evaluation runs at version 3
 
 
