@@ -470,9 +470,9 @@ def cmd_eval(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """Compiles the run's train step ahead of time for a topology (shapes only) and prints the
-    per-device memory, compile time and collectives; exit 1 when it does not fit the chip's
-    HBM."""
+    """Compiles the run's train step (and the JAX sampler's prefill and decode step) ahead of
+    time for a topology (shapes only) and prints the per-device memory, compile time and
+    collectives; exit 1 when the run does not fit the chip's HBM."""
     from jaxrl_agent import config as config_lib
 
     cfg = _with_imports(config_lib.load(args.config, args.set or (), validate=False),
@@ -487,7 +487,7 @@ def cmd_plan(args) -> int:
     if args.hf_config:
         source += f" with {args.hf_config}"
     print(plan_lib.format_plan(p, source))
-    return 1 if p.fits is False else 0
+    return 1 if p.run_fits is False else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,21 +1,27 @@
 """``jaxrl-agent plan`` (issue 23): the real train step compiled ahead of time for a topology,
-from shapes only. On host devices (``cpu:8``: the conftest's 8 CPU devices) always; for a TPU
-v5e 2x2 slice when libtpu (the ``tpu-aot`` extra) is installed, skipped otherwise. Shapes are
-tiny so each compile takes seconds; user mistakes exit 2 with one line and no traceback.
+from shapes only, and the JAX sampler's prefill and decode step for one of its devices. On host
+devices (``cpu:8``: the conftest's 8 CPU devices) always; for a TPU v5e 2x2 slice when libtpu
+(the ``tpu-aot`` extra) is installed, skipped otherwise. Shapes are tiny so each compile takes
+seconds; user mistakes exit 2 with one line and no traceback.
 """
 
+import dataclasses
 import os
+import types
 
 import pytest
+from flax import nnx
 
 from jaxrl_agent import cli
 from jaxrl_agent import config as config_lib
+from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.train import plan as plan_lib
 
-# tiny rollouts: 8 tasks x 2 = 16 trajectories of up to 2 turns, rows of 32 tokens
+# tiny rollouts: 8 tasks x 2 = 16 trajectories of up to 2 turns, rows of 32 tokens; the
+# sampler's largest call is those 16 prompts (8 eval tasks)
 SMALL = ["rollout.tasks_per_step=8", "rollout.group_size=2", "rollout.max_turns=2",
          "rollout.max_new_tokens=8", "rollout.max_context_tokens=32",
-         "trainer.micro_batches=2"]
+         "trainer.micro_batches=2", "trainer.eval_tasks=8"]
 FSDP_TP = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
 
 needs_libtpu = pytest.mark.skipif(
@@ -79,9 +85,15 @@ def test_cpu8_plan_of_the_real_step_fsdp_x_tp():
     assert p.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
     assert p.collectives["all-reduce"]["count"] > 0  # the loss / estimator statistics
     assert not p.gathers_whole_model
+    # the JAX sampler's prefill and decode step, on one of the 8 devices: 16 prompts, a cache
+    # of max_context_tokens = 32 slots
+    assert p.sampler is not None and p.sampler.dims["batch"] == 16
+    assert p.sampler.decode.temp_bytes > 0 and p.sampler.params_bytes == p.params_total_bytes
     text = plan_lib.format_plan(p, "test")
     assert "mesh data=2 fsdp=2 tensor=2" in text and "all-gather" in text
     assert "verdict: compiled for 8 host devices" in text
+    assert "JAX sampler: compiled for ONE cpu device" in text and "KV cache" in text
+    assert "verdict: sampler: its " in text and "(16 prompts x 32 cache slots" in text
 
 
 def test_cli_plan_prints_the_table(capsys, tmp_path):
@@ -145,7 +157,7 @@ def test_tpu_v5e_2x2_default_step_and_qwen_policy_value(keep_env):
     value head) compile for a v5e 2x2 slice in the FSDP x TP layout; the compiled arguments
     hold at least the sharded parameters and Adam state, and the total stays within a bound
     from the parameter count plus the activations of these small shapes."""
-    p = plan_lib.plan_run(_cfg(*FSDP_TP), "v5e:2x2")
+    p = plan_lib.plan_run(_cfg(*FSDP_TP), "v5e:2x2", sampler=False)
     assert p.device_kind == "TPU v5 lite" and p.num_devices == 4 and p.fits
     assert p.collectives["all-gather"]["count"] > 0  # FSDP gathers weights ...
     assert p.collectives["reduce-scatter"]["count"] > 0  # ... and scatters their gradients
@@ -153,7 +165,8 @@ def test_tpu_v5e_2x2_default_step_and_qwen_policy_value(keep_env):
                                "model.dtype=bfloat16", "model.vocab_size=4096",
                                "model.hidden_size=256", "model.intermediate_size=512",
                                "model.num_layers=2", "model.num_heads=4",
-                               "model.num_kv_heads=2", "model.head_dim=64"), "v5e:2x2")
+                               "model.num_kv_heads=2", "model.head_dim=64"), "v5e:2x2",
+                          sampler=False)
     assert q.model["value_head"] and q.model["dtype"] == "bfloat16"
     state = q.params_bytes + q.opt_bytes
     assert q.argument_bytes >= state
@@ -179,6 +192,8 @@ def test_cli_plan_on_tpu_prints_hbm_verdict(capsys, keep_env):
     assert rc == 0, out
     assert "4 x TPU v5 lite" in out and "HBM 16 GiB per v5e chip" in out
     assert "verdict: fits" in out
+    assert "JAX sampler: compiled for ONE TPU v5 lite device" in out
+    assert "verdict: sampler fits" in out
 
 
 def test_model_shapes_without_weights(tmp_path):
@@ -208,3 +223,121 @@ def test_multihost_slice_must_use_every_chip(capsys, keep_env):
                    "mesh.fsdp=2"])
     err = capsys.readouterr().err
     assert rc == 2 and "8 chips on 2 hosts; a multi-host run must use them all" in err
+
+
+# ----------------------------------------------------------------------------- the JAX sampler
+
+# a bfloat16 Qwen3-shaped model whose KV heads differ from its attention heads
+BF16 = ["model.dtype=bfloat16", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16"]
+
+
+def _sampler_plan(cfg, topology):
+    """``plan_sampler`` alone (no train step) for the config's model on the first device."""
+    cfg = config_lib.validate(cfg)
+    device = plan_lib.topology_devices(topology)[0]
+    model = nnx.eval_shape(lambda: Transformer(plan_lib.model_config(cfg), rngs=nnx.Rngs(0)))
+    return plan_lib.plan_sampler(plan_lib.abstract_sampler(cfg, model), cfg, device)
+
+
+def _check_sampler_bytes(sp, cfg):
+    """The KV cache is 2 x layers x kv_heads x head_dim x cache_len x batch x dtype bytes (plus
+    an int32 index per row); the parameters are the parameter count x dtype bytes; the decode
+    step's arguments hold both."""
+    m, d = cfg.model, sp.dims
+    itemsize = {"float32": 4, "bfloat16": 2}[m.dtype]
+    kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * d["cache_len"] * d["batch"] * itemsize
+    assert sp.kv_cache_bytes == kv + 4 * d["batch"]
+    assert sp.params_bytes == sp.num_params * itemsize
+    model = plan_lib.model_config(cfg)
+    mlp = 3 * m.hidden_size * m.intermediate_size
+    attn = m.hidden_size * m.head_dim * 2 * (m.num_heads + m.num_kv_heads)
+    norms = 2 * m.hidden_size + 2 * m.head_dim  # per layer: two RMSNorms + q/k norms
+    embed = (1 if model.tie_word_embeddings else 2) * model.vocab_size * m.hidden_size
+    assert sp.num_params == embed + m.num_layers * (mlp + attn + norms) + m.hidden_size
+    assert sp.decode.argument_bytes >= sp.params_bytes + sp.kv_cache_bytes
+    assert sp.decode.temp_bytes > 0 and not sp.prefill.refused and not sp.decode.refused
+
+
+def test_sampler_dims_follow_generate_buckets():
+    """One host's largest call (train or eval) padded to a batch bucket; prompts of up to
+    max_context - max_new tokens to a length bucket; the cache as generate sizes it."""
+    fake = types.SimpleNamespace(batch_buckets=(8, 64), len_buckets=(64, 128, 256, 300),
+                                 new_token_buckets=(16, 32, 64, 128, 256, 300), max_len=300)
+    cfg = config_lib.load(None, ["rollout.tasks_per_step=6", "rollout.group_size=5",
+                                 "rollout.max_context_tokens=300", "rollout.max_new_tokens=20",
+                                 "trainer.eval_tasks=40"], validate=False)
+    d = plan_lib.sampler_dims(cfg, fake)
+    assert d == {"prompts": 40, "call": "eval", "batch": 64, "prompt_len": 300,
+                 "new_tokens": 32, "cache_len": 300, "stop_ids": 4, "hosts": 1}
+    # two hosts: each sends its share, 3 tasks x 5 = 15 rollouts or 20 eval tasks
+    assert plan_lib.sampler_dims(cfg, fake, 2)["prompts"] == 20
+    no_eval = config_lib.load(None, ["rollout.tasks_per_step=6", "rollout.group_size=5",
+                                     "rollout.max_context_tokens=200", "trainer.eval_every=0",
+                                     "rollout.branch_turns=[1]", "rollout.branch_factor=3"],
+                              validate=False)
+    d = plan_lib.sampler_dims(no_eval, fake)
+    # 6 x 5 x 3 = 90 prompts: generate chunks them by the largest bucket (64)
+    assert (d["prompts"], d["call"], d["batch"]) == (90, "train", 64)
+    assert (d["prompt_len"], d["new_tokens"], d["cache_len"]) == (256, 16, 272)
+    assert plan_lib.sampler_batch_buckets(no_eval) == (128, 256)
+
+
+@pytest.mark.parametrize("sets", [[], BF16], ids=["float32", "bfloat16"])
+def test_cpu_sampler_decode_step_bytes(sets):
+    """The JAX sampler's own prefill and decode step compiled for one CPU device: 16 prompts
+    (8 tasks x 2) in a batch of 16, a 32-slot cache (max_context_tokens)."""
+    cfg = _cfg(*sets)
+    sp = _sampler_plan(cfg, "cpu:1")
+    assert sp.device_kind == "cpu"
+    assert {k: sp.dims[k] for k in ("prompts", "batch", "prompt_len", "cache_len")} == \
+        {"prompts": 16, "batch": 16, "prompt_len": 32, "cache_len": 32}
+    _check_sampler_bytes(sp, config_lib.validate(cfg))
+    # the prefill returns the cache and the logits [B, V] float32
+    assert sp.prefill.output_bytes >= sp.kv_cache_bytes + 16 * cfg.model.vocab_size * 4
+
+
+def test_sampler_verdicts_name_the_key_to_change():
+    gib = 2 ** 30
+    step = dict(topology="v5e:2x2", chip="v5e", num_devices=4, num_hosts=1,
+                device_kind="TPU v5 lite", mesh={"data": 1, "fsdp": 2, "tensor": 2}, model={},
+                batch={}, step={"remat": True}, params_bytes=gib, params_total_bytes=4 * gib,
+                opt_bytes=2 * gib, ref_bytes=0, batch_bytes=0, argument_bytes=3 * gib,
+                output_bytes=3 * gib, alias_bytes=0, temp_bytes=gib, code_bytes=0,
+                compile_s=1.0, collectives={}, notes=[], hbm_bytes=16 * gib)
+
+    def mem(total):
+        return plan_lib.CompiledMemory(total, 0, 0, 0, 0, 1.0)
+
+    def sampler(decode_gib):
+        return plan_lib.SamplerPlan(
+            device_kind="TPU v5 lite", dims={"batch": 512, "cache_len": 4096}, num_params=1,
+            params_bytes=2 * gib, kv_cache_bytes=gib, prefill=mem(3 * gib),
+            decode=mem(decode_gib * gib))
+
+    v = plan_lib.Plan(**step, sampler=sampler(20)).verdicts()
+    assert v[0].startswith("fits:")  # the train step alone
+    assert v[1].startswith("sampler DOES NOT FIT: its decode step needs 20.00 GiB")
+    assert "rollout.max_context_tokens" in v[1] and "512 prompts x 4096 cache slots" in v[1]
+    # 14 GiB of sampling + 3 GiB of train state on the same chip
+    near = plan_lib.Plan(**step, sampler=sampler(14))
+    assert near.sampler_device_bytes == 17 * gib and near.fits and near.run_fits is False
+    assert near.verdicts()[1].startswith("sampler DOES NOT FIT beside the train state: 17.00")
+    # the step (7 GiB) fits alone but not beside the sampler's weights (10 GiB here)
+    heavy = plan_lib.Plan(**step, sampler=dataclasses.replace(sampler(4), params_bytes=10 * gib))
+    assert heavy.run_fits is False and "train step 7.00 + sampler weights 10.00" in \
+        heavy.verdicts()[1]
+    ok = plan_lib.Plan(**step, sampler=sampler(4))
+    assert ok.run_fits and ok.verdicts()[1] == \
+        "sampler fits: 9.00 GiB of 16 GiB HBM on its v5e chip with the train state (56%)"
+
+
+@needs_libtpu
+def test_tpu_v5e_2x2_sampler_decode_step(keep_env):
+    """The sampler's prefill and decode step compiled for one chip of a v5e 2x2 slice (bfloat16,
+    2 KV heads): the logical KV cache and parameters match the model's shapes; the compiled
+    arguments hold at least both (TPU layouts pad small minor dimensions)."""
+    cfg = _cfg(*BF16)
+    sp = _sampler_plan(cfg, "v5e:2x2")
+    assert sp.device_kind == "TPU v5 lite"
+    _check_sampler_bytes(sp, config_lib.validate(cfg))
+    assert sp.peak_bytes < 64 * 2 ** 20

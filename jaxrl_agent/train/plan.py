@@ -30,14 +30,28 @@ state, so old and new state are both alive). Collectives are counted statically 
 HLO (an op inside the micro-batch loop runs once per micro-batch but is counted once); their
 bytes are the per-device result buffers.
 
+With ``sampler: jax`` the plan also compiles the JAX sampler's own jitted prefill and decode
+loop (``plan_sampler``) for ONE device of the topology: the sampler is not sharded over the
+mesh, each host runs it on one of its devices with the whole model. It is planned for the
+run's largest sampler call (``sampler_dims``): one host's prompts of a step (``tasks_per_step x
+group_size``, times the forks of ``branch_turns``) or of an evaluation, padded to the
+sampler's batch bucket; prompts of up to ``max_context_tokens - max_new_tokens`` tokens and a
+KV cache of up to ``max_context_tokens`` slots, as ``JaxSampler.generate`` buckets them. The
+sampler is built around a model of shapes only (``abstract_sampler``). Its numbers per device:
+parameters and KV cache from the shapes; arguments / outputs / temporaries / code from
+``memory_analysis()`` of each program. That device also keeps its share of the train state,
+so its peak is ``max(sampler peak + train state, train step total + sampler weights)``.
+
 Not covered yet: prefix-tree packing (``trainer.prefix_sharing``: compiled without the trees,
-and said so) and the JAX sampler's decode step.
+and said so), the vLLM sampler, and several rollout workers sampling at once
+(``trainer.async_rollouts``: one call is planned, and said so).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -52,14 +66,16 @@ from jax.sharding import NamedSharding
 
 from jaxrl_agent import config as config_lib
 from jaxrl_agent import estimators, sharding
-from jaxrl_agent.batch import TrajectoryBatch
+from jaxrl_agent.batch import TrajectoryBatch, bucket
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.sampling.jax_sampler import JaxSampler
 from jaxrl_agent.train.loop import builtin_model_config, run_optimizer, step_config
 from jaxrl_agent.train.step import init_state_from_params, make_train_step
 
-__all__ = ["PlanError", "Plan", "HBM_GIB", "HF_SHAPES", "topology_devices", "plan_run",
-           "format_plan", "count_collectives"]
+__all__ = ["PlanError", "Plan", "SamplerPlan", "CompiledMemory", "HBM_GIB", "HF_SHAPES",
+           "topology_devices", "plan_run", "plan_sampler", "abstract_sampler", "sampler_dims",
+           "sampler_batch_buckets", "format_plan", "count_collectives"]
 
 #: HBM per chip in GiB (Google Cloud TPU system architecture pages).
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
@@ -406,6 +422,8 @@ class Plan:
     collectives: dict
     notes: list
     hbm_bytes: int | None
+    #: the JAX sampler's prefill and decode step on one device (None: not planned, e.g. vLLM)
+    sampler: SamplerPlan | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -414,7 +432,33 @@ class Plan:
 
     @property
     def fits(self) -> bool | None:
+        """The train step fits the chip's HBM (None: no limit to check, ``cpu:N``)."""
         return None if self.hbm_bytes is None else self.total_bytes <= self.hbm_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """The train state every device keeps between steps: parameters, optimizer state and
+        KL reference parameters."""
+        return self.params_bytes + self.opt_bytes + self.ref_bytes
+
+    @property
+    def sampler_device_bytes(self) -> int | None:
+        """The peak of the device the sampler runs on, which also keeps its share of the train
+        state: ``max(sampler peak + train state, train step total + sampler weights)`` (the
+        sampler's weights stay while the step runs). None without a sampler plan."""
+        s = self.sampler
+        if s is None:
+            return None
+        return max(s.peak_bytes + self.state_bytes, self.total_bytes + s.params_bytes)
+
+    @property
+    def run_fits(self) -> bool | None:
+        """``fits``, and the sampler's device fits too (``sampler_device_bytes``) when the
+        sampler was planned; None without an HBM limit."""
+        if self.hbm_bytes is None:
+            return None
+        return bool(self.fits) and (self.sampler is None
+                                    or self.sampler_device_bytes <= self.hbm_bytes)
 
     @property
     def gathers_whole_model(self) -> bool:
@@ -457,7 +501,42 @@ class Plan:
         else:
             out.append(f"compiled for {self.num_devices} host devices: "
                        f"{self.total_bytes / gib:.2f} GiB per device (no HBM limit to check)")
-        return out
+        return out + self.sampler_verdicts()
+
+    def sampler_verdicts(self) -> list[str]:
+        """One line on the sampler's device (empty without a sampler plan): whether its peak
+        fits the chip's HBM, alone and beside the train state, and which keys to change."""
+        s, gib = self.sampler, 2 ** 30
+        if s is None:
+            return []
+        d = s.dims
+        worst = "prefill" if s.prefill.total_bytes >= s.decode.total_bytes else "decode step"
+        what = (f"{d['batch']} prompts x {d['cache_len']} cache slots, KV cache "
+                f"{s.kv_cache_bytes / gib:.2f} GiB")
+        if self.hbm_bytes is None:
+            return [f"sampler: its {worst} needs {s.peak_bytes / gib:.2f} GiB on one device "
+                    f"({what}; no HBM limit to check)"]
+        hbm = self.hbm_bytes / gib
+        key = ("lower rollout.max_context_tokens, or the prompts of one call "
+               "(rollout.tasks_per_step x group_size, trainer.eval_tasks): the sampler runs "
+               "them as one batch on one chip per host")
+        if s.peak_bytes > self.hbm_bytes:
+            return [f"sampler DOES NOT FIT: its {worst} needs {s.peak_bytes / gib:.2f} GiB on "
+                    f"one {self.chip} chip > {hbm:.0f} GiB HBM ({what}); {key}"]
+        sampling = s.peak_bytes + self.state_bytes
+        if sampling > self.hbm_bytes or (self.fits and self.sampler_device_bytes >
+                                         self.hbm_bytes):
+            # (a train step that does not fit alone has its own verdict line)
+            dev = self.sampler_device_bytes if self.fits else sampling
+            return [f"sampler DOES NOT FIT beside the train state: {dev / gib:.2f} GiB on its "
+                    f"{self.chip} chip > {hbm:.0f} GiB HBM (sampling "
+                    f"{s.peak_bytes / gib:.2f} + train state {self.state_bytes / gib:.2f}, "
+                    f"train step {self.total_bytes / gib:.2f} + sampler weights "
+                    f"{s.params_bytes / gib:.2f}; {what}); {key}, or split the train state "
+                    "over more devices (mesh.fsdp)"]
+        dev = self.sampler_device_bytes
+        return [f"sampler fits: {dev / gib:.2f} GiB of {hbm:.0f} GiB HBM on its {self.chip} "
+                f"chip with the train state ({100 * dev / self.hbm_bytes:.0f}%)"]
 
 
 _UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
@@ -485,9 +564,210 @@ def _num_params(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None = None) -> Plan:
+# ----------------------------------------------------------------------------- the sampler
+
+
+@dataclasses.dataclass
+class CompiledMemory:
+    """XLA's ``memory_analysis()`` of one program compiled for one device (bytes) and its
+    compile time. ``refused``: XLA would not compile it for lack of HBM; ``temp_bytes`` is then
+    XLA's figure, and the arguments / outputs are the bytes of their shapes."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    code_bytes: int
+    compile_s: float
+    refused: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        """The program's peak: ``arguments + outputs - aliased + temporaries + code``."""
+        return (self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+                + self.code_bytes)
+
+
+def compile_memory(lower, argument_bytes: int, output_bytes: int) -> CompiledMemory:
+    """Compiles ``lower()`` (a ``jax.stages.Lowered``) and reads its memory analysis. When XLA
+    refuses for lack of HBM the result is ``refused``, with XLA's temporaries figure and the
+    given ``argument_bytes`` / ``output_bytes`` (from the shapes); other errors propagate."""
+    t0 = time.perf_counter()
+    try:
+        ma = lower().compile().memory_analysis()
+    except Exception as e:  # XLA's "ran out of memory" is a result, not a crash
+        need = _exhausted_bytes(str(e))
+        if need is None:
+            raise
+        return CompiledMemory(argument_bytes, output_bytes, 0, need, 0,
+                              time.perf_counter() - t0, refused=True)
+    return CompiledMemory(int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
+                          int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes),
+                          int(ma.generated_code_size_in_bytes), time.perf_counter() - t0)
+
+
+@dataclasses.dataclass
+class SamplerPlan:
+    """The JAX sampler's prefill and decode step compiled for ONE device of the topology: the
+    sampler is not sharded over the mesh; each host runs it on one of its devices with the
+    whole model (``loop.build_sampler`` wraps the unsharded model). Bytes are per device;
+    ``dims`` is the call planned for (``sampler_dims``)."""
+
+    device_kind: str
+    dims: dict
+    num_params: int
+    params_bytes: int
+    kv_cache_bytes: int
+    prefill: CompiledMemory
+    decode: CompiledMemory
+
+    @property
+    def peak_bytes(self) -> int:
+        """The larger of the prefill's and the decode step's totals. They do not add up: the
+        cache the prefill returns is one of the decode step's arguments."""
+        return max(self.prefill.total_bytes, self.decode.total_bytes)
+
+
+class _ShapesOnlySampler(JaxSampler):
+    """A ``JaxSampler`` around a model of ``ShapeDtypeStruct``s (``nnx.eval_shape``). The
+    constructor's copy of the weights is skipped, since there are none; the buckets, the
+    graph and the jitted prefill / decode functions are the sampler's own."""
+
+    @staticmethod
+    def _snapshot(state):
+        return state
+
+
+def sampler_batch_buckets(cfg: config_lib.RunConfig) -> tuple[int, ...]:
+    """The batch buckets the trainer gives its JAX sampler (as ``Trainer._build``): the step's
+    trajectories and ``trainer.eval_tasks``, each rounded up to a power of two >= 8."""
+    r = cfg.rollout
+    n = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
+    return tuple(sorted({bucket(n, 8), bucket(cfg.trainer.eval_tasks, 8)}))
+
+
+def abstract_sampler(cfg: config_lib.RunConfig, model: Transformer) -> JaxSampler:
+    """The run's ``JaxSampler`` (``loop.build_sampler``'s arguments: ``max_len =
+    rollout.max_context_tokens``, the trainer's batch buckets, the run's seed) around
+    ``model``, a ``Transformer`` of shapes only (``nnx.eval_shape``): no weights are made.
+    Only its buckets, ``state`` (shapes) and jitted functions are meant to be used."""
+    return _ShapesOnlySampler(model, max_len=cfg.rollout.max_context_tokens,
+                              batch_buckets=sampler_batch_buckets(cfg), seed=cfg.trainer.seed)
+
+
+def _smallest_bucket(n: int, buckets) -> int:
+    """The smallest of ``buckets`` >= n (the largest one when none is)."""
+    return next((b for b in sorted(buckets) if b >= n), max(buckets))
+
+
+def sampler_dims(cfg: config_lib.RunConfig, sampler, num_hosts: int = 1) -> dict:
+    """The largest call the run makes to its JAX sampler, padded as ``JaxSampler.generate``
+    pads it. ``sampler``: anything with the sampler's ``batch_buckets``, ``len_buckets``,
+    ``new_token_buckets`` and ``max_len``.
+
+    * ``prompts``: the most prompts one host sends at once: its share of the step's tasks
+      (``ceil(tasks_per_step / num_hosts)``) x ``group_size`` x ``branch_factor **
+      len(branch_turns)`` (every live trajectory after the last fork), or its share of
+      ``trainer.eval_tasks`` when the run evaluates (``eval_every > 0``), whichever is more;
+      ``call`` says which (``"train"`` or ``"eval"``);
+    * ``batch``: ``min(prompts, largest batch bucket)`` (``generate`` splits a larger call into
+      chunks of the largest bucket) rounded up to a batch bucket;
+    * ``prompt_len``: the longest prompt a turn can have, ``max_context_tokens -
+      max_new_tokens`` (the collector ends a trajectory before a turn that would not fit),
+      rounded up to a length bucket;
+    * ``new_tokens``: ``max_new_tokens`` rounded up to a new-token bucket;
+    * ``cache_len``: ``min(prompt_len + new_tokens, sampler.max_len)``, as ``generate`` sizes
+      the cache: the largest one the run allocates;
+    * ``stop_ids``: 4, the smallest stop-id bucket (the trainer stops at the tokenizer's EOS and
+      end-of-turn ids).
+    """
+    r, t = cfg.rollout, cfg.trainer
+    hosts = max(int(num_hosts), 1)
+    train = -(-r.tasks_per_step // hosts) * r.group_size * r.branch_factor ** len(r.branch_turns)
+    evals = -(-t.eval_tasks // hosts) if t.eval_every else 0
+    prompts = max(train, evals)
+    batch = _smallest_bucket(min(prompts, max(sampler.batch_buckets)), sampler.batch_buckets)
+    prompt_len = _smallest_bucket(max(r.max_context_tokens - r.max_new_tokens, 1),
+                                  sampler.len_buckets)
+    new_tokens = _smallest_bucket(r.max_new_tokens, sampler.new_token_buckets)
+    return {"prompts": prompts, "call": "train" if train >= evals else "eval", "batch": batch,
+            "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "cache_len": min(prompt_len + new_tokens, sampler.max_len), "stop_ids": 4,
+            "hosts": hosts}
+
+
+def sampler_notes(cfg: config_lib.RunConfig, mc: ModelConfig, sp: SamplerPlan) -> list[str]:
+    """What the sampler plan leaves out or assumes, as notes: a refused compile, a cache longer
+    than the model's positions, several rollout workers sampling at once."""
+    out = [f"sampler {name}: XLA refused to compile it (it ran out of HBM): temporaries are "
+           "XLA's figure, arguments and outputs are from the shapes"
+           for name, m in (("prefill", sp.prefill), ("decode step", sp.decode)) if m.refused]
+    if sp.dims["cache_len"] > mc.max_position_embeddings:
+        out.append(f"the sampler's KV cache ({sp.dims['cache_len']} slots, from "
+                   "rollout.max_context_tokens) is longer than the model's "
+                   f"max_position_embeddings ({mc.max_position_embeddings})")
+    t = cfg.trainer
+    if t.async_rollouts and t.rollout_workers > 1:
+        out.append(f"trainer.async_rollouts: {t.rollout_workers} rollout workers can be inside "
+                   "a sampler call at once, each with its own KV cache (planned: one call)")
+    return out
+
+
+def _tree_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def plan_sampler(sampler: JaxSampler, cfg: config_lib.RunConfig, device, *,
+                 num_hosts: int = 1) -> SamplerPlan:
+    """Compiles ``sampler``'s own jitted prefill (``cache_len`` static) and decode loop ahead of
+    time for ``device`` alone, from shapes only, for the run's largest call (``sampler_dims``):
+    prompts ``[batch, prompt_len]``, a KV cache of ``cache_len`` slots, outputs of
+    ``new_tokens``. ``sampler`` may be ``abstract_sampler``'s (no weights) or a real one.
+
+    ``params_bytes`` is the bytes of the sampler's whole state (every parameter, a value head
+    too: the trainer hands the sampler its policy module); ``kv_cache_bytes`` those of the
+    cache the prefill returns (``2 x layers x batch x cache_len x kv_heads x head_dim`` x the
+    parameter dtype's bytes, plus ``batch`` int32 indices). A program XLA refuses for lack of
+    HBM is reported with XLA's figure (``CompiledMemory.refused``)."""
+    dims = sampler_dims(cfg, sampler, num_hosts)
+    one = jax.sharding.SingleDeviceSharding(device)
+
+    def on(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=one)
+
+    B, L, N, C, S = (dims[k] for k in ("batch", "prompt_len", "new_tokens", "cache_len",
+                                       "stop_ids"))
+    state = jax.tree.map(on, sampler.state)
+    tokens, lengths = sds((B, L), "int32"), sds((B,), "int32")
+    # the sampler's jitted functions (JaxSampler has no public hook that lowers them)
+    prefill, decode = sampler._prefill_jit, sampler._decode_jit
+    cache, logits = jax.tree.map(
+        on, jax.eval_shape(functools.partial(prefill, cache_len=C), state, tokens, lengths))
+    rows = dict(temperature=sds((B,), "float32"), top_k=sds((B,), "int32"),
+                top_p=sds((B,), "float32"), max_new=sds((B,), "int32"),
+                stop_ids=sds((B, S), "int32"), done=sds((B,), "bool"),
+                request_index=sds((B,), "uint32"), has_seed=sds((B,), "bool"),
+                seed_hi=sds((B,), "uint32"), seed_lo=sds((B,), "uint32"))
+    root = on(jax.eval_shape(lambda: jax.random.key(0)))
+    args = (state, cache, logits, rows, root, sds((), "uint32"), sds((B, N), "int32"))
+    params_b, cache_b, logits_b = _tree_bytes(state), _tree_bytes(cache), _tree_bytes(logits)
+    pre = compile_memory(lambda: prefill.lower(state, tokens, lengths, cache_len=C),
+                         params_b + _tree_bytes((tokens, lengths)), cache_b + logits_b)
+    dec = compile_memory(lambda: decode.lower(*args), _tree_bytes(args), B * (8 * N + 4))
+    return SamplerPlan(device_kind=getattr(device, "device_kind", device.platform), dims=dims,
+                       num_params=_num_params(state), params_bytes=params_b,
+                       kv_cache_bytes=cache_b, prefill=pre, decode=dec)
+
+
+def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None = None,
+             sampler: bool = True) -> Plan:
     """Compiles the run's train step for ``topology`` (shapes only) and reports its memory and
-    collectives per device. ``cfg`` is validated here.
+    collectives per device; with ``sampler`` and ``sampler.name: jax`` also the JAX sampler's
+    prefill and decode step on the topology's first device (``plan_sampler``). ``cfg`` is
+    validated here.
 
     Raises:
       PlanError / ConfigError: an unknown topology, libtpu missing, a mesh that does not fit the
@@ -563,6 +843,14 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
                      "XLA's figure, arguments and outputs are from the shardings, collectives "
                      "are unknown")
     compile_s = time.perf_counter() - t0
+    sampler_plan = None
+    if sampler and cfg.sampler.name == "jax":
+        sampler_plan = plan_sampler(abstract_sampler(cfg, model), cfg, devices[0],
+                                    num_hosts=n_hosts)
+        notes += sampler_notes(cfg, mc, sampler_plan)
+    elif sampler:
+        notes.append(f"sampler: {cfg.sampler.name} is not planned (only the JAX sampler's "
+                     "steps are compiled here)")
     kind = chip_kind(topology)
     hosts = n_hosts
     n_params = _num_params(params)
@@ -582,7 +870,7 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
         ref_bytes=_local_bytes(state.ref_params, shardings.ref_params) if with_ref else 0,
         batch_bytes=batch_b, **mem, compile_s=compile_s, collectives=collectives,
         notes=notes,
-        hbm_bytes=None if kind == "cpu" else HBM_GIB[kind] * 2 ** 30)
+        hbm_bytes=None if kind == "cpu" else HBM_GIB[kind] * 2 ** 30, sampler=sampler_plan)
 
 
 def _count(n: int) -> str:
@@ -637,6 +925,8 @@ def format_plan(p: Plan, source: str = "") -> str:
                      f"{_mib(v['max_bytes']):>14}")
     if p.collectives:
         lines.append("")
+    if p.sampler is not None:
+        lines += format_sampler(p) + [""]
     notes = list(p.notes)
     if p.num_devices > 1 and p.mesh["fsdp"] * p.mesh["tensor"] == 1:
         notes.append("pure data parallelism: every device holds the whole model and optimizer "
@@ -644,3 +934,42 @@ def format_plan(p: Plan, source: str = "") -> str:
     lines += [f"note: {n}" for n in notes]
     lines += [f"verdict: {v}" for v in p.verdicts()]
     return "\n".join(lines)
+
+
+def format_sampler(p: Plan) -> list[str]:
+    """The sampler's lines of ``format_plan``: the call planned for and a two-column table
+    (prefill, decode step) of its device's bytes, plus that device's peak with the train
+    state."""
+    s = p.sampler
+    d = s.dims
+    share = "one host's share of " if d["hosts"] > 1 else ""
+    call = "the step's trajectories" if d["call"] == "train" else "trainer.eval_tasks"
+    pre, dec = s.prefill, s.decode
+
+    def row(label, a, b):
+        return f"{'  ' + label:<34}{_mib(a):>12}{_mib(b):>12}"
+
+    lines = [
+        f"JAX sampler: compiled for ONE {s.device_kind} device (not sharded: each host runs "
+        "it on one of its devices, with the whole model)",
+        f"sampler call: {d['prompts']} prompts ({share}{call}) in a batch of {d['batch']}, "
+        f"padded to {d['prompt_len']} tokens, {d['new_tokens']} new tokens, KV cache of "
+        f"{d['cache_len']} slots",
+        "",
+        f"{'sampler, on its device':<34}{'prefill MiB':>12}{'decode MiB':>12}",
+        row("parameters", s.params_bytes, s.params_bytes),
+        row("KV cache", s.kv_cache_bytes, s.kv_cache_bytes),
+        row("arguments (compiled)", pre.argument_bytes, dec.argument_bytes),
+        row("outputs", pre.output_bytes, dec.output_bytes),
+        row("temporaries", pre.temp_bytes, dec.temp_bytes),
+        row("code", pre.code_bytes, dec.code_bytes),
+    ]
+    if pre.alias_bytes or dec.alias_bytes:
+        lines.append(row("aliased (counted once)", -pre.alias_bytes, -dec.alias_bytes))
+    lines += [
+        row("total", pre.total_bytes, dec.total_bytes),
+        f"{'  compile time (s)':<34}{pre.compile_s:>12.1f}{dec.compile_s:>12.1f}",
+        f"{'  device peak with the train state':<34}{_mib(p.sampler_device_bytes):>12}   "
+        f"(max of sampler + train state {_mib(p.state_bytes)}, train step + sampler weights)",
+    ]
+    return lines
