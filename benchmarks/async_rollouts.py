@@ -20,8 +20,8 @@ each at env latency 0 and at ``--latency`` seconds per env step (``env.kwargs.st
 environment that serves a few calls concurrently), where rollouts take longer than the update.
 
 Reported per run: wall time of the RL steps (metrics timestamps from the step-0 evaluation to
-the last step, which includes the final evaluation: the same for every run), trained
-trajectories per second and the speed-up over ``sync`` at the same latency, held-out success
+step N - 1: the final evaluation, the same in every run, is left out), trained trajectories
+per second over those steps and the speed-up over ``sync`` at the same latency, held-out success
 at the end (256 layouts, one rollout each, with its standard error), the largest sampler-trainer
 KL (k3 estimate of KL(behaviour || proximal) over a step's tokens; ``train/behaviour_kl_k3``,
 logged when the correction computes the proximal policy, else the first update's
@@ -87,8 +87,10 @@ def run(root, name, warm, sets, steps, seed) -> dict:
     rows = _rows(out / "metrics" / "metrics.jsonl")
     first, last = rows[0], rows[-1]
     trained = [r for r in rows if r["step"] > 0]
-    n = sum(64 - r.get("train/stale_refused", 0) for r in trained)
-    wall = last["time"] - first["time"]
+    # steps 1 .. N-1: from the step-0 evaluation's row to step N-1's (step N's row also
+    # waits for the final evaluation)
+    n = sum(64 - r.get("train/stale_refused", 0) for r in trained[:-1])
+    wall = rows[-2]["time"] - first["time"]
     kl = [r.get("train/behaviour_kl_k3", r.get("train/approx_kl_k3", 0.0)) for r in trained]
     p = last["eval/success"]
     return {"name": name, "wall_s": wall, "process_s": wall_process,
