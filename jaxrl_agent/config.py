@@ -102,7 +102,7 @@ class ModelSection:
 class EnvSection:
     name: str = "gridworld"
     kwargs: dict = dataclasses.field(
-        default_factory=lambda: {"max_turns": 12, "action_names": "letters"})
+        default_factory=lambda: {"max_turns": 12, "action_names": "letters", "extra_walls": 0})
 
 
 #: ``RolloutConfig`` fields the trainer sets itself: stop tokens from the model's tokenizer,
@@ -180,7 +180,7 @@ class LossSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-    lr: float = 1e-3
+    lr: float = 5e-4
     warmup_steps: int = 10
     decay: str = "cosine"
     weight_decay: float = 0.0
@@ -1176,6 +1176,10 @@ def describe(cfg: RunConfig) -> str:
             if r.branch_turns and r.branch_factor > 1 else "")
     kl = f", kl {lo.kl_estimator}*{lo.kl_coef:g}" if lo.kl_coef else ""
     ent = f", entropy*{lo.entropy_coef:g}" if lo.entropy_coef else ""
+    off = ((f", {lo.is_level} IS weights {lo.is_weights} at {lo.is_cap:g}"
+            if lo.is_weights != "none" else "") + (", decoupled" if lo.decoupled else ""))
+    asy = (f", async ({t.rollout_workers} rollout workers, lag <= {t.max_policy_lag})"
+           if t.async_rollouts else "")
     return "\n".join([
         f"run {cfg.name!r}: {t.steps} steps, seed {t.seed}, layout {t.layout}"
         + (", prefix sharing" if t.prefix_sharing else ""),
@@ -1185,8 +1189,8 @@ def describe(cfg: RunConfig) -> str:
         f"{r.tasks_per_step * r.group_size} traj/step, <= {r.max_turns} turns, "
         f"{r.max_new_tokens} new tokens/turn, T={r.temperature:g}{tree}",
         f"  estimator {est}",
-        f"  loss      {lo.policy} ({lo.agg}){kl}{ent}",
-        f"  sampler   {cfg.sampler.name}",
+        f"  loss      {lo.policy} ({lo.agg}){kl}{ent}{off}",
+        f"  sampler   {cfg.sampler.name}{asy}",
         f"  optimizer adamw lr {o.lr:g} ({o.decay}, warmup {o.warmup_steps}), clip {o.grad_clip:g}",
         f"  mesh      data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}",
     ])
