@@ -149,17 +149,19 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def round_up_to_step(n: int, full: int, steps: int = 8, multiple: int = 1) -> int:
-    """``n`` rounded up to a multiple of ``q = multiple * ceil(full / (steps * multiple))``,
-    at most ``full``: at most ``steps`` distinct sizes in ``[n, full]``, each divisible by
-    ``multiple`` (which must divide ``full``). For a size whose worst case ``full`` is known
+def round_up_to_step(n: int, full: int, steps: int = 8, multiple: int = 1,
+                     min_step: int = 1) -> int:
+    """``n`` rounded up to a multiple of ``q``, at most ``full``, where ``q`` is
+    ``max(full / steps, min_step)`` rounded up to a multiple of ``multiple``: at most
+    ``steps`` distinct sizes in ``[n, full]`` (one when ``min_step >= full``), each divisible
+    by ``multiple`` (which must divide ``full``). For a size whose worst case ``full`` is known
     (rows of a per-turn batch: trajectories x max turns) but whose typical value is much
     smaller. ``n > full`` raises ValueError."""
     n, full, steps, multiple = int(n), int(full), int(steps), int(multiple)
     if n > full or full % multiple or steps < 1:
         raise ValueError(f"round_up_to_step: need n <= full, multiple | full and steps >= 1, "
                          f"got n={n}, full={full}, steps={steps}, multiple={multiple}")
-    q = multiple * max(1, math.ceil(full / (steps * multiple)))
+    q = multiple * max(1, math.ceil(max(full / steps, min_step) / multiple))
     return min(full, q * max(1, math.ceil(n / q)))
 
 

@@ -317,6 +317,9 @@ def test_round_up_to_step(full, steps, multiple):
     assert len(sizes) <= steps and full in sizes
     with pytest.raises(ValueError, match="n <= full"):
         round_up_to_step(full + 1, full, steps, multiple)
+    # steps of at least min_step: a small size takes one value
+    assert {round_up_to_step(n, full, steps, multiple, min_step=full)
+            for n in range(full + 1)} == {full}
 
 
 @pytest.mark.parametrize("layout,pad,shape", [

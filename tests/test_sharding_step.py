@@ -120,7 +120,12 @@ def _assert_same_step(got, ref):
     assert mg.keys() == mr.keys()
     assert mr["update_skipped"] == mg["update_skipped"] == 0.0
     for k in mr:
-        np.testing.assert_allclose(mg[k], mr[k], **LOSS_TOL, err_msg=k)
+        tol = LOSS_TOL
+        if k == "adv_mean":  # a mean of normalised advantages is a cancellation near 0: its
+            # float32 error scales with the advantages' size, not its own (the sum order
+            # differs between a sharded and a single-device run)
+            tol = dict(rtol=0.0, atol=1e-6 * max(1.0, mr["adv_abs"]))
+        np.testing.assert_allclose(mg[k], mr[k], **tol, err_msg=k)
     assert got["grads"].keys() == ref["grads"].keys()
     for k in ref["grads"]:
         np.testing.assert_allclose(got["grads"][k], ref["grads"][k], **GRAD_TOL, err_msg=k)

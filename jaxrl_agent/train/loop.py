@@ -118,6 +118,8 @@ def step_seed(seed: int, step: int, what: str) -> int:
 #: per_step batches have a multiple of N * K / ROW_STEPS rows: at most this many train-step
 #: compiles a run, each trained on at most 1 / ROW_STEPS of padding rows beyond its turns
 ROW_STEPS = 8
+#: ... in steps of at least this many rows: a small batch compiles once
+MIN_ROW_STEP = 64
 
 
 def refuse_stale(records: list[dict], version: int, max_lag: int) -> tuple[list[dict], int]:
@@ -551,7 +553,8 @@ class Trainer:
             n_traj = shards * max(math.ceil(bucket(len(recs), 8) / shards),
                                   plan.need["num_traj"] // shards)
             k = self.cfg.rollout.max_turns
-            rows = round_up_to_step(plan.need["num_rows"], n_traj * k, ROW_STEPS, shards)
+            rows = round_up_to_step(plan.need["num_rows"], n_traj * k, ROW_STEPS, shards,
+                                    min_step=MIN_ROW_STEP)
             plan = plan.padded(num_traj=n_traj, num_turns=k, num_rows=rows,
                                row_len=16 * math.ceil(plan.need["row_len"] / 16))
         batch, _ = pack(recs, plan, task_index=self.task_index)

@@ -134,8 +134,9 @@ def run_sft(model: nnx.Module, records: list[dict], *, steps: int, batch_size: i
         fixed = pad_to
         if layout == "per_step" and "num_rows" in pad_to:  # rows for the turns taken
             need = sum(len(r["turns"]) for r in chosen)
-            fixed = dict(pad_to, num_rows=round_up_to_step(min(need, pad_to["num_rows"]),
-                                                           pad_to["num_rows"]))
+            full = pad_to["num_rows"]  # steps of >= 64 rows: a small warm-up compiles once
+            fixed = dict(pad_to, num_rows=round_up_to_step(min(need, full), full,
+                                                           min_step=64))
         batch, _ = pack_records(chosen, layout=layout, pad_to=fixed)
         params, opt_state, loss = update(params, opt_state, batch)
         loss = float(loss)
