@@ -22,7 +22,8 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     run:        dir                          (null = runs/<name>: everything of the run lives there)
     checkpoint: every, keep, export, export_warmup
     metrics:    tensorboard, plots
-    sampler:    name (jax | vllm), dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
+    sampler:    name (jax | vllm), data_parallel, tensor_parallel (JAX sampler: this host's
+                devices), prefill_chunk, dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
                 enforce_eager, transfer, probe_every, probe_tol   (``sampler: vllm`` = name only)
     mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
                 rules {}                     (logical axis -> mesh axis overrides of
@@ -243,8 +244,16 @@ class SamplerSection:
     """Which sampler generates the rollouts. ``name: jax`` is the JAX KV-cache sampler; ``name:
     vllm`` runs vLLM's engine in the trainer's process, synced in memory after every update
     (``sampling.vllm.VllmSampler``; needs the ``[vllm]`` extra). ``sampler: vllm`` in YAML is
-    short for ``sampler: {name: vllm}``. The other keys only apply to vLLM."""
+    short for ``sampler: {name: vllm}``. ``data_parallel`` x ``tensor_parallel`` are the
+    devices of its host the JAX sampler splits a call over (``sharding.sampler_mesh``: prompts
+    and KV cache rows over data, heads and KV cache heads over tensor; -1 = the host's
+    remaining devices; 1 x 1 = one device); ``prefill_chunk`` is how many prompt tokens the
+    JAX sampler's prefill writes at a time (attention scores ``[rows, heads, chunk,
+    cache slots]`` at once; 0 = the whole prompt). The other keys only apply to vLLM."""
     name: str = "jax"
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    prefill_chunk: int = 512
     dtype: str | None = None           # engine dtype; null = model.dtype
     kv_cache_mb: int = 256             # KV-cache memory (0 = vLLM decides: GPU share or
                                        # VLLM_CPU_KVCACHE_SPACE)
@@ -1074,8 +1083,19 @@ def _check_sampler(cfg: RunConfig) -> None:
     if s.dtype is not None:
         _choice(s.dtype, DTYPES, "sampler.dtype")
     _choice(s.transfer, TRANSFERS, "sampler.transfer")
+    for key in ("data_parallel", "tensor_parallel"):
+        v = getattr(s, key)
+        if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
+            raise ConfigError(f"sampler.{key} must be an int >= 1 or -1 (the host's remaining "
+                              f"devices); got {v!r}")
+    if s.data_parallel == -1 and s.tensor_parallel == -1:
+        raise ConfigError("sampler: at most one of data_parallel / tensor_parallel may be -1")
+    if s.name != "jax" and (s.data_parallel, s.tensor_parallel) != (1, 1):
+        raise ConfigError(f"sampler.data_parallel / tensor_parallel split the JAX sampler over "
+                          f"a host's devices; the {s.name} sampler runs one engine per host "
+                          "(set them to 1)")
     _positive(s, "sampler", "max_num_seqs")
-    _positive(s, "sampler", "kv_cache_mb", "probe_every", allow_zero=True)
+    _positive(s, "sampler", "kv_cache_mb", "probe_every", "prefill_chunk", allow_zero=True)
     if not 0 < s.gpu_memory_utilization <= 1:
         raise ConfigError("sampler.gpu_memory_utilization must be in (0, 1]; got "
                           f"{s.gpu_memory_utilization!r}")
@@ -1105,6 +1125,10 @@ def _check_mesh(cfg: RunConfig) -> None:
     if m.hf_path is None and axes["tensor"] > 0 and (m.num_kv_heads % axes["tensor"]):
         raise ConfigError(f"mesh.tensor ({axes['tensor']}) must divide model.num_kv_heads "
                           f"({m.num_kv_heads})")
+    stp = cfg.sampler.tensor_parallel
+    if m.hf_path is None and stp > 0 and (m.num_kv_heads % stp or m.num_heads % stp):
+        raise ConfigError(f"sampler.tensor_parallel ({stp}) must divide model.num_heads "
+                          f"({m.num_heads}) and model.num_kv_heads ({m.num_kv_heads})")
     from jaxrl_agent.sharding.rules import check_rules
     try:
         check_rules(cfg.mesh.rules)
@@ -1178,6 +1202,9 @@ def describe(cfg: RunConfig) -> str:
     ent = f", entropy*{lo.entropy_coef:g}" if lo.entropy_coef else ""
     off = ((f", {lo.is_level} IS weights {lo.is_weights} at {lo.is_cap:g}"
             if lo.is_weights != "none" else "") + (", decoupled" if lo.decoupled else ""))
+    sm = cfg.sampler
+    smesh = (f" over data={sm.data_parallel} x tensor={sm.tensor_parallel} devices"
+             if (sm.data_parallel, sm.tensor_parallel) != (1, 1) else "")
     asy = (f", async ({t.rollout_workers} rollout workers, lag <= {t.max_policy_lag})"
            if t.async_rollouts else "")
     return "\n".join([
@@ -1190,7 +1217,7 @@ def describe(cfg: RunConfig) -> str:
         f"{r.max_new_tokens} new tokens/turn, T={r.temperature:g}{tree}",
         f"  estimator {est}",
         f"  loss      {lo.policy} ({lo.agg}){kl}{ent}{off}",
-        f"  sampler   {cfg.sampler.name}{asy}",
+        f"  sampler   {cfg.sampler.name}{smesh}{asy}",
         f"  optimizer adamw lr {o.lr:g} ({o.decay}, warmup {o.warmup_steps}), clip {o.grad_clip:g}",
         f"  mesh      data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}",
     ])

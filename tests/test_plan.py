@@ -15,6 +15,7 @@ from flax import nnx
 from jaxrl_agent import cli
 from jaxrl_agent import config as config_lib
 from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.train import loop
 from jaxrl_agent.train import plan as plan_lib
 
 # tiny rollouts: 8 tasks x 2 = 16 trajectories of up to 2 turns, rows of 32 tokens; the
@@ -80,10 +81,11 @@ def test_cpu8_plan_of_the_real_step_fsdp_x_tp():
     assert p.params_total_bytes / 4 <= p.params_bytes < p.params_total_bytes / 2
     # Adam's two moments, laid out like the params (plus a few step counters)
     assert 2 * p.params_bytes <= p.opt_bytes <= 2 * p.params_bytes + 64
-    assert p.argument_bytes >= p.params_bytes + p.opt_bytes  # (jit drops unused batch fields)
-    assert p.temp_bytes > 0 and p.fits is None and p.hbm_bytes is None
-    assert p.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
-    assert p.collectives["all-reduce"]["count"] > 0  # the loss / estimator statistics
+    mem = p.memory
+    assert mem.argument_bytes >= p.params_bytes + p.opt_bytes  # (jit drops unused batch fields)
+    assert mem.temp_bytes > 0 and p.fits is None and p.hbm_bytes is None
+    assert mem.collectives["all-gather"]["count"] > 0  # FSDP gathers the weights
+    assert mem.collectives["all-reduce"]["count"] > 0  # the loss / estimator statistics
     assert not p.gathers_whole_model
     # the JAX sampler's prefill and decode step, on one of the 8 devices: 16 prompts, a cache
     # of max_context_tokens = 32 slots
@@ -94,6 +96,29 @@ def test_cpu8_plan_of_the_real_step_fsdp_x_tp():
     assert "verdict: compiled for 8 host devices" in text
     assert "JAX sampler: compiled for ONE cpu device" in text and "KV cache" in text
     assert "verdict: sampler: its " in text and "(16 prompts x 32 cache slots" in text
+
+
+def test_cpu_plan_with_prefix_trees_and_a_sharded_sampler():
+    """prefix_sharing compiles the tree step with the tree extras at their largest (per device:
+    3 int32 [rows, row_len] tree arrays, the [rows, row_len] index, the block ids); the
+    sampler split data 2 x tensor 2 holds half the KV cache rows and half the KV heads."""
+    plain = plan_lib.plan_run(_cfg(*FSDP_TP), "cpu:4", sampler=False)
+    tree = plan_lib.plan_run(_cfg(*FSDP_TP, "trainer.prefix_sharing=true",
+                                  "sampler.data_parallel=2", "sampler.tensor_parallel=2",
+                                  "model.num_kv_heads=2"), "cpu:4")
+    rows = tree.batch["num_rows"] // 2  # rows over data x fsdp = 2 shards
+    blocks = 2 * tree.step["micro_batches"]
+    assert tree.batch_bytes - plain.batch_bytes == 4 * (4 * rows * 32) + 4 * blocks // 2
+    assert any("prefix trees at their largest" in n for n in tree.notes)
+    sp = tree.sampler
+    assert sp.mesh == {"data": 2, "tensor": 2} and sp.dims["batch"] == 16
+    m = tree.model
+    kv = 2 * m["layers"] * (16 // 2) * 32 * (2 // 2) * 32 * 4  # rows/2, heads/2, head_dim 32
+    assert sp.kv_cache_bytes == kv + 4 * 8
+    assert sp.params_bytes < sp.num_params * 4 * 0.75  # heads / MLP / vocab split 2 ways
+    text = plan_lib.format_plan(tree)
+    assert "JAX sampler: compiled for 4 cpu devices of one host" in text
+    assert "collectives in the sampler's decode step" in text
 
 
 def test_cli_plan_prints_the_table(capsys, tmp_path):
@@ -139,15 +164,15 @@ def test_verdicts_name_the_key_to_change():
                 device_kind="TPU v5 lite", mesh={"data": 1, "fsdp": 2, "tensor": 2},
                 model={}, batch={}, step={"remat": False}, params_bytes=gib,
                 params_total_bytes=4 * gib, opt_bytes=2 * gib, ref_bytes=0, batch_bytes=0,
-                argument_bytes=3 * gib, output_bytes=3 * gib, alias_bytes=0,
-                temp_bytes=20 * gib, code_bytes=0, compile_s=1.0, collectives={}, notes=[],
-                hbm_bytes=16 * gib)
+                memory=plan_lib.CompiledMemory(3 * gib, 3 * gib, 0, 20 * gib, 0, 1.0),
+                notes=[], hbm_bytes=16 * gib)
     v = plan_lib.Plan(**base).verdicts()
     assert v[0].startswith("DOES NOT FIT") and "trainer.remat" in v[0]
     big = plan_lib.Plan(**{**base, "params_bytes": 4 * gib, "opt_bytes": 8 * gib}).verdicts()
     assert any("whole model" in x and "mesh.fsdp" in x for x in big)
     assert any("DOES NOT FIT" in x and "raise mesh.fsdp" in x for x in big)
-    ok = plan_lib.Plan(**{**base, "temp_bytes": gib}).verdicts()
+    ok = plan_lib.Plan(**{**base, "memory": plan_lib.CompiledMemory(3 * gib, 3 * gib, 0, gib,
+                                                                    0, 1.0)}).verdicts()
     assert ok == ["fits: 7.00 GiB of 16 GiB HBM per v5e chip (44%)"]
 
 
@@ -159,8 +184,8 @@ def test_tpu_v5e_2x2_default_step_and_qwen_policy_value(keep_env):
     from the parameter count plus the activations of these small shapes."""
     p = plan_lib.plan_run(_cfg(*FSDP_TP), "v5e:2x2", sampler=False)
     assert p.device_kind == "TPU v5 lite" and p.num_devices == 4 and p.fits
-    assert p.collectives["all-gather"]["count"] > 0  # FSDP gathers weights ...
-    assert p.collectives["reduce-scatter"]["count"] > 0  # ... and scatters their gradients
+    assert p.memory.collectives["all-gather"]["count"] > 0  # FSDP gathers weights ...
+    assert p.memory.collectives["reduce-scatter"]["count"] > 0  # ... and scatters gradients
     q = plan_lib.plan_run(_cfg(*FSDP_TP, "estimator.name=gae", "model.value_head=true",
                                "model.dtype=bfloat16", "model.vocab_size=4096",
                                "model.hidden_size=256", "model.intermediate_size=512",
@@ -169,7 +194,7 @@ def test_tpu_v5e_2x2_default_step_and_qwen_policy_value(keep_env):
                           sampler=False)
     assert q.model["value_head"] and q.model["dtype"] == "bfloat16"
     state = q.params_bytes + q.opt_bytes
-    assert q.argument_bytes >= state
+    assert q.memory.argument_bytes >= state
     # params are split over fsdp x tensor = 4: a device holds at most ~1/4 + replicated norms
     assert q.params_bytes <= q.params_total_bytes / 4 * 1.1
     assert q.total_bytes < 8 * q.params_total_bytes + 64 * 2 ** 20
@@ -232,11 +257,12 @@ BF16 = ["model.dtype=bfloat16", "model.num_heads=4", "model.num_kv_heads=2", "mo
 
 
 def _sampler_plan(cfg, topology):
-    """``plan_sampler`` alone (no train step) for the config's model on the first device."""
+    """``plan_sampler`` alone (no train step) for the config's model on the topology's first
+    host (one device unless sampler.data_parallel / tensor_parallel say otherwise)."""
     cfg = config_lib.validate(cfg)
-    device = plan_lib.topology_devices(topology)[0]
+    devices = plan_lib.topology_devices(topology)
     model = nnx.eval_shape(lambda: Transformer(plan_lib.model_config(cfg), rngs=nnx.Rngs(0)))
-    return plan_lib.plan_sampler(plan_lib.abstract_sampler(cfg, model), cfg, device)
+    return plan_lib.plan_sampler(plan_lib.abstract_sampler(cfg, model, devices), cfg)
 
 
 def _check_sampler_bytes(sp, cfg):
@@ -279,7 +305,9 @@ def test_sampler_dims_follow_generate_buckets():
     # 6 x 5 x 3 = 90 prompts: generate chunks them by the largest bucket (64)
     assert (d["prompts"], d["call"], d["batch"]) == (90, "train", 64)
     assert (d["prompt_len"], d["new_tokens"], d["cache_len"]) == (256, 16, 272)
-    assert plan_lib.sampler_batch_buckets(no_eval) == (128, 256)
+    assert loop.sampler_batch_buckets(no_eval) == (128, 256)
+    # per host: 3 of the 6 tasks x 5 x 3 = 45 prompts; eval 64 of the 128 tasks
+    assert loop.sampler_batch_buckets(no_eval, 2) == (64, 128)
 
 
 @pytest.mark.parametrize("sets", [[], BF16], ids=["float32", "bfloat16"])
@@ -301,16 +329,17 @@ def test_sampler_verdicts_name_the_key_to_change():
     step = dict(topology="v5e:2x2", chip="v5e", num_devices=4, num_hosts=1,
                 device_kind="TPU v5 lite", mesh={"data": 1, "fsdp": 2, "tensor": 2}, model={},
                 batch={}, step={"remat": True}, params_bytes=gib, params_total_bytes=4 * gib,
-                opt_bytes=2 * gib, ref_bytes=0, batch_bytes=0, argument_bytes=3 * gib,
-                output_bytes=3 * gib, alias_bytes=0, temp_bytes=gib, code_bytes=0,
-                compile_s=1.0, collectives={}, notes=[], hbm_bytes=16 * gib)
+                opt_bytes=2 * gib, ref_bytes=0, batch_bytes=0,
+                memory=plan_lib.CompiledMemory(3 * gib, 3 * gib, 0, gib, 0, 1.0), notes=[],
+                hbm_bytes=16 * gib)
 
     def mem(total):
         return plan_lib.CompiledMemory(total, 0, 0, 0, 0, 1.0)
 
     def sampler(decode_gib):
         return plan_lib.SamplerPlan(
-            device_kind="TPU v5 lite", dims={"batch": 512, "cache_len": 4096}, num_params=1,
+            device_kind="TPU v5 lite", mesh={"data": 1, "tensor": 1},
+            dims={"batch": 512, "cache_len": 4096}, num_params=1,
             params_bytes=2 * gib, kv_cache_bytes=gib, prefill=mem(3 * gib),
             decode=mem(decode_gib * gib))
 

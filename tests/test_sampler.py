@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent.models import ModelConfig, Transformer
 from jaxrl_agent.sampling import JaxSampler, SampleOutput, Sampler, SamplingParams
@@ -323,3 +324,81 @@ def test_validation_of_the_call(sampler, model):
     o = sampler.generate([[1] * 16], SamplingParams(temperature=0.0,
                                                     max_new_tokens=REF_LEN - 16))[0]
     assert len(o.token_ids) == REF_LEN - 16
+
+
+def test_chunked_prefill_equals_one_pass(sampler, model):
+    """Prompts written to the cache 5 tokens at a time (16-token bucket: 4 chunks, the last one
+    partly padding; rows ending inside, at the edge of and before a chunk) give the one-pass
+    prefill's tokens and log-probs."""
+    chunked = JaxSampler(model, batch_buckets=(8,), len_buckets=(16,), new_token_buckets=(16,),
+                         seed=0, prefill_chunk=5)
+    prompts = prompts_of([1, 4, 5, 6, 10, 11, 15, 16], seed=4)
+    params = [SamplingParams(temperature=t, max_new_tokens=16, seed=i)
+              for i, t in enumerate([0.0, 1.0] * 4)]
+    want, got = sampler.generate(prompts, params), chunked.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    np.testing.assert_allclose(np.concatenate([o.logprobs for o in got]),
+                               np.concatenate([o.logprobs for o in want]), atol=1e-5)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        JaxSampler(model, prefill_chunk=0)
+
+
+# ----------------------------------------------------------------------------- a mesh
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 host devices (XLA_FLAGS)")
+@pytest.mark.parametrize("data, tensor", [(4, 2), (8, 1)])
+def test_sharded_sampler_matches_one_device(sampler, model, data, tensor):
+    """Split over data x tensor host devices (weights by the default partition rules, KV cache
+    rows over data and heads over tensor) the sampler returns the one-device sampler's tokens
+    and log-probs (seeded, mixed temperatures, top-k, a chunk of 11 > the batch bucket), places
+    its weights and cache as asked, keeps that layout across weight syncs, and compiles once."""
+    from jaxrl_agent import sharding
+
+    mesh = sharding.sampler_mesh(data, tensor)
+    shardings = sharding.param_shardings(nnx.state(model), mesh, sharding.DEFAULT_RULES)
+    sharded = JaxSampler(model, batch_buckets=(8,), len_buckets=(16,), new_token_buckets=(16,),
+                         seed=0, mesh=mesh, param_shardings=shardings)
+    assert sharded.batch_buckets == (8,)
+    q = sharded.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    # (embed, heads): embed's fsdp axis has size 1 in a sampler mesh; heads over tensor
+    assert q.sharding.spec == (P(None, "tensor") if tensor > 1 else P())
+    assert q.addressable_shards[0].data.shape == (CONFIG.hidden_size,
+                                                  CONFIG.num_heads * CONFIG.head_dim // tensor)
+    prompts = prompts_of(np.random.default_rng(3).integers(1, 17, 11), seed=5)
+    params = [SamplingParams(temperature=t, top_k=k, max_new_tokens=16, seed=i)
+              for i, (t, k) in enumerate([(0.0, 0), (1.0, 0), (0.7, 5)] * 3 + [(1.0, 3),
+                                                                               (0.0, 0)])]
+    want = sampler.generate(prompts, params)
+    got = sharded.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    np.testing.assert_allclose(np.concatenate([o.logprobs for o in got]),
+                               np.concatenate([o.logprobs for o in want]), atol=1e-5)
+    sharded.sync_weights(nnx.state(model), 3)  # from the model's one-device arrays
+    q2 = sharded.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert q2.sharding == q.sharding
+    assert [o.token_ids for o in sharded.generate(prompts, params)] == \
+        [o.token_ids for o in want]
+    assert dict(sharded.compile_counts) == {"prefill": 1, "decode": 1}
+    # the prefill's cache: rows over data, KV heads over tensor
+    prefill, _ = sharded.lower(8, 16, 16)
+    cache = prefill.out_info[0].layers[0][0]
+    placed = prefill.compile().output_shardings[0].layers[0][0]
+    assert placed.shard_shape(cache.shape) == (8 // data, 32, 2 // tensor, 16)
+
+
+def test_sampler_mesh_mistakes(model):
+    from jaxrl_agent import sharding
+
+    with pytest.raises(ValueError, match="data' axis"):
+        JaxSampler(model, mesh="data")
+    with pytest.raises(ValueError, match="param_shardings needs a mesh"):
+        JaxSampler(model, param_shardings={})
+    with pytest.raises(ValueError, match="sampler.data_parallel"):
+        sharding.sampler_mesh(data=len(jax.local_devices()) + 1)
+    if len(jax.devices()) >= 4:
+        with pytest.raises(ValueError, match=r"tensor axis \(4\) must divide"):
+            JaxSampler(model, mesh=sharding.sampler_mesh(1, 4))  # 2 KV heads
+        # batch buckets become multiples of the data axis
+        assert JaxSampler(model, batch_buckets=(2, 8, 10),
+                          mesh=sharding.sampler_mesh(4, 1)).batch_buckets == (4, 8, 12)

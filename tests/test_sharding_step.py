@@ -470,9 +470,12 @@ TRAINER = ["mesh.fsdp=2", "mesh.tensor=2", "model.num_kv_heads=2", "model.num_he
 
 
 def test_trainer_on_a_2x2x2_mesh_restores_into_fsdp8(tmp_path):
-    cfg = tiny_config(tmp_path, *TRAINER, "mesh.data=2")
+    # the JAX sampler on its own layout: rows over 4 devices, heads over 2
+    cfg = tiny_config(tmp_path, *TRAINER, "mesh.data=2", "sampler.data_parallel=-1",
+                      "sampler.tensor_parallel=2")
     tr = loop.Trainer(cfg, progress=False)
     assert dict(tr.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2} and tr.data_shards == 4
+    assert dict(tr.sampler.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
     summary = tr.layout_summary()
     assert "mesh data=2 fsdp=2 tensor=2" in summary and "remat" in summary
     saved = {}
@@ -492,6 +495,14 @@ def test_trainer_on_a_2x2x2_mesh_restores_into_fsdp8(tmp_path):
     assert q.shape == (32, 64) and q.addressable_shards[0].data.shape == (16, 32)
     assert not np.allclose(jax.device_get(_flat(saved[1][0].params)["lm_head.kernel"]),
                            _flat(final.params)["lm_head.kernel"])  # it trained
+    # each sync moved the weights from the train layout to the sampler's: whole embed, heads
+    # split over its tensor axis, the values of the step the sampler's version names
+    sq = tr.sampler.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert sq.addressable_shards[0].data.shape == (32, 32)
+    version = tr.sampler.policy_version
+    assert version in saved
+    np.testing.assert_array_equal(
+        jax.device_get(sq), _flat(saved[version][0].params)["layers.0.self_attn.q_proj.kernel"])
 
     cfg2 = tiny_config(tmp_path, *TRAINER, "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1")
     tr2 = loop.Trainer(cfg2, resume=True, progress=False)  # the mesh may change on resume

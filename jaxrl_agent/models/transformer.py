@@ -324,9 +324,10 @@ class Attention(nnx.Module):
         new_cache = None
         if kv_cache is not None:
             ck, cv = kv_cache
-            rows = jnp.arange(B)[:, None]
-            ck = ck.at[rows, slots].set(k.astype(ck.dtype), mode="drop")
-            cv = cv.at[rows, slots].set(v.astype(cv.dtype), mode="drop")
+            # one scatter per row (vmap: the batch is a batching dimension of the scatter, so
+            # a cache split over rows is updated where it lies, without gathering k / v)
+            write = jax.vmap(lambda c, s, new: c.at[s].set(new.astype(c.dtype), mode="drop"))
+            ck, cv = write(ck, slots, k), write(cv, slots, v)
             new_cache = (ck, cv)
             k, v = ck.astype(q.dtype), cv.astype(q.dtype)
         return self.o_proj(_attend(q, k, v, mask)), new_cache

@@ -10,8 +10,13 @@ One ``generate`` call, per chunk of at most ``max(batch_buckets)`` requests:
    to a length bucket;
 2. ``prefill`` (one jitted call): write all prompts to a fresh ``KVCache`` (the padding of
    each row is marked with ``segment_ids == 0``, so every row's cache index ends at its own
-   prompt length) and compute the logits at each row's last prompt token;
-3. ``decode`` (one jitted call): sample the first token from those logits, then a
+   prompt length) and compute the logits at each row's last prompt token. Prompts longer
+   than ``prefill_chunk`` tokens are written ``prefill_chunk`` tokens at a time (a
+   ``lax.scan`` over chunks, each attending to the cache so far), so the attention scores
+   held at once are ``[B, heads, prefill_chunk, cache_len]`` rather than ``[B, heads,
+   prompt_len, cache_len]``;
+3. ``decode`` (one jitted call, the cache donated so the loop updates it in place): sample
+   the first token from those logits, then a
    ``lax.while_loop`` feeds the last token of every unfinished row, samples the next one with
    the row's own temperature / top-k / top-p (per-row arrays, so mixed parameters share one
    compilation) and PRNG stream, and stops a row at a stop token or at its own
@@ -21,6 +26,16 @@ One ``generate`` call, per chunk of at most ``max(batch_buckets)`` requests:
 Shapes are static: batch size, prompt length, new-token budget and the number of stop ids
 are rounded up to buckets, so repeated calls compile once per bucket combination
 (``compile_counts`` counts the traces).
+
+Devices: without a ``mesh`` the sampler runs on the device that holds the model's weights.
+With a ``mesh`` (a ``jax.sharding.Mesh`` with a ``data`` axis and optionally a ``tensor``
+axis, e.g. ``sharding.sampler_mesh``) one call is split over its devices: the rows of the
+batch (prompts, KV cache, sampled tokens) over ``data`` (batch buckets are rounded up to
+multiples of its size), the KV cache's key/value heads over ``tensor``, and the weights as
+``param_shardings`` say (the caller's partition rules; default: replicated). XLA inserts the
+collectives; the tokens and log-probs equal the one-device sampler's up to float rounding
+(tested on 8 host devices). ``lower`` compiles both programs from shapes alone (for
+``jaxrl-agent plan``).
 
 Log-prob semantics (see docs/sampling.md): for ``temperature > 0`` each reported log-prob is
 ``log q(token)`` where ``q = softmax(z)`` restricted to the kept set and renormalised,
@@ -41,8 +56,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.models.transformer import KVCache, Transformer, param_dtype
 from jaxrl_agent.sampling.base import (SampleOutput, SamplingParams, synced_params,
                                        validate_requests)
 
@@ -180,6 +196,22 @@ def _stop_bucket(n: int) -> int:
     return b
 
 
+def _check_mesh(mesh, config) -> Mesh | None:
+    """``mesh`` when it has a ``data`` axis (and a ``tensor`` axis, if any, that divides the
+    query and key/value heads); ``ValueError`` otherwise."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh) or "data" not in mesh.shape:
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with a 'data' axis (batch rows), "
+                         f"got {mesh!r}")
+    tp = mesh.shape.get("tensor", 1)
+    if config.num_heads % tp or config.num_kv_heads % tp:
+        raise ValueError(f"the mesh's tensor axis ({tp}) must divide the model's attention "
+                         f"heads ({config.num_heads}) and key/value heads "
+                         f"({config.num_kv_heads})")
+    return mesh
+
+
 # ----------------------------------------------------------------------------- the sampler
 
 
@@ -200,22 +232,40 @@ class JaxSampler:
         loop still stops as soon as every row is done.
       seed: the sampler's PRNG seed (requests without their own seed draw from it).
       policy_version: version stamped on outputs until the first ``sync_weights``.
+      mesh: devices to split each call over (see the module docstring); None = the device of
+        the model's weights.
+      param_shardings: with ``mesh``, a ``Sharding`` per leaf of ``nnx.state(model)`` (same
+        tree, e.g. ``sharding.param_shardings(state, mesh, rules)``); default replicated.
+      prefill_chunk: prompt tokens written to the cache per prefill chunk (see the module
+        docstring); None = the whole prompt at once. Results do not depend on it beyond
+        float rounding.
     """
 
     def __init__(self, model: Transformer, *, max_len: int | None = None,
                  batch_buckets: Sequence[int] = (8, 32, 128),
                  len_buckets: Sequence[int] | None = None,
                  new_token_buckets: Sequence[int] | None = None, seed: int = 0,
-                 policy_version: int = 0):
+                 policy_version: int = 0, mesh: Mesh | None = None,
+                 param_shardings: Any = None, prefill_chunk: int | None = 512):
         if not isinstance(model, Transformer):
             raise ValueError(f"model must be a jaxrl_agent.models.Transformer, got "
                              f"{type(model).__name__}")
         self.config = model.config
+        self.mesh = _check_mesh(mesh, model.config)
+        if param_shardings is not None and mesh is None:
+            raise ValueError("param_shardings needs a mesh")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(
+                prefill_chunk, int) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None or an int >= 1, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         max_len = self.config.max_position_embeddings if max_len is None else max_len
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
         self.max_len = max_len
         self.batch_buckets = _check_buckets("batch_buckets", batch_buckets)
+        if self.mesh is not None:  # every shard of a batch gets the same number of rows
+            d = self.mesh.shape["data"]
+            self.batch_buckets = tuple(sorted({-(-b // d) * d for b in self.batch_buckets}))
         self.len_buckets = _check_buckets(
             "len_buckets", _doubling_buckets(64, max_len) if len_buckets is None else len_buckets,
             max_len)
@@ -228,13 +278,16 @@ class JaxSampler:
         self._root = jax.random.key(int(seed) % (2 ** 32))
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
-        self._weights = (self._snapshot(state), self._check_version(policy_version))
+        if self.mesh is not None and param_shardings is None:
+            param_shardings = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
+        self._weights = (self._place(state, param_shardings),
+                         self._check_version(policy_version))
         self._calls = 0
         self._lock = threading.Lock()
         #: number of traces (= compilations) of each jitted function.
         self.compile_counts: collections.Counter = collections.Counter()
         self._prefill_jit = jax.jit(self._prefill, static_argnames=("cache_len",))
-        self._decode_jit = jax.jit(self._decode)
+        self._decode_jit = jax.jit(self._decode, donate_argnames=("cache",))
 
     # ------------------------------------------------------------------------- weights
 
@@ -244,11 +297,36 @@ class JaxSampler:
             raise ValueError(f"version must be an int, got {version!r}")
         return int(version)
 
-    @staticmethod
-    def _snapshot(state):
-        # New Variable objects holding committed copies: in-place updates of the source
-        # module (which replace its Variables' values) never reach the sampler.
-        return jax.tree.map(lambda x: jax.device_put(jnp.array(x, copy=True), x.sharding), state)
+    def _place(self, state, shardings):
+        """The sampler's own copy of ``state``: new Variables holding committed copies, so
+        in-place updates of the source module never reach the sampler; on ``shardings`` (a
+        tree like ``state``) when given, else where the arrays are."""
+        if shardings is None:
+            return jax.tree.map(lambda x: jax.device_put(jnp.array(x, copy=True), x.sharding),
+                                state)
+        return jax.tree.map(lambda x, s: jax.device_put(jnp.array(x, copy=True), s), state,
+                            shardings)
+
+    @property
+    def batch_sharding(self) -> NamedSharding | None:
+        """Where the per-row arrays of a call go (rows over ``data``); None without a mesh."""
+        return None if self.mesh is None else NamedSharding(self.mesh, P("data"))
+
+    @property
+    def cache_sharding(self) -> NamedSharding | None:
+        """The KV cache's ``[B, S, kv_heads, head_dim]`` arrays: rows over ``data``, heads over
+        ``tensor``; None without a mesh."""
+        if self.mesh is None:
+            return None
+        tp = self.mesh.shape.get("tensor", 1)
+        return NamedSharding(self.mesh, P("data", None, "tensor" if tp > 1 else None))
+
+    def _constrain_cache(self, cache):
+        if self.mesh is None:
+            return cache
+        layers = jax.lax.with_sharding_constraint(cache.layers, self.cache_sharding)
+        index = jax.lax.with_sharding_constraint(cache.index, self.batch_sharding)
+        return type(cache)(layers=layers, index=index)
 
     @property
     def policy_version(self) -> int:
@@ -300,17 +378,39 @@ class JaxSampler:
         self.compile_counts["prefill"] += 1
         model = nnx.merge(self._graphdef, state)
         B, L = tokens.shape
-        seg = (jnp.arange(L, dtype=jnp.int32)[None, :] < lengths[:, None]).astype(jnp.int32)
-        cache = model.init_cache(B, cache_len)
-        out = model(tokens, segment_ids=seg, cache=cache, compute_logits=False)
-        last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return out.cache, model.logits_from_hidden(last)
+        Q = L if self.prefill_chunk is None else min(self.prefill_chunk, L)
+        n = -(-L // Q)
+        tokens = jnp.pad(tokens, ((0, 0), (0, n * Q - L)))     # padding: segment id 0
+        seg = (jnp.arange(n * Q, dtype=jnp.int32)[None, :] < lengths[:, None]).astype(jnp.int32)
+        cache = self._constrain_cache(model.init_cache(B, cache_len))
+
+        def chunk(carry, xs):
+            cache, last = carry
+            tok, sg, c = xs
+            out = model(tok, segment_ids=sg, cache=cache, compute_logits=False)
+            pos = lengths - 1 - c * Q              # each row's last prompt token, if in here
+            h = jnp.take_along_axis(out.hidden, jnp.clip(pos, 0, Q - 1)[:, None, None],
+                                    axis=1)[:, 0].astype(jnp.float32)
+            last = jnp.where(((pos >= 0) & (pos < Q))[:, None], h, last)
+            return (self._constrain_cache(out.cache), last), None
+
+        split = lambda x: x.reshape(B, n, Q).swapaxes(0, 1)   # noqa: E731  [n, B, Q]
+        last = jnp.zeros((B, self.config.hidden_size), jnp.float32)
+        if n == 1:
+            (cache, last), _ = chunk((cache, last), (tokens, seg, 0))
+        else:
+            (cache, last), _ = jax.lax.scan(chunk, (cache, last),
+                                            (split(tokens), split(seg), jnp.arange(n)))
+        logits = model.logits_from_hidden(last)
+        if self.mesh is not None:
+            logits = jax.lax.with_sharding_constraint(logits, self.batch_sharding)
+        return cache, logits
 
     def _decode(self, state, cache, logits, rows, root, call_id, out_like):
         """The decode loop. ``rows``: dict of per-row arrays (``temperature, top_k, top_p,
         max_new, stop_ids [B, S], done, request_index, has_seed, seed_hi, seed_lo``);
         ``out_like``: ``[B, N]`` zeros fixing the new-token bucket N. Returns ``(tokens [B, N],
-        logprobs [B, N], num_generated [B])``."""
+        logprobs [B, N], num_generated [B], the final cache)``."""
         self.compile_counts["decode"] += 1
         model = nnx.merge(self._graphdef, state)
         B, N = out_like.shape
@@ -346,11 +446,53 @@ class JaxSampler:
             out_lp = out_lp.at[:, j].set(jnp.where(active, lp, 0.0))
             n_gen = n_gen + active.astype(jnp.int32)
             done = done | (active & (is_stop(new_tok) | (n_gen >= max_new)))
-            return j + 1, out.cache, tok, out_tok, out_lp, n_gen, done
+            return j + 1, self._constrain_cache(out.cache), tok, out_tok, out_lp, n_gen, done
 
         carry = (jnp.int32(1), cache, tok, out_tok, out_lp, n_gen, done)
-        _, _, _, out_tok, out_lp, n_gen, _ = jax.lax.while_loop(cond, body, carry)
-        return out_tok, out_lp, n_gen
+        _, cache, _, out_tok, out_lp, n_gen, _ = jax.lax.while_loop(cond, body, carry)
+        # the cache is returned so that its donated input buffer is the output's: the loop then
+        # updates it in place (no second copy); callers drop it
+        return out_tok, out_lp, n_gen, cache
+
+    def lower(self, batch: int, prompt_len: int, new_tokens: int, *, stop_ids: int = 4,
+              cache_len: int | None = None):
+        """Lowers the sampler's jitted prefill and decode loop for one call's padded shapes,
+        from shapes alone (nothing runs; the weights may be ``ShapeDtypeStruct``s with
+        shardings): ``batch`` rows (a batch bucket), prompts padded to ``prompt_len``,
+        ``new_tokens`` output slots, ``stop_ids`` stop-id slots and a KV cache of
+        ``cache_len`` slots (default ``min(prompt_len + new_tokens, max_len)``, as
+        ``generate`` sizes it). Arguments are placed as ``generate`` places them.
+
+        Returns:
+          ``(prefill, decode)``: ``jax.stages.Lowered``; ``.compile().memory_analysis()``
+          gives a program's bytes per device.
+        """
+        B, L, N, S = int(batch), int(prompt_len), int(new_tokens), int(stop_ids)
+        C = min(L + N, self.max_len) if cache_len is None else int(cache_len)
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                            sharding=x.sharding), self.state)
+        rows_sh = self.batch_sharding or jax.tree.leaves(state)[0].sharding
+        cache_sh = self.cache_sharding or rows_sh
+        one = NamedSharding(self.mesh, P()) if self.mesh is not None else rows_sh
+
+        def sds(shape, dtype, sh=rows_sh):
+            return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh)
+
+        tokens, lengths = sds((B, L), "int32"), sds((B,), "int32")
+        prefill = self._prefill_jit.lower(state, tokens, lengths, cache_len=C)
+        kv = sds((B, C, self.config.num_kv_heads, self.config.head_dim),
+                 param_dtype(self.config), cache_sh)
+        cache = KVCache(layers=((kv, kv),) * self.config.num_layers, index=sds((B,), "int32"))
+        logits = sds((B, self.config.vocab_size), "float32")
+        rows = dict(temperature=sds((B,), "float32"), top_k=sds((B,), "int32"),
+                    top_p=sds((B,), "float32"), max_new=sds((B,), "int32"),
+                    stop_ids=sds((B, S), "int32"), done=sds((B,), "bool"),
+                    request_index=sds((B,), "uint32"), has_seed=sds((B,), "bool"),
+                    seed_hi=sds((B,), "uint32"), seed_lo=sds((B,), "uint32"))
+        root = jax.ShapeDtypeStruct((), self._root.dtype, sharding=one)
+        decode = self._decode_jit.lower(state, cache, logits, rows, root,
+                                        sds((), "uint32", one), sds((B, N), "int32"))
+        return prefill, decode
 
     # ------------------------------------------------------------------------- generate
 
@@ -418,10 +560,13 @@ class JaxSampler:
                     request_index=(start + np.arange(B)).astype(np.uint32), has_seed=has_seed,
                     seed_hi=seed_hi, seed_lo=seed_lo)
 
+        out_like = np.zeros((B, N), np.int32)
+        if self.mesh is not None:  # rows over the mesh's data axis
+            tokens, lengths, rows, out_like = jax.device_put((tokens, lengths, rows, out_like),
+                                                             self.batch_sharding)
         cache, logits = self._prefill_jit(state, tokens, lengths, cache_len=cache_len)
-        out_tok, out_lp, n_gen = self._decode_jit(state, cache, logits, rows, self._root,
-                                                  np.uint32(call_id % (2 ** 32)),
-                                                  np.zeros((B, N), np.int32))
+        out_tok, out_lp, n_gen, _ = self._decode_jit(state, cache, logits, rows, self._root,
+                                                     np.uint32(call_id % (2 ** 32)), out_like)
         out_tok, out_lp, n_gen = jax.device_get((out_tok, out_lp, n_gen))
 
         results = []

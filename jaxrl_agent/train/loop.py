@@ -58,8 +58,9 @@ from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
                                     make_optimizer, make_train_step)
 
-__all__ = ["Trainer", "build_sampler", "StaleBatchError", "RunLockedError", "refuse_stale",
-           "step_seed", "build_model", "find_run", "run_config", "evaluate_run"]
+__all__ = ["Trainer", "build_sampler", "sampler_batch_buckets", "StaleBatchError",
+           "RunLockedError", "refuse_stale", "step_seed", "build_model", "find_run",
+           "run_config", "evaluate_run"]
 
 
 class RunLockedError(ValueError):
@@ -211,13 +212,35 @@ class Summary:
     plots: list
 
 
+def sampler_batch_buckets(cfg: config_lib.RunConfig, num_hosts: int = 1) -> tuple[int, ...]:
+    """The batch buckets of the run's sampler: the most prompts one host sends at once in a
+    step (its share of ``tasks_per_step`` x ``group_size`` x the forks of ``branch_turns``)
+    and in an evaluation (its share of ``trainer.eval_tasks``), each rounded up to a power of
+    two >= 8."""
+    r, hosts = cfg.rollout, max(int(num_hosts), 1)
+    train = -(-r.tasks_per_step // hosts) * r.group_size * r.branch_factor ** len(r.branch_turns)
+    return tuple(sorted({bucket(train, 8), bucket(-(-cfg.trainer.eval_tasks // hosts), 8)}))
+
+
 def build_sampler(cfg: config_lib.RunConfig, model, *, batch_buckets=(8, 32, 128)):
     """The run's sampler (``cfg.sampler``): the JAX KV-cache sampler, or vLLM's engine in this
     process (``sampling.vllm.VllmSampler``), both starting from ``model``'s weights."""
     s, r, seed = cfg.sampler, cfg.rollout, cfg.trainer.seed
     if s.name == "jax":
-        return JaxSampler(model, max_len=r.max_context_tokens, batch_buckets=batch_buckets,
-                          seed=seed)
+        mesh = shardings = None
+        if (s.data_parallel, s.tensor_parallel) != (1, 1):  # split over this host's devices
+            try:
+                mesh = sharding.sampler_mesh(s.data_parallel, s.tensor_parallel)
+            except ValueError as e:
+                raise config_lib.ConfigError(str(e)) from None
+            shardings = sharding.param_shardings(nnx.state(model), mesh,
+                                                 {**sharding.DEFAULT_RULES, **cfg.mesh.rules})
+        try:
+            return JaxSampler(model, max_len=r.max_context_tokens, batch_buckets=batch_buckets,
+                              seed=seed, mesh=mesh, param_shardings=shardings,
+                              prefill_chunk=s.prefill_chunk or None)
+        except ValueError as e:  # heads the tensor axis does not divide (an HF model)
+            raise config_lib.ConfigError(f"sampler: {e}") from None
     from jaxrl_agent.sampling.vllm import VllmSampler
     try:
         return _vllm_sampler(VllmSampler, cfg, model)
@@ -377,8 +400,8 @@ class Trainer:
                                          keep=max(cfg.checkpoint.keep, 1),
                                          read_only=self.read_only)
         # Last: a vLLM sampler holds an engine (memory, maybe a GPU share) until close().
-        self.sampler = build_sampler(cfg, self.model, batch_buckets=sorted(
-            {bucket(self._n_train, 8), bucket(t.eval_tasks, 8)}))
+        self.sampler = build_sampler(cfg, self.model, batch_buckets=sampler_batch_buckets(
+            cfg, jax.process_count()))
 
     def close(self) -> None:
         """Releases the sampler's engine (vLLM) and the run directory's lock; ``run()`` calls
@@ -492,6 +515,8 @@ class Trainer:
         params = state.params
         if jax.process_count() > 1:  # whole arrays on every host (local copy when replicated)
             params = multihost.host_gather(params)
+        elif isinstance(self.sampler, JaxSampler):
+            pass  # sync_weights moves each array from the train layout to the sampler's own
         elif not all(x.is_fully_replicated for x in jax.tree.leaves(params)):
             params = jax.device_put(params, sharding.replicated(self.mesh))  # on-device gather
         self.sampler.sync_weights(params, int(state.step))

@@ -31,19 +31,26 @@ HLO (an op inside the micro-batch loop runs once per micro-batch but is counted 
 bytes are the per-device result buffers.
 
 With ``sampler: jax`` the plan also compiles the JAX sampler's own jitted prefill and decode
-loop (``plan_sampler``) for ONE device of the topology: the sampler is not sharded over the
-mesh, each host runs it on one of its devices with the whole model. It is planned for the
-run's largest sampler call (``sampler_dims``): one host's prompts of a step (``tasks_per_step x
+loop (``plan_sampler``, through ``JaxSampler.lower``) on the devices one host gives it: one
+device with the whole model by default, or ``sampler.data_parallel`` x ``tensor_parallel`` of
+the host's devices (``sharding.sampler_mesh``: prompts and KV cache rows over data, weights
+and KV heads over tensor by the run's partition rules). It is planned for the run's largest
+sampler call (``sampler_dims``): one host's prompts of a step (``tasks_per_step x
 group_size``, times the forks of ``branch_turns``) or of an evaluation, padded to the
 sampler's batch bucket; prompts of up to ``max_context_tokens - max_new_tokens`` tokens and a
 KV cache of up to ``max_context_tokens`` slots, as ``JaxSampler.generate`` buckets them. The
 sampler is built around a model of shapes only (``abstract_sampler``). Its numbers per device:
-parameters and KV cache from the shapes; arguments / outputs / temporaries / code from
-``memory_analysis()`` of each program. That device also keeps its share of the train state,
-so its peak is ``max(sampler peak + train state, train step total + sampler weights)``.
+parameters and KV cache from the shapes and shardings; arguments / outputs / temporaries /
+code from ``memory_analysis()`` of each program. Those devices also keep their share of the
+train state, so their peak is ``max(sampler peak + train state, train step total + sampler
+weights)``.
 
-Not covered yet: prefix-tree packing (``trainer.prefix_sharing``: compiled without the trees,
-and said so), the vLLM sampler, and several rollout workers sampling at once
+With ``trainer.prefix_sharing`` the step is compiled with the prefix-tree extras at their
+largest: one tree row of ``max(prefix_tree_len, row length)`` slots per batch row, as when no
+two rows share a prefix (shared prefixes only remove tree rows; an automatic tree length may
+pick longer, fewer rows within ``rollout.tree.MEMORY_FACTOR`` of the unpacked attention).
+
+Not covered yet: the vLLM sampler, and several rollout workers sampling at once
 (``trainer.async_rollouts``: one call is planned, and said so).
 """
 
@@ -68,14 +75,15 @@ from jaxrl_agent import config as config_lib
 from jaxrl_agent import estimators, sharding
 from jaxrl_agent.batch import TrajectoryBatch, bucket
 from jaxrl_agent.models.config import ModelConfig
-from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.models.transformer import Transformer, param_dtype
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
-from jaxrl_agent.train.loop import builtin_model_config, run_optimizer, step_config
+from jaxrl_agent.train.loop import (builtin_model_config, run_optimizer,
+                                    sampler_batch_buckets, step_config)
 from jaxrl_agent.train.step import init_state_from_params, make_train_step
 
 __all__ = ["PlanError", "Plan", "SamplerPlan", "CompiledMemory", "HBM_GIB", "HF_SHAPES",
            "topology_devices", "plan_run", "plan_sampler", "abstract_sampler", "sampler_dims",
-           "sampler_batch_buckets", "format_plan", "count_collectives"]
+           "format_plan", "count_collectives", "compile_memory"]
 
 #: HBM per chip in GiB (Google Cloud TPU system architecture pages).
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
@@ -320,13 +328,23 @@ def batch_dims(cfg: config_lib.RunConfig, blocks: int) -> dict:
     return {"num_traj": n, "num_turns": k, "num_rows": rows, "row_len": t}
 
 
-def abstract_batch(dims: dict, layout: str, sharding_: NamedSharding) -> TrajectoryBatch:
+def abstract_batch(dims: dict, layout: str, sharding_: NamedSharding, *,
+                   tree_blocks: int = 0, tree_len: int = 0) -> TrajectoryBatch:
     """A ``TrajectoryBatch`` of ``ShapeDtypeStruct``s (rows / trajectories over the batch
-    axes)."""
+    axes). ``tree_blocks`` > 0 adds the prefix-tree extras of ``rollout.tree``'s
+    ``attach_prefix_trees`` for that many blocks, at their largest: one tree row of
+    ``tree_len`` slots per batch row (no prefix shared; sharing only removes tree rows)."""
     n, k, r, t = dims["num_traj"], dims["num_turns"], dims["num_rows"], dims["row_len"]
 
     def s(shape, dtype):
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding_)
+
+    extras = {}
+    if tree_blocks:
+        length = max(tree_len, t)
+        extras = dict(tree_tokens=s((r, length), "int32"), tree_positions=s((r, length), "int32"),
+                      tree_ends=s((r, length), "int32"), tree_index=s((r, t), "int32"),
+                      tree_blocks=s((tree_blocks,), "int32"))
 
     return TrajectoryBatch(
         tokens=s((r, t), "int32"), action_mask=s((r, t), "bool"), turn_ids=s((r, t), "int32"),
@@ -334,7 +352,7 @@ def abstract_batch(dims: dict, layout: str, sharding_: NamedSharding) -> Traject
         turn_mask=s((n, k), "bool"), turn_rewards=s((n, k), "float32"),
         state_keys=s((n, k), "uint32"), action_keys=s((n, k), "uint32"),
         group_ids=s((n,), "int32"), task_ids=s((n,), "int32"), traj_mask=s((n,), "bool"),
-        outcome=s((n,), "float32"), extras={}, layout=layout)
+        outcome=s((n,), "float32"), extras=extras, layout=layout)
 
 
 # ----------------------------------------------------------------------------- the HLO
@@ -413,13 +431,8 @@ class Plan:
     opt_bytes: int
     ref_bytes: int
     batch_bytes: int
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    code_bytes: int
-    compile_s: float
-    collectives: dict
+    #: the compiled train step: XLA's memory analysis, compile time and collectives
+    memory: CompiledMemory
     notes: list
     hbm_bytes: int | None
     #: the JAX sampler's prefill and decode step on one device (None: not planned, e.g. vLLM)
@@ -427,8 +440,8 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + \
-            self.code_bytes
+        """The train step's peak per device (``CompiledMemory.total_bytes``)."""
+        return self.memory.total_bytes
 
     @property
     def fits(self) -> bool | None:
@@ -468,8 +481,10 @@ class Plan:
             return False
         if self.params_bytes >= 0.99 * self.params_total_bytes:
             return self.mesh["fsdp"] * self.mesh["tensor"] > 1  # pure DP replicates by design
-        biggest = max((v["max_bytes"] for v in self.collectives.values()), default=0)
-        return biggest >= 0.9 * self.params_total_bytes
+        # an all-gather about the size of all parameters (up to twice: gathered after a cast
+        # to float32); larger ones are activations (a tiny model's logits), not weights
+        biggest = self.memory.collectives.get("all-gather", {}).get("max_bytes", 0)
+        return 0.9 * self.params_total_bytes <= biggest <= 2.1 * self.params_total_bytes
 
     def verdicts(self) -> list[str]:
         out = []
@@ -512,17 +527,24 @@ class Plan:
         d = s.dims
         worst = "prefill" if s.prefill.total_bytes >= s.decode.total_bytes else "decode step"
         what = (f"{d['batch']} prompts x {d['cache_len']} cache slots, KV cache "
-                f"{s.kv_cache_bytes / gib:.2f} GiB")
+                f"{s.kv_cache_bytes / gib:.2f} GiB per device")
         if self.hbm_bytes is None:
-            return [f"sampler: its {worst} needs {s.peak_bytes / gib:.2f} GiB on one device "
+            return [f"sampler: its {worst} needs {s.peak_bytes / gib:.2f} GiB per device "
                     f"({what}; no HBM limit to check)"]
         hbm = self.hbm_bytes / gib
-        key = ("lower rollout.max_context_tokens, or the prompts of one call "
-               "(rollout.tasks_per_step x group_size, trainer.eval_tasks): the sampler runs "
-               "them as one batch on one chip per host")
+        spread = s.mesh["data"] * s.mesh["tensor"]
+        key = ("split the sampler over more of the host's chips (sampler.data_parallel: "
+               "prompts and KV cache rows; sampler.tensor_parallel: weights and KV heads), "
+               "lower rollout.max_context_tokens, or the prompts of one call "
+               "(rollout.tasks_per_step x group_size, trainer.eval_tasks)"
+               if spread == 1 else
+               "lower rollout.max_context_tokens or the prompts of one call "
+               "(rollout.tasks_per_step x group_size, trainer.eval_tasks), or raise "
+               f"sampler.data_parallel x tensor_parallel (now {s.mesh['data']} x "
+               f"{s.mesh['tensor']}) if the host has more chips")
         if s.peak_bytes > self.hbm_bytes:
-            return [f"sampler DOES NOT FIT: its {worst} needs {s.peak_bytes / gib:.2f} GiB on "
-                    f"one {self.chip} chip > {hbm:.0f} GiB HBM ({what}); {key}"]
+            return [f"sampler DOES NOT FIT: its {worst} needs {s.peak_bytes / gib:.2f} GiB per "
+                    f"{self.chip} chip > {hbm:.0f} GiB HBM ({what}); {key}"]
         sampling = s.peak_bytes + self.state_bytes
         if sampling > self.hbm_bytes or (self.fits and self.sampler_device_bytes >
                                          self.hbm_bytes):
@@ -580,6 +602,8 @@ class CompiledMemory:
     code_bytes: int
     compile_s: float
     refused: bool = False
+    #: ``count_collectives`` of the compiled program (empty when XLA refused it)
+    collectives: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -589,31 +613,36 @@ class CompiledMemory:
 
 
 def compile_memory(lower, argument_bytes: int, output_bytes: int) -> CompiledMemory:
-    """Compiles ``lower()`` (a ``jax.stages.Lowered``) and reads its memory analysis. When XLA
-    refuses for lack of HBM the result is ``refused``, with XLA's temporaries figure and the
-    given ``argument_bytes`` / ``output_bytes`` (from the shapes); other errors propagate."""
+    """Compiles ``lower()`` (a ``jax.stages.Lowered``) and reads its memory analysis and
+    collectives (``count_collectives``). When XLA refuses for lack of HBM the result is
+    ``refused``, with XLA's temporaries figure and the given ``argument_bytes`` /
+    ``output_bytes`` (from the shapes); other errors propagate."""
     t0 = time.perf_counter()
     try:
-        ma = lower().compile().memory_analysis()
+        compiled = lower().compile()
     except Exception as e:  # XLA's "ran out of memory" is a result, not a crash
         need = _exhausted_bytes(str(e))
         if need is None:
             raise
         return CompiledMemory(argument_bytes, output_bytes, 0, need, 0,
                               time.perf_counter() - t0, refused=True)
+    seconds = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
     return CompiledMemory(int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
                           int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes),
-                          int(ma.generated_code_size_in_bytes), time.perf_counter() - t0)
+                          int(ma.generated_code_size_in_bytes), seconds,
+                          collectives=count_collectives(compiled.as_text()))
 
 
 @dataclasses.dataclass
 class SamplerPlan:
-    """The JAX sampler's prefill and decode step compiled for ONE device of the topology: the
-    sampler is not sharded over the mesh; each host runs it on one of its devices with the
-    whole model (``loop.build_sampler`` wraps the unsharded model). Bytes are per device;
-    ``dims`` is the call planned for (``sampler_dims``)."""
+    """The JAX sampler's prefill and decode step compiled for the devices of one host it runs
+    on: ``mesh`` ``{"data": d, "tensor": t}`` (``sampler.data_parallel`` x
+    ``sampler.tensor_parallel``; 1 x 1 is one device with the whole model). Bytes are per
+    device; ``dims`` is the call planned for (``sampler_dims``)."""
 
     device_kind: str
+    mesh: dict
     dims: dict
     num_params: int
     params_bytes: int
@@ -629,30 +658,50 @@ class SamplerPlan:
 
 
 class _ShapesOnlySampler(JaxSampler):
-    """A ``JaxSampler`` around a model of ``ShapeDtypeStruct``s (``nnx.eval_shape``). The
-    constructor's copy of the weights is skipped, since there are none; the buckets, the
-    graph and the jitted prefill / decode functions are the sampler's own."""
+    """A ``JaxSampler`` around a model of ``ShapeDtypeStruct``s (``nnx.eval_shape``): its
+    weights are shapes placed on ``device`` (no mesh) or on the given shardings, so nothing is
+    allocated; the buckets, the graph and the jitted prefill / decode functions are the
+    sampler's own (``JaxSampler.lower``)."""
 
-    @staticmethod
-    def _snapshot(state):
-        return state
+    def __init__(self, model, *, device, **kwargs):
+        self._device = device
+        super().__init__(model, **kwargs)
+
+    def _place(self, state, shardings):
+        if shardings is None:
+            one = jax.sharding.SingleDeviceSharding(self._device)
+            shardings = jax.tree.map(lambda _: one, state)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state, shardings)
 
 
-def sampler_batch_buckets(cfg: config_lib.RunConfig) -> tuple[int, ...]:
-    """The batch buckets the trainer gives its JAX sampler (as ``Trainer._build``): the step's
-    trajectories and ``trainer.eval_tasks``, each rounded up to a power of two >= 8."""
-    r = cfg.rollout
-    n = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
-    return tuple(sorted({bucket(n, 8), bucket(cfg.trainer.eval_tasks, 8)}))
+def abstract_sampler(cfg: config_lib.RunConfig, model: Transformer, devices,
+                     num_hosts: int = 1) -> JaxSampler:
+    """The run's ``JaxSampler`` as ``loop.build_sampler`` makes it (``max_len =
+    rollout.max_context_tokens``, one host's batch buckets, the run's seed, and with
+    ``sampler.data_parallel`` x ``tensor_parallel`` != 1 x 1 a ``sharding.sampler_mesh`` with
+    the run's partition rules) on the first host's share of ``devices``, around ``model``, a
+    ``Transformer`` of shapes only (``nnx.eval_shape``): no weights are made. Only its
+    buckets, ``state`` (shapes) and ``lower`` are meant to be used.
 
-
-def abstract_sampler(cfg: config_lib.RunConfig, model: Transformer) -> JaxSampler:
-    """The run's ``JaxSampler`` (``loop.build_sampler``'s arguments: ``max_len =
-    rollout.max_context_tokens``, the trainer's batch buckets, the run's seed) around
-    ``model``, a ``Transformer`` of shapes only (``nnx.eval_shape``): no weights are made.
-    Only its buckets, ``state`` (shapes) and jitted functions are meant to be used."""
-    return _ShapesOnlySampler(model, max_len=cfg.rollout.max_context_tokens,
-                              batch_buckets=sampler_batch_buckets(cfg), seed=cfg.trainer.seed)
+    Raises:
+      PlanError: sampler sizes that do not fit one host's devices or the model's heads.
+    """
+    s = cfg.sampler
+    first = getattr(devices[0], "process_index", 0)
+    host = [d for d in devices if getattr(d, "process_index", 0) == first]
+    mesh = shardings = None
+    try:
+        if (s.data_parallel, s.tensor_parallel) != (1, 1):
+            mesh = sharding.sampler_mesh(s.data_parallel, s.tensor_parallel, devices=host)
+            shardings = sharding.param_shardings(nnx.state(model), mesh,
+                                                 {**sharding.DEFAULT_RULES, **cfg.mesh.rules})
+        return _ShapesOnlySampler(model, device=host[0], max_len=cfg.rollout.max_context_tokens,
+                                  batch_buckets=sampler_batch_buckets(cfg, num_hosts),
+                                  seed=cfg.trainer.seed, mesh=mesh, param_shardings=shardings,
+                                  prefill_chunk=s.prefill_chunk or None)
+    except ValueError as e:
+        raise PlanError(f"{e} ({len(host)} devices per host)") from None
 
 
 def _smallest_bucket(n: int, buckets) -> int:
@@ -713,52 +762,43 @@ def sampler_notes(cfg: config_lib.RunConfig, mc: ModelConfig, sp: SamplerPlan) -
     return out
 
 
-def _tree_bytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def plan_sampler(sampler: JaxSampler, cfg: config_lib.RunConfig, device, *,
+def plan_sampler(sampler: JaxSampler, cfg: config_lib.RunConfig, *,
                  num_hosts: int = 1) -> SamplerPlan:
-    """Compiles ``sampler``'s own jitted prefill (``cache_len`` static) and decode loop ahead of
-    time for ``device`` alone, from shapes only, for the run's largest call (``sampler_dims``):
-    prompts ``[batch, prompt_len]``, a KV cache of ``cache_len`` slots, outputs of
-    ``new_tokens``. ``sampler`` may be ``abstract_sampler``'s (no weights) or a real one.
+    """Compiles ``sampler``'s own jitted prefill and decode loop ahead of time
+    (``JaxSampler.lower``: on its mesh, or on the device of its weights) from shapes only, for
+    the run's largest call (``sampler_dims``): prompts ``[batch, prompt_len]``, a KV cache of
+    ``cache_len`` slots, outputs of ``new_tokens``. ``sampler`` may be ``abstract_sampler``'s
+    (no weights) or a real one.
 
-    ``params_bytes`` is the bytes of the sampler's whole state (every parameter, a value head
-    too: the trainer hands the sampler its policy module); ``kv_cache_bytes`` those of the
-    cache the prefill returns (``2 x layers x batch x cache_len x kv_heads x head_dim`` x the
-    parameter dtype's bytes, plus ``batch`` int32 indices). A program XLA refuses for lack of
-    HBM is reported with XLA's figure (``CompiledMemory.refused``)."""
+    Per device: ``params_bytes`` is the bytes of the sampler's state (every parameter, a value
+    head too: the trainer hands the sampler its policy module) in its layout;
+    ``kv_cache_bytes`` those of the cache the prefill returns (``2 x layers x batch x
+    cache_len x kv_heads x head_dim`` x the parameter dtype's bytes, plus ``batch`` int32
+    indices), divided over the mesh (rows over ``data``, heads over ``tensor``). A program XLA
+    refuses for lack of HBM is reported with XLA's figure (``CompiledMemory.refused``)."""
     dims = sampler_dims(cfg, sampler, num_hosts)
-    one = jax.sharding.SingleDeviceSharding(device)
-
-    def on(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
-
-    def sds(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=one)
-
     B, L, N, C, S = (dims[k] for k in ("batch", "prompt_len", "new_tokens", "cache_len",
                                        "stop_ids"))
-    state = jax.tree.map(on, sampler.state)
-    tokens, lengths = sds((B, L), "int32"), sds((B,), "int32")
-    # the sampler's jitted functions (JaxSampler has no public hook that lowers them)
-    prefill, decode = sampler._prefill_jit, sampler._decode_jit
-    cache, logits = jax.tree.map(
-        on, jax.eval_shape(functools.partial(prefill, cache_len=C), state, tokens, lengths))
-    rows = dict(temperature=sds((B,), "float32"), top_k=sds((B,), "int32"),
-                top_p=sds((B,), "float32"), max_new=sds((B,), "int32"),
-                stop_ids=sds((B, S), "int32"), done=sds((B,), "bool"),
-                request_index=sds((B,), "uint32"), has_seed=sds((B,), "bool"),
-                seed_hi=sds((B,), "uint32"), seed_lo=sds((B,), "uint32"))
-    root = on(jax.eval_shape(lambda: jax.random.key(0)))
-    args = (state, cache, logits, rows, root, sds((), "uint32"), sds((B, N), "int32"))
-    params_b, cache_b, logits_b = _tree_bytes(state), _tree_bytes(cache), _tree_bytes(logits)
-    pre = compile_memory(lambda: prefill.lower(state, tokens, lengths, cache_len=C),
-                         params_b + _tree_bytes((tokens, lengths)), cache_b + logits_b)
-    dec = compile_memory(lambda: decode.lower(*args), _tree_bytes(args), B * (8 * N + 4))
-    return SamplerPlan(device_kind=getattr(device, "device_kind", device.platform), dims=dims,
-                       num_params=_num_params(state), params_bytes=params_b,
+    prefill, decode = sampler.lower(B, L, N, stop_ids=S, cache_len=C)
+    state = sampler.state
+    leaves = jax.tree.leaves(state)
+    params_b = _local_bytes(state, [x.sharding for x in leaves])
+    mc = sampler.config
+    rows_sh = sampler.batch_sharding or leaves[0].sharding
+    kv_sh = sampler.cache_sharding or rows_sh
+    rows = math.prod(rows_sh.shard_shape((B,)))
+    kv = math.prod(kv_sh.shard_shape((B, C, mc.num_kv_heads, mc.head_dim)))
+    cache_b = 2 * mc.num_layers * kv * jnp.dtype(param_dtype(mc)).itemsize + 4 * rows
+    logits_b = rows * mc.vocab_size * 4
+    # (when XLA refuses a program: its arguments and outputs from the shapes above)
+    pre = compile_memory(lambda: prefill, params_b + rows * (4 * L + 4), cache_b + logits_b)
+    dec = compile_memory(lambda: decode, params_b + cache_b + logits_b + rows * (40 + 4 * S),
+                         rows * (8 * N + 4) + cache_b)
+    device = min(leaves[0].sharding.device_set, key=lambda d: d.id)
+    mesh = dict(sampler.mesh.shape) if sampler.mesh is not None else {}
+    return SamplerPlan(device_kind=getattr(device, "device_kind", device.platform),
+                       mesh={"data": mesh.get("data", 1), "tensor": mesh.get("tensor", 1)},
+                       dims=dims, num_params=_num_params(state), params_bytes=params_b,
                        kv_cache_bytes=cache_b, prefill=pre, decode=dec)
 
 
@@ -800,8 +840,9 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
     est_state = spec.init_state(cfg.trainer.task_capacity) if spec.stateful else ()
     with_ref = cfg.loss.kl_coef > 0
     if cfg.trainer.prefix_sharing:
-        notes.append("trainer.prefix_sharing is on, but the plan compiles the step without "
-                     "prefix trees (not covered yet)")
+        notes.append("trainer.prefix_sharing: the step is compiled with prefix trees at their "
+                     "largest (one tree row per batch row, no shared prefix); shared prefixes "
+                     "only remove tree rows")
 
     model = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.trainer.seed)))
     params = nnx.state(model, nnx.Param)
@@ -816,36 +857,24 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
     dims = batch_dims(cfg, scfg.blocks)
     bsh = sharding.batch_sharding(mesh)
-    batch = abstract_batch(dims, cfg.trainer.layout, bsh)
+    batch = abstract_batch(dims, cfg.trainer.layout, bsh,
+                           tree_blocks=scfg.blocks if cfg.trainer.prefix_sharing else 0,
+                           tree_len=cfg.trainer.prefix_tree_len)
 
     step = make_train_step(model, opt, scfg, mesh=mesh, state_shardings=shardings)
-    t0 = time.perf_counter()
     state_b = _local_bytes(state, shardings)
     batch_b = _local_bytes(batch, jax.tree.map(lambda _: bsh, batch))
-    try:
-        compiled = step.lower(abstract_state, batch).compile()
-        ma = compiled.memory_analysis()
-        mem = dict(argument_bytes=int(ma.argument_size_in_bytes),
-                   output_bytes=int(ma.output_size_in_bytes),
-                   alias_bytes=int(ma.alias_size_in_bytes), temp_bytes=int(ma.temp_size_in_bytes),
-                   code_bytes=int(ma.generated_code_size_in_bytes))
-        collectives = count_collectives(compiled.as_text())
-    except Exception as e:  # XLA's "ran out of memory" is a result, not a crash
-        need = _exhausted_bytes(str(e))
-        if need is None:
-            raise
-        # the compiler refused: its temporaries figure, the arguments and outputs from the
-        # shardings (old state + batch in, new state out)
-        mem = dict(argument_bytes=state_b + batch_b, output_bytes=state_b, alias_bytes=0,
-                   temp_bytes=need, code_bytes=0)
-        collectives = {}
+    # a refused compile: arguments and outputs from the shardings (old state + batch in, new
+    # state out)
+    memory = compile_memory(lambda: step.lower(abstract_state, batch), state_b + batch_b,
+                            state_b)
+    if memory.refused:
         notes.append("XLA refused to compile the step (it ran out of HBM): temporaries are "
                      "XLA's figure, arguments and outputs are from the shardings, collectives "
                      "are unknown")
-    compile_s = time.perf_counter() - t0
     sampler_plan = None
     if sampler and cfg.sampler.name == "jax":
-        sampler_plan = plan_sampler(abstract_sampler(cfg, model), cfg, devices[0],
+        sampler_plan = plan_sampler(abstract_sampler(cfg, model, devices, n_hosts), cfg,
                                     num_hosts=n_hosts)
         notes += sampler_notes(cfg, mc, sampler_plan)
     elif sampler:
@@ -868,8 +897,7 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
         params_total_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)),
         opt_bytes=_local_bytes(state.opt_state, shardings.opt_state),
         ref_bytes=_local_bytes(state.ref_params, shardings.ref_params) if with_ref else 0,
-        batch_bytes=batch_b, **mem, compile_s=compile_s, collectives=collectives,
-        notes=notes,
+        batch_bytes=batch_b, memory=memory, notes=notes,
         hbm_bytes=None if kind == "cpu" else HBM_GIB[kind] * 2 ** 30, sampler=sampler_plan)
 
 
@@ -883,7 +911,7 @@ def _mib(b: int) -> str:
 
 def format_plan(p: Plan, source: str = "") -> str:
     """The fit table printed by ``jaxrl-agent plan``."""
-    m, b, s = p.mesh, p.batch, p.step
+    m, b, s, mem = p.mesh, p.batch, p.step, p.memory
     hosts = f", {p.num_hosts} hosts" if p.num_hosts > 1 else ""
     lines = [
         f"plan{' ' + source if source else ''} on {p.topology}: {p.num_devices} x "
@@ -907,24 +935,17 @@ def format_plan(p: Plan, source: str = "") -> str:
         lines.append(f"{'  KL reference parameters':<34}{_mib(p.ref_bytes):>12}")
     lines += [
         f"{'  batch':<34}{_mib(p.batch_bytes):>12}",
-        f"{'  arguments (compiled)':<34}{_mib(p.argument_bytes):>12}",
-        f"{'  outputs (new state, metrics)':<34}{_mib(p.output_bytes):>12}",
-        f"{'  temporaries (activations, grads)':<34}{_mib(p.temp_bytes):>12}",
-        f"{'  code':<34}{_mib(p.code_bytes):>12}",
+        f"{'  arguments (compiled)':<34}{_mib(mem.argument_bytes):>12}",
+        f"{'  outputs (new state, metrics)':<34}{_mib(mem.output_bytes):>12}",
+        f"{'  temporaries (activations, grads)':<34}{_mib(mem.temp_bytes):>12}",
+        f"{'  code':<34}{_mib(mem.code_bytes):>12}",
     ]
-    if p.alias_bytes:
-        lines.append(f"{'  aliased (counted once)':<34}{'-' + _mib(p.alias_bytes):>12}")
+    if mem.alias_bytes:
+        lines.append(f"{'  aliased (counted once)':<34}{'-' + _mib(mem.alias_bytes):>12}")
     hbm = f"   HBM {p.hbm_bytes / 2 ** 30:.0f} GiB per {p.chip} chip" if p.hbm_bytes else ""
     lines += [f"{'  total':<34}{_mib(p.total_bytes):>12}{hbm}",
-              f"compile time: {p.compile_s:.1f} s", ""]
-    if p.collectives:
-        lines += ["collectives in the compiled step (static count; bytes: per-device results)",
-                  f"{'  op':<22}{'count':>7}{'MiB':>12}{'largest MiB':>14}"]
-    for op, v in p.collectives.items():
-        lines.append(f"{'  ' + op:<22}{v['count']:>7}{_mib(v['bytes']):>12}"
-                     f"{_mib(v['max_bytes']):>14}")
-    if p.collectives:
-        lines.append("")
+              f"compile time: {mem.compile_s:.1f} s", ""]
+    lines += format_collectives(mem.collectives, "the compiled step")
     if p.sampler is not None:
         lines += format_sampler(p) + [""]
     notes = list(p.notes)
@@ -934,6 +955,18 @@ def format_plan(p: Plan, source: str = "") -> str:
     lines += [f"note: {n}" for n in notes]
     lines += [f"verdict: {v}" for v in p.verdicts()]
     return "\n".join(lines)
+
+
+def format_collectives(collectives: dict, what: str) -> list[str]:
+    """A table of ``count_collectives``' result (empty when there are none)."""
+    if not collectives:
+        return []
+    lines = [f"collectives in {what} (static count; bytes: per-device results)",
+             f"{'  op':<22}{'count':>7}{'MiB':>12}{'largest MiB':>14}"]
+    for op, v in collectives.items():
+        lines.append(f"{'  ' + op:<22}{v['count']:>7}{_mib(v['bytes']):>12}"
+                     f"{_mib(v['max_bytes']):>14}")
+    return lines + [""]
 
 
 def format_sampler(p: Plan) -> list[str]:
@@ -949,14 +982,22 @@ def format_sampler(p: Plan) -> list[str]:
     def row(label, a, b):
         return f"{'  ' + label:<34}{_mib(a):>12}{_mib(b):>12}"
 
+    m = s.mesh
+    if m["data"] * m["tensor"] == 1:
+        where = (f"JAX sampler: compiled for ONE {s.device_kind} device (each host runs it on "
+                 "one of its devices, with the whole model; sampler.data_parallel / "
+                 "tensor_parallel split it over the host's devices)")
+    else:
+        where = (f"JAX sampler: compiled for {m['data'] * m['tensor']} {s.device_kind} "
+                 f"devices of one host: prompts and KV cache rows over data={m['data']}, heads "
+                 f"over tensor={m['tensor']}")
     lines = [
-        f"JAX sampler: compiled for ONE {s.device_kind} device (not sharded: each host runs "
-        "it on one of its devices, with the whole model)",
+        where,
         f"sampler call: {d['prompts']} prompts ({share}{call}) in a batch of {d['batch']}, "
         f"padded to {d['prompt_len']} tokens, {d['new_tokens']} new tokens, KV cache of "
         f"{d['cache_len']} slots",
         "",
-        f"{'sampler, on its device':<34}{'prefill MiB':>12}{'decode MiB':>12}",
+        f"{'sampler, per device':<34}{'prefill MiB':>12}{'decode MiB':>12}",
         row("parameters", s.params_bytes, s.params_bytes),
         row("KV cache", s.kv_cache_bytes, s.kv_cache_bytes),
         row("arguments (compiled)", pre.argument_bytes, dec.argument_bytes),
@@ -972,4 +1013,6 @@ def format_sampler(p: Plan) -> list[str]:
         f"{'  device peak with the train state':<34}{_mib(p.sampler_device_bytes):>12}   "
         f"(max of sampler + train state {_mib(p.state_bytes)}, train step + sampler weights)",
     ]
+    if m["data"] * m["tensor"] > 1:
+        lines += [""] + format_collectives(dec.collectives, "the sampler's decode step")[:-1]
     return lines
