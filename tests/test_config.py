@@ -280,11 +280,25 @@ def test_empty_sections_and_files(tmp_path):
     ("sampler.probe_every=-1", r"sampler.probe_every must be >= 0"),
     ("sampler.probe_tol=0", r"sampler.probe_tol must be > 0"),
     ("sampler.gpu_memory_utilization=1.5", r"sampler.gpu_memory_utilization must be in"),
+    ("sampler.data_parallel=0", r"sampler.data_parallel must be an int >= 1 or -1"),
+    ("sampler.tensor_parallel=3", r"sampler.tensor_parallel \(3\) must divide model.num_heads"),
+    ("sampler.prefill_chunk=-8", r"sampler.prefill_chunk must be >= 0"),
 ])
 def test_semantic_errors(override, match):
     cfg = C.load(None, [override], validate=False)
     with pytest.raises(C.ConfigError, match=match):
         C.validate(cfg)
+
+
+def test_sampler_devices_are_the_jax_samplers():
+    with pytest.raises(C.ConfigError, match="the vllm sampler runs one engine per host"):
+        C.validate(C.load(None, ["sampler.name=vllm", "sampler.tensor_parallel=2"],
+                          validate=False))
+    with pytest.raises(C.ConfigError, match="at most one of data_parallel / tensor_parallel"):
+        C.validate(C.load(None, ["sampler.data_parallel=-1", "sampler.tensor_parallel=-1"],
+                          validate=False))
+    cfg = C.load(None, ["sampler.data_parallel=-1", "sampler.tensor_parallel=2"])
+    assert "sampler   jax over data=-1 x tensor=2 devices" in C.describe(cfg)
 
 
 def test_every_registered_estimator_and_its_params_validate():

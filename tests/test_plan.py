@@ -294,7 +294,8 @@ def test_sampler_dims_follow_generate_buckets():
                                  "trainer.eval_tasks=40"], validate=False)
     d = plan_lib.sampler_dims(cfg, fake)
     assert d == {"prompts": 40, "call": "eval", "batch": 64, "prompt_len": 300,
-                 "new_tokens": 32, "cache_len": 300, "stop_ids": 4, "hosts": 1}
+                 "new_tokens": 32, "cache_len": 300, "stop_ids": 4, "hosts": 1,
+                 "prefill_chunk": None}
     # two hosts: each sends its share, 3 tasks x 5 = 15 rollouts or 20 eval tasks
     assert plan_lib.sampler_dims(cfg, fake, 2)["prompts"] == 20
     no_eval = config_lib.load(None, ["rollout.tasks_per_step=6", "rollout.group_size=5",
@@ -370,3 +371,12 @@ def test_tpu_v5e_2x2_sampler_decode_step(keep_env):
     assert sp.device_kind == "TPU v5 lite"
     _check_sampler_bytes(sp, config_lib.validate(cfg))
     assert sp.peak_bytes < 64 * 2 ** 20
+    # split over the slice's 4 chips (rows over 2, heads over 2): a quarter of the KV cache
+    # per chip (plus its rows' int32 indices), less than the whole model, and the decode
+    # step's Megatron all-reduces
+    split = _sampler_plan(_cfg(*BF16, "sampler.data_parallel=2", "sampler.tensor_parallel=2"),
+                          "v5e:2x2")
+    assert split.mesh == {"data": 2, "tensor": 2}
+    assert split.kv_cache_bytes == (sp.kv_cache_bytes - 4 * 16) // 4 + 4 * 8
+    assert split.params_bytes < sp.params_bytes
+    assert split.decode.collectives["all-reduce"]["count"] > 0 and not split.decode.refused

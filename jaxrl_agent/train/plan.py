@@ -542,6 +542,9 @@ class Plan:
                "(rollout.tasks_per_step x group_size, trainer.eval_tasks), or raise "
                f"sampler.data_parallel x tensor_parallel (now {s.mesh['data']} x "
                f"{s.mesh['tensor']}) if the host has more chips")
+        if worst == "prefill":
+            key += ("; the prefill's attention scores shrink with sampler.prefill_chunk (now "
+                    f"{d.get('prefill_chunk') or 'the whole prompt'})")
         if s.peak_bytes > self.hbm_bytes:
             return [f"sampler DOES NOT FIT: its {worst} needs {s.peak_bytes / gib:.2f} GiB per "
                     f"{self.chip} chip > {hbm:.0f} GiB HBM ({what}); {key}"]
@@ -728,7 +731,8 @@ def sampler_dims(cfg: config_lib.RunConfig, sampler, num_hosts: int = 1) -> dict
     * ``cache_len``: ``min(prompt_len + new_tokens, sampler.max_len)``, as ``generate`` sizes
       the cache: the largest one the run allocates;
     * ``stop_ids``: 4, the smallest stop-id bucket (the trainer stops at the tokenizer's EOS and
-      end-of-turn ids).
+      end-of-turn ids);
+    * ``prefill_chunk``: the sampler's (None: the whole prompt at once).
     """
     r, t = cfg.rollout, cfg.trainer
     hosts = max(int(num_hosts), 1)
@@ -742,7 +746,7 @@ def sampler_dims(cfg: config_lib.RunConfig, sampler, num_hosts: int = 1) -> dict
     return {"prompts": prompts, "call": "train" if train >= evals else "eval", "batch": batch,
             "prompt_len": prompt_len, "new_tokens": new_tokens,
             "cache_len": min(prompt_len + new_tokens, sampler.max_len), "stop_ids": 4,
-            "hosts": hosts}
+            "hosts": hosts, "prefill_chunk": getattr(sampler, "prefill_chunk", None)}
 
 
 def sampler_notes(cfg: config_lib.RunConfig, mc: ModelConfig, sp: SamplerPlan) -> list[str]:
