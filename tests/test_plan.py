@@ -356,6 +356,12 @@ def test_sampler_verdicts_name_the_key_to_change():
     heavy = plan_lib.Plan(**step, sampler=dataclasses.replace(sampler(4), params_bytes=10 * gib))
     assert heavy.run_fits is False and "train step 7.00 + sampler weights 10.00" in \
         heavy.verdicts()[1]
+    # a train step that does not fit (its own verdict) and a sampler that fits beside the state
+    big_step = dict(step, memory=plan_lib.CompiledMemory(3 * gib, 3 * gib, 0, 20 * gib, 0, 1.0))
+    v = plan_lib.Plan(**big_step, sampler=sampler(4)).verdicts()
+    assert v[0].startswith("DOES NOT FIT") and v[1] == (
+        "sampler fits beside the train state: 7.00 GiB of 16 GiB HBM on its v5e chip "
+        "(sampling 4.00 + train state 3.00); the train step itself does not fit (above)")
     ok = plan_lib.Plan(**step, sampler=sampler(4))
     assert ok.run_fits and ok.verdicts()[1] == \
         "sampler fits: 9.00 GiB of 16 GiB HBM on its v5e chip with the train state (56%)"

@@ -559,6 +559,11 @@ class Plan:
                     f"train step {self.total_bytes / gib:.2f} + sampler weights "
                     f"{s.params_bytes / gib:.2f}; {what}); {key}, or split the train state "
                     "over more devices (mesh.fsdp)"]
+        if not self.fits:  # only sampling beside the state can be judged
+            return [f"sampler fits beside the train state: {sampling / gib:.2f} GiB of "
+                    f"{hbm:.0f} GiB HBM on its {self.chip} chip (sampling "
+                    f"{s.peak_bytes / gib:.2f} + train state {self.state_bytes / gib:.2f}); "
+                    "the train step itself does not fit (above)"]
         dev = self.sampler_device_bytes
         return [f"sampler fits: {dev / gib:.2f} GiB of {hbm:.0f} GiB HBM on its {self.chip} "
                 f"chip with the train state ({100 * dev / self.hbm_bytes:.0f}%)"]
