@@ -435,7 +435,7 @@ class Plan:
     memory: CompiledMemory
     notes: list
     hbm_bytes: int | None
-    #: the JAX sampler's prefill and decode step on one device (None: not planned, e.g. vLLM)
+    #: the JAX sampler's prefill and decode step on its devices (None: not planned, e.g. vLLM)
     sampler: SamplerPlan | None = None
 
     @property
@@ -599,9 +599,10 @@ def _num_params(tree) -> int:
 
 @dataclasses.dataclass
 class CompiledMemory:
-    """XLA's ``memory_analysis()`` of one program compiled for one device (bytes) and its
-    compile time. ``refused``: XLA would not compile it for lack of HBM; ``temp_bytes`` is then
-    XLA's figure, and the arguments / outputs are the bytes of their shapes."""
+    """XLA's ``memory_analysis()`` of one compiled program (bytes per device), its compile
+    time and its collectives. ``refused``: XLA would not compile it for lack of HBM;
+    ``temp_bytes`` is then XLA's figure, and the arguments / outputs are the bytes of their
+    shapes."""
 
     argument_bytes: int
     output_bytes: int
