@@ -102,10 +102,10 @@ def test_cpu_plan_with_prefix_trees_and_a_sharded_sampler():
     """prefix_sharing compiles the tree step with the tree extras at their largest (per device:
     3 int32 [rows, row_len] tree arrays, the [rows, row_len] index, the block ids); the
     sampler split data 2 x tensor 2 holds half the KV cache rows and half the KV heads."""
-    plain = plan_lib.plan_run(_cfg(*FSDP_TP), "cpu:4", sampler=False)
+    plain = plan_lib.plan_run(_cfg(*FSDP_TP), "cpu:8", sampler=False)
     tree = plan_lib.plan_run(_cfg(*FSDP_TP, "trainer.prefix_sharing=true",
                                   "sampler.data_parallel=2", "sampler.tensor_parallel=2",
-                                  "model.num_kv_heads=2"), "cpu:4")
+                                  "model.num_kv_heads=2"), "cpu:8")
     rows = tree.batch["num_rows"] // 2  # rows over data x fsdp = 2 shards
     blocks = 2 * tree.step["micro_batches"]
     assert tree.batch_bytes - plain.batch_bytes == 4 * (4 * rows * 32) + 4 * blocks // 2

@@ -87,21 +87,11 @@ def sampler_mesh(data: int = 1, tensor: int = 1, *, devices: Sequence | None = N
         ``sampler.tensor_parallel``).
     """
     devices = list(jax.local_devices() if devices is None else devices)
-    n = len(devices)
-    for key, v in (("data_parallel", data), ("tensor_parallel", tensor)):
-        if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
-            raise ValueError(f"sampler.{key} must be an int >= 1 or -1; got {v!r}")
-    if data == -1 and tensor == -1:
-        raise ValueError("sampler: at most one of data_parallel / tensor_parallel may be -1")
-    fixed = max(data, 1) * max(tensor, 1)
-    if (data == -1 or tensor == -1) and n % fixed:
-        raise ValueError(f"sampler: {fixed} (the fixed one of sampler.data_parallel / "
-                         f"tensor_parallel) does not divide this host's {n} devices")
-    if fixed > n:
-        raise ValueError(f"sampler.data_parallel x tensor_parallel = {data} x {tensor} does "
-                         f"not fit this host's {n} devices")
-    d = n // fixed if data == -1 else data
-    t = n // fixed if tensor == -1 else tensor
+    try:
+        d, _, t = resolve_axes(data=data, tensor=tensor, num_devices=len(devices))
+    except ValueError as e:
+        raise ValueError(f"sampler.data_parallel x tensor_parallel = {data} x {tensor} on "
+                         f"this host's {len(devices)} devices: {e}") from None
     return jax.make_mesh((d, 1, t), AXES, axis_types=(AxisType.Auto,) * 3,
                          devices=devices[:d * t])
 

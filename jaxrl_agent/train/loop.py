@@ -58,7 +58,7 @@ from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
                                     make_optimizer, make_train_step)
 
-__all__ = ["Trainer", "build_sampler", "sampler_batch_buckets", "StaleBatchError",
+__all__ = ["Trainer", "build_sampler", "jax_sampler_args", "sampler_batch_buckets", "StaleBatchError",
            "RunLockedError", "refuse_stale", "step_seed", "build_model", "find_run",
            "run_config", "evaluate_run"]
 
@@ -222,25 +222,38 @@ def sampler_batch_buckets(cfg: config_lib.RunConfig, num_hosts: int = 1) -> tupl
     return tuple(sorted({bucket(train, 8), bucket(-(-cfg.trainer.eval_tasks // hosts), 8)}))
 
 
+def jax_sampler_args(cfg: config_lib.RunConfig, model, batch_buckets,
+                     devices=None) -> dict:
+    """The keyword arguments the run gives ``JaxSampler`` besides ``model``: ``max_len =
+    rollout.max_context_tokens``, ``batch_buckets``, the run's seed, ``sampler.prefill_chunk``
+    and, with ``sampler.data_parallel`` x ``tensor_parallel`` != 1 x 1, a
+    ``sharding.sampler_mesh`` over ``devices`` (default this process's) with the parameters
+    laid out by the run's partition rules.
+
+    Raises:
+      ValueError: sampler sizes that do not fit the devices.
+    """
+    s = cfg.sampler
+    mesh = shardings = None
+    if (s.data_parallel, s.tensor_parallel) != (1, 1):  # split over this host's devices
+        mesh = sharding.sampler_mesh(s.data_parallel, s.tensor_parallel, devices=devices)
+        shardings = sharding.param_shardings(nnx.state(model), mesh,
+                                             {**sharding.DEFAULT_RULES, **cfg.mesh.rules})
+    return dict(max_len=cfg.rollout.max_context_tokens, batch_buckets=batch_buckets,
+                seed=cfg.trainer.seed, mesh=mesh, param_shardings=shardings,
+                prefill_chunk=s.prefill_chunk or None)
+
+
 def build_sampler(cfg: config_lib.RunConfig, model, *, batch_buckets=(8, 32, 128)):
     """The run's sampler (``cfg.sampler``): the JAX KV-cache sampler, or vLLM's engine in this
     process (``sampling.vllm.VllmSampler``), both starting from ``model``'s weights."""
-    s, r, seed = cfg.sampler, cfg.rollout, cfg.trainer.seed
-    if s.name == "jax":
-        mesh = shardings = None
-        if (s.data_parallel, s.tensor_parallel) != (1, 1):  # split over this host's devices
-            try:
-                mesh = sharding.sampler_mesh(s.data_parallel, s.tensor_parallel)
-            except ValueError as e:
-                raise config_lib.ConfigError(str(e)) from None
-            shardings = sharding.param_shardings(nnx.state(model), mesh,
-                                                 {**sharding.DEFAULT_RULES, **cfg.mesh.rules})
+    if cfg.sampler.name == "jax":
         try:
-            return JaxSampler(model, max_len=r.max_context_tokens, batch_buckets=batch_buckets,
-                              seed=seed, mesh=mesh, param_shardings=shardings,
-                              prefill_chunk=s.prefill_chunk or None)
-        except ValueError as e:  # heads the tensor axis does not divide (an HF model)
-            raise config_lib.ConfigError(f"sampler: {e}") from None
+            return JaxSampler(model, **jax_sampler_args(cfg, model, batch_buckets))
+        except ValueError as e:  # sizes that do not fit the host, heads tensor does not divide
+            msg = str(e)
+            raise config_lib.ConfigError(msg if msg.startswith("sampler") else
+                                         f"sampler: {msg}") from None
     from jaxrl_agent.sampling.vllm import VllmSampler
     try:
         return _vllm_sampler(VllmSampler, cfg, model)

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -77,7 +76,7 @@ from jaxrl_agent.batch import TrajectoryBatch, bucket
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer, param_dtype
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
-from jaxrl_agent.train.loop import (builtin_model_config, run_optimizer,
+from jaxrl_agent.train.loop import (builtin_model_config, jax_sampler_args, run_optimizer,
                                     sampler_batch_buckets, step_config)
 from jaxrl_agent.train.step import init_state_from_params, make_train_step
 
@@ -686,29 +685,19 @@ class _ShapesOnlySampler(JaxSampler):
 
 def abstract_sampler(cfg: config_lib.RunConfig, model: Transformer, devices,
                      num_hosts: int = 1) -> JaxSampler:
-    """The run's ``JaxSampler`` as ``loop.build_sampler`` makes it (``max_len =
-    rollout.max_context_tokens``, one host's batch buckets, the run's seed, and with
-    ``sampler.data_parallel`` x ``tensor_parallel`` != 1 x 1 a ``sharding.sampler_mesh`` with
-    the run's partition rules) on the first host's share of ``devices``, around ``model``, a
+    """The run's ``JaxSampler`` as ``loop.build_sampler`` makes it (``loop.jax_sampler_args``
+    with one host's batch buckets) on the first host's share of ``devices``, around ``model``, a
     ``Transformer`` of shapes only (``nnx.eval_shape``): no weights are made. Only its
     buckets, ``state`` (shapes) and ``lower`` are meant to be used.
 
     Raises:
       PlanError: sampler sizes that do not fit one host's devices or the model's heads.
     """
-    s = cfg.sampler
     first = getattr(devices[0], "process_index", 0)
     host = [d for d in devices if getattr(d, "process_index", 0) == first]
-    mesh = shardings = None
     try:
-        if (s.data_parallel, s.tensor_parallel) != (1, 1):
-            mesh = sharding.sampler_mesh(s.data_parallel, s.tensor_parallel, devices=host)
-            shardings = sharding.param_shardings(nnx.state(model), mesh,
-                                                 {**sharding.DEFAULT_RULES, **cfg.mesh.rules})
-        return _ShapesOnlySampler(model, device=host[0], max_len=cfg.rollout.max_context_tokens,
-                                  batch_buckets=sampler_batch_buckets(cfg, num_hosts),
-                                  seed=cfg.trainer.seed, mesh=mesh, param_shardings=shardings,
-                                  prefill_chunk=s.prefill_chunk or None)
+        return _ShapesOnlySampler(model, device=host[0], **jax_sampler_args(
+            cfg, model, sampler_batch_buckets(cfg, num_hosts), devices=host))
     except ValueError as e:
         raise PlanError(f"{e} ({len(host)} devices per host)") from None
 
