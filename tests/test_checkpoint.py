@@ -294,3 +294,37 @@ def test_save_killed_before_commit_is_never_taken_as_valid(tmp_path):
         restored, meta = ck.restore(target)
         assert meta == {"step": 4} and int(restored["n"]) == 4
         assert ck.restore(target, step=2)[0]["w"].tolist() == [2.0] * 4
+
+
+def test_checkpoint_with_one_leaf_per_layer_restores_into_stacked_layers(tmp_path):
+    """Checkpoints written before the decoder layers were stacked (``layers/0/...``,
+    ``layers/1/...``; parameters and optimizer moments alike) restore into the stacked target
+    (``layers/...`` with a leading [num_layers] axis), on the target's sharding."""
+    rng = np.random.default_rng(0)
+    per = [{"mlp": {"kernel": jnp.asarray(rng.standard_normal((4, 6)), jnp.float32)},
+            "norm": {"weight": jnp.asarray(rng.standard_normal(4), jnp.bfloat16)}}
+           for _ in range(3)]
+    mu = [jax.tree.map(lambda x: x * 2, p) for p in per]
+    old = {"params": {"layers": dict(enumerate(per)), "head": jnp.ones(5)},
+           "opt_state": {"mu": {"layers": dict(enumerate(mu))}}, "step": jnp.int32(4)}
+    stack = lambda layers: jax.tree.map(lambda *xs: jnp.stack(xs), *layers)  # noqa: E731
+    want = {"params": {"layers": stack(per), "head": jnp.ones(5)},
+            "opt_state": {"mu": {"layers": stack(mu)}}, "step": jnp.int32(4)}
+    mesh = Mesh(np.array(jax.devices()[:2]), ("f",))
+    split = NamedSharding(mesh, P(None, "f"))  # [layers, 4 / 2, 6]: the embed axis split
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), want)
+    target["params"]["layers"]["mlp"]["kernel"] = jax.ShapeDtypeStruct(
+        (3, 4, 6), jnp.float32, sharding=split)
+    with C.Checkpointer(tmp_path, every=1, keep=1) as ck:
+        ck.save(1, old, {})
+        restored, _ = ck.restore(target)
+    assert_bit_identical(restored, want)
+    kernel = restored["params"]["layers"]["mlp"]["kernel"]
+    assert kernel.sharding.is_equivalent_to(split, 3)
+    assert restored["params"]["layers"]["norm"]["weight"].dtype == jnp.bfloat16
+    # a layer missing from the checkpoint is still a mismatch, named
+    del old["params"]["layers"][2]
+    with C.Checkpointer(tmp_path / "short", every=1, keep=1) as ck:
+        ck.save(1, old, {})
+        with pytest.raises(ValueError, match="layers"):
+            ck.restore(target)

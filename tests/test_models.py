@@ -13,7 +13,8 @@ from jaxrl_agent import segments
 from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.models import (KVCache, ModelConfig, Transformer, from_hf_tensors,
                                 hf_param_map, init_cache, policy_forward, rope_frequencies,
-                                segment_positions, to_hf_tensors, token_logprobs, values_at)
+                                segment_positions, spec_array, to_hf_tensors, token_logprobs,
+                                values_at)
 
 V = 128
 BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -172,10 +173,10 @@ def test_prefill_then_decode_equals_full_forward(model):
 
 def test_init_cache():
     cache = init_cache(QWEN3, 2, 8)
-    assert len(cache.layers) == 2 and cache.layers[0][0].shape == (2, 8, 2, 32)
-    assert cache.layers[0][0].dtype == jnp.float32 and cache.index.dtype == jnp.int32
+    assert cache.num_layers == 2 and cache.k.shape == cache.v.shape == (2, 2, 8, 2, 32)
+    assert cache.k.dtype == jnp.float32 and cache.index.dtype == jnp.int32
     assert np.all(np.asarray(cache.index) == 0)
-    assert init_cache(QWEN3, 1, 4, jnp.bfloat16).layers[1][1].dtype == jnp.bfloat16
+    assert init_cache(QWEN3, 1, 4, jnp.bfloat16).v.dtype == jnp.bfloat16
 
 
 # ----------------------------------------------------------------------------- dtypes
@@ -186,13 +187,13 @@ def test_bfloat16_params_run_and_stay_close(model):
     m16 = from_hf_tensors(cfg16, dict(to_hf_tensors(model), **{
         "value_head.kernel": np.asarray(model.value_head.kernel[...]),
         "value_head.bias": np.asarray(model.value_head.bias[...])}))
-    assert m16.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    assert m16.layers.mlp.up_proj.kernel[...].dtype == jnp.bfloat16
     assert m16.value_head.kernel[...].dtype == jnp.float32
     tokens = _tokens(6, (3, T))
     cache = m16.init_cache(3, T)
-    assert cache.layers[0][0].dtype == jnp.bfloat16
+    assert cache.k.dtype == jnp.bfloat16
     o32, o16 = fwd(model, tokens), fwd(m16, tokens, None, None, cache)  # bf16 via the cache path
-    assert o16.cache.layers[0][0].dtype == jnp.bfloat16
+    assert o16.cache.k.dtype == jnp.bfloat16
     assert o16.logits.dtype == jnp.float32 and o16.values.dtype == jnp.float32
     assert o16.hidden.dtype == jnp.bfloat16
     for f in ("logits", "values"):
@@ -229,7 +230,7 @@ def test_value_head_gradient_reaches_backbone_unless_stopped(stop):
 def test_fresh_init(model):
     fresh = Transformer(QWEN3, rngs=nnx.Rngs(0))  # HF-style init: normal(0.02), ones, zeros
     assert fresh.value_head.kernel[...].shape == (64, 1)
-    assert float(jnp.std(fresh.layers[0].mlp.up_proj.kernel[...])) == pytest.approx(0.02, rel=0.1)
+    assert float(jnp.std(fresh.layers.mlp.up_proj.kernel[...][0])) == pytest.approx(0.02, rel=0.1)
     assert np.all(np.asarray(fresh.norm.weight[...]) == 1)
     assert np.all(np.isfinite(np.asarray(fwd(fresh, _tokens(8, (3, T))).values)))
 
@@ -335,12 +336,17 @@ def test_config_validation_and_hf_map():
     m = Transformer(QWEN3, rngs=nnx.Rngs(0))
     paths = {p for p, _ in nnx.to_flat_state(nnx.state(m, nnx.Param)) if p[0] != "value_head"}
     specs = hf_param_map(QWEN3)
-    assert {s.path for s in specs} == paths and len(specs) == len(paths)
+    assert {s.path for s in specs} == paths
+    assert len(specs) == len({(s.path, s.layer) for s in specs})
     for s in specs:
         v = m
         for k in s.path:
-            v = v[k] if isinstance(k, int) else getattr(v, k)
-        assert v[...].shape == s.shape, s.hf_name
+            v = getattr(v, k)
+        assert spec_array(s, v[...]).shape == s.shape, s.hf_name
+        # decoder-layer tensors: one spec per layer of the stacked [num_layers, ...] array
+        assert (s.layer is None) == (s.path[0] != "layers")
+        if s.layer is not None:
+            assert v[...].shape == (QWEN3.num_layers,) + s.shape
 
 
 def test_rope_frequencies():
@@ -355,3 +361,68 @@ def test_rope_frequencies():
                                rtol=1e-6)
     yarn = QWEN3.replace(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     assert rope_frequencies(yarn)[1] == pytest.approx(0.1 * np.log(4.0) + 1)
+
+
+# ----------------------------------------------------------------------------- scan, remat, attention
+
+
+@functools.partial(jit, static_argnums=(0, 6, 7))
+def _loss_and_grad(graphdef, state, tokens, positions, segment_ids, key_ends, remat, attention):
+    def loss(st):
+        out = nnx.merge(graphdef, st)(tokens, positions, segment_ids, key_ends=key_ends,
+                                      remat=remat, attention=attention)
+        return jnp.sum(out.logits * jnp.cos(out.logits)) + jnp.sum(out.values), out
+
+    return jax.grad(loss, has_aux=True)(state)
+
+
+@pytest.mark.parametrize("masking", ["segments", "tree"])
+def test_blocked_attention_and_remat_policies_change_nothing(model, masking):
+    """The model with flash-style blocked attention and every remat policy gives the dense,
+    remat-free outputs and parameter gradients (packed segments with padding; a preorder
+    prefix tree through key_ends)."""
+    tokens = _tokens(30, (2, T))
+    if masking == "segments":
+        seg = jnp.asarray(np.stack([np.repeat([1, 2, 0], [7, 9, 4]), np.repeat([3, 3, 0],
+                                                                         [10, 6, 4])]),
+                          jnp.int32)
+        pos, ends = segment_positions(seg), None
+    else:  # root 0..5, branch A 6..12 (ends at 13), branch B 13..19: B never sees A
+        seg = None
+        depth = np.r_[np.arange(6), 6 + np.arange(7), 6 + np.arange(7)]
+        end = np.r_[np.full(6, T), np.full(7, 13), np.full(7, T)]
+        pos, ends = (jnp.asarray(np.stack([depth] * 2), jnp.int32),
+                     jnp.asarray(np.stack([end] * 2), jnp.int32))
+    graphdef, state = nnx.split(model)
+    want_g, want = _loss_and_grad(graphdef, state, tokens, pos, seg, ends, "none", "dense")
+    for remat, attention in (("none", "blocked"), ("full", "blocked"), ("save_dots", "dense")):
+        got_g, got = _loss_and_grad(graphdef, state, tokens, pos, seg, ends, remat, attention)
+        for field in ("logits", "hidden", "values"):
+            np.testing.assert_allclose(np.asarray(getattr(got, field)),
+                                       np.asarray(getattr(want, field)), atol=2e-5, rtol=0,
+                                       err_msg=f"{remat} {attention} {field}")
+        for (path, a), (_, b) in zip(nnx.to_flat_state(got_g), nnx.to_flat_state(want_g)):
+            np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), atol=2e-5,
+                                       rtol=1e-4, err_msg=f"{remat} {attention} {path}")
+    if masking == "tree":  # branch B's outputs are those of the root + B alone
+        alone = fwd(model, jnp.concatenate([tokens[:, :6], tokens[:, 13:]], axis=1))
+        np.testing.assert_allclose(np.asarray(want.logits[:, 13:]),
+                                   np.asarray(alone.logits[:, 6:]), atol=2e-5, rtol=0)
+
+
+def test_layers_are_one_scan_and_mistakes_are_named(model):
+    """The compiled forward holds one decoder layer's code whatever the depth (a while loop
+    over the stacked layers), and a bad remat / attention name is a ValueError naming it."""
+    def program(layers):
+        m = Transformer(QWEN3.replace(num_layers=layers), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(m)
+        return jax.jit(lambda st, t: nnx.merge(graphdef, st)(t).logits).lower(
+            state, _tokens(1, (1, 8))).as_text()
+
+    two, six = program(2), program(6)
+    assert six.count("stablehlo.while") == 1
+    assert six.count("stablehlo.dot_general") == two.count("stablehlo.dot_general")
+    with pytest.raises(ValueError, match="remat"):
+        model(_tokens(1, (1, 8)), remat="sometimes")
+    with pytest.raises(ValueError, match="attention"):
+        model(_tokens(1, (1, 8)), attention="sparse")

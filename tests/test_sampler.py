@@ -267,6 +267,32 @@ def test_sync_weights_changes_outputs_without_recompiling(sampler, model):
         [o.token_ids for o in before]
 
 
+def test_released_weights_refuse_sampling_until_the_next_sync(sampler, model):
+    """The trainer frees the sampler's weights for the train step: generate refuses until the
+    next sync; the synced weights are the sampler's own buffers even from a source replicated
+    over several devices (device_put would reuse the source's shard on a one-device target),
+    so freeing them never deletes the trainer's arrays."""
+    from jaxrl_agent import sharding
+
+    prompts, greedy = prompts_of([5], seed=2), SamplingParams(temperature=0.0, max_new_tokens=4)
+    before = sampler.generate(prompts, greedy)
+    replicated = jax.device_put(nnx.state(model, nnx.Param),
+                                sharding.replicated(sharding.make_mesh(data=8)))
+    try:
+        sampler.sync_weights(replicated, 3)
+        sampler.release_weights()
+        assert sampler.weights_released
+        with pytest.raises(RuntimeError, match="sync_weights before generate"):
+            sampler.generate(prompts, greedy)
+        assert not any(x.is_deleted() for x in jax.tree.leaves(replicated))
+        sampler.sync_weights(replicated, 4)
+        assert not sampler.weights_released
+        assert [o.token_ids for o in sampler.generate(prompts, greedy)] == \
+            [o.token_ids for o in before]
+    finally:
+        sampler.sync_weights(model, 0)
+
+
 def test_bounded_compilation(sampler):
     sampler.generate([[1]], SamplingParams(max_new_tokens=2))            # warm
     counts = dict(sampler.compile_counts)
@@ -360,10 +386,10 @@ def test_sharded_sampler_matches_one_device(sampler, model, data, tensor):
     sharded = JaxSampler(model, batch_buckets=(8,), len_buckets=(16,), new_token_buckets=(16,),
                          seed=0, mesh=mesh, param_shardings=shardings)
     assert sharded.batch_buckets == (8,)
-    q = sharded.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-    # (embed, heads): embed's fsdp axis has size 1 in a sampler mesh; heads over tensor
-    assert q.sharding.spec == (P(None, "tensor") if tensor > 1 else P())
-    assert q.addressable_shards[0].data.shape == (CONFIG.hidden_size,
+    q = sharded.state["layers"]["self_attn"]["q_proj"]["kernel"][...]
+    # (layers, embed, heads): embed's fsdp axis has size 1 in a sampler mesh; heads over tensor
+    assert q.sharding.spec == (P(None, None, "tensor") if tensor > 1 else P())
+    assert q.addressable_shards[0].data.shape == (CONFIG.num_layers, CONFIG.hidden_size,
                                                   CONFIG.num_heads * CONFIG.head_dim // tensor)
     prompts = prompts_of(np.random.default_rng(3).integers(1, 17, 11), seed=5)
     params = [SamplingParams(temperature=t, top_k=k, max_new_tokens=16, seed=i)
@@ -375,16 +401,16 @@ def test_sharded_sampler_matches_one_device(sampler, model, data, tensor):
     np.testing.assert_allclose(np.concatenate([o.logprobs for o in got]),
                                np.concatenate([o.logprobs for o in want]), atol=1e-5)
     sharded.sync_weights(nnx.state(model), 3)  # from the model's one-device arrays
-    q2 = sharded.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    q2 = sharded.state["layers"]["self_attn"]["q_proj"]["kernel"][...]
     assert q2.sharding == q.sharding
     assert [o.token_ids for o in sharded.generate(prompts, params)] == \
         [o.token_ids for o in want]
     assert dict(sharded.compile_counts) == {"prefill": 1, "decode": 1}
     # the prefill's cache: rows over data, KV heads over tensor
     prefill, _ = sharded.lower(8, 16, 16)
-    cache = prefill.out_info[0].layers[0][0]
-    placed = prefill.compile().output_shardings[0].layers[0][0]
-    assert placed.shard_shape(cache.shape) == (8 // data, 32, 2 // tensor, 16)
+    cache = prefill.out_info[0].k
+    placed = prefill.compile().output_shardings[0].k
+    assert placed.shard_shape(cache.shape) == (CONFIG.num_layers, 8 // data, 32, 2 // tensor, 16)
 
 
 def test_sampler_mesh_mistakes(model):

@@ -186,21 +186,22 @@ def test_data_shards_must_match_the_mesh():
 
 # ----------------------------------------------------------------------------- layouts
 
-# per-device shapes by DEFAULT_RULES (embed -> fsdp; heads/kv_heads/mlp/vocab -> tensor)
+# per-device shapes by DEFAULT_RULES (embed -> fsdp; heads/kv_heads/mlp/vocab -> tensor); the
+# two decoder layers are stacked along a leading axis that is never split
 LOCAL = {
-    MIXED: {"embed_tokens.embedding": (32, 16), "layers.0.self_attn.q_proj.kernel": (16, 16),
-            "layers.1.self_attn.k_proj.kernel": (16, 8), "layers.0.self_attn.o_proj.kernel":
-            (16, 16), "layers.0.mlp.gate_proj.kernel": (16, 32),
-            "layers.1.mlp.down_proj.kernel": (32, 16), "lm_head.kernel": (16, 32),
-            "layers.0.input_layernorm.weight": (32,), "norm.weight": (32,),
-            "layers.0.self_attn.q_norm.weight": (8,), "value_head.kernel": (16, 1),
+    MIXED: {"embed_tokens.embedding": (32, 16), "layers.self_attn.q_proj.kernel": (2, 16, 16),
+            "layers.self_attn.k_proj.kernel": (2, 16, 8), "layers.self_attn.o_proj.kernel":
+            (2, 16, 16), "layers.mlp.gate_proj.kernel": (2, 16, 32),
+            "layers.mlp.down_proj.kernel": (2, 32, 16), "lm_head.kernel": (16, 32),
+            "layers.input_layernorm.weight": (2, 32), "norm.weight": (32,),
+            "layers.self_attn.q_norm.weight": (2, 8), "value_head.kernel": (16, 1),
             "value_head.bias": (1,)},
-    FSDP8: {"embed_tokens.embedding": (64, 4), "layers.0.self_attn.q_proj.kernel": (4, 32),
-            "layers.1.self_attn.k_proj.kernel": (4, 16), "layers.0.self_attn.o_proj.kernel":
-            (32, 4), "layers.0.mlp.gate_proj.kernel": (4, 64),
-            "layers.1.mlp.down_proj.kernel": (64, 4), "lm_head.kernel": (4, 64),
-            "layers.0.input_layernorm.weight": (32,), "norm.weight": (32,),
-            "layers.0.self_attn.q_norm.weight": (8,), "value_head.kernel": (4, 1),
+    FSDP8: {"embed_tokens.embedding": (64, 4), "layers.self_attn.q_proj.kernel": (2, 4, 32),
+            "layers.self_attn.k_proj.kernel": (2, 4, 16), "layers.self_attn.o_proj.kernel":
+            (2, 32, 4), "layers.mlp.gate_proj.kernel": (2, 4, 64),
+            "layers.mlp.down_proj.kernel": (2, 64, 4), "lm_head.kernel": (4, 64),
+            "layers.input_layernorm.weight": (2, 32), "norm.weight": (32,),
+            "layers.self_attn.q_norm.weight": (2, 8), "value_head.kernel": (4, 1),
             "value_head.bias": (1,)},
 }
 
@@ -215,7 +216,7 @@ def test_parameters_are_sharded_as_the_rules_say(layout):
         assert len(x.addressable_shards) == 8, path
         assert {s.data.shape for s in x.addressable_shards} == {shape}, path
     # every shard holds a distinct block of a sharded matrix; replicated ones hold it all
-    q = params["layers.0.self_attn.q_proj.kernel"]
+    q = params["layers.self_attn.q_proj.kernel"]
     assert len({str(s.index) for s in q.addressable_shards}) == 8 // layout[0]
     assert params["norm.weight"].is_fully_replicated
     # the frozen reference copy and the trace like the parameters; step / rng replicated
@@ -347,19 +348,19 @@ def test_custom_rules_change_the_layout():
     rules = {**sharding.DEFAULT_RULES, "embed": None, "mlp": ["fsdp", "tensor"]}
     params = nnx.state(nnx.eval_shape(_model), nnx.Param)
     specs = _flat(sharding.param_specs(params, mesh, rules))
-    assert specs["layers.0.mlp.gate_proj.kernel"] == P(None, ("fsdp", "tensor"))
-    assert specs["layers.0.mlp.down_proj.kernel"] == P(("fsdp", "tensor"))
-    assert specs["layers.0.self_attn.q_proj.kernel"] == P(None, "tensor")
+    assert specs["layers.mlp.gate_proj.kernel"] == P(None, None, ("fsdp", "tensor"))
+    assert specs["layers.mlp.down_proj.kernel"] == P(None, ("fsdp", "tensor"))
+    assert specs["layers.self_attn.q_proj.kernel"] == P(None, None, "tensor")
     assert specs["embed_tokens.embedding"] == P("tensor")
     default = _flat(sharding.param_specs(params, mesh))
-    assert default["layers.0.mlp.gate_proj.kernel"] == P("fsdp", "tensor")
+    assert default["layers.mlp.gate_proj.kernel"] == P(None, "fsdp", "tensor")
     # real arrays follow the custom specs
     model = _model()
     opt = optax.sgd(1.0)
     state = init_state(model, opt, seed=0)
     state = jax.device_put(state, sharding.train_state_shardings(state, opt, mesh, rules))
-    gate = _flat(state.params)["layers.0.mlp.gate_proj.kernel"]
-    assert gate.addressable_shards[0].data.shape == (32, 16)
+    gate = _flat(state.params)["layers.mlp.gate_proj.kernel"]
+    assert gate.addressable_shards[0].data.shape == (2, 32, 16)
 
 
 def test_layout_table_rows():
@@ -371,9 +372,9 @@ def test_layout_table_rows():
     assert len(rows) == len(jax.tree.leaves(params))
     assert set(rows["lm_head.kernel"]) == {"path", "shape", "axes", "spec", "local_shape",
                                            "notes"}
-    q = rows["layers.0.self_attn.q_proj.kernel"]
+    q = rows["layers.self_attn.q_proj.kernel"]
     assert (q["shape"], q["axes"], q["spec"], q["local_shape"], q["notes"]) == \
-        ((32, 32), ("embed", "heads"), P("fsdp", "tensor"), (16, 8), [])
+        ((1, 32, 32), ("layers", "embed", "heads"), P(None, "fsdp", "tensor"), (1, 16, 8), [])
     emb = rows["embed_tokens.embedding"]  # 62 rows do not split 4 ways
     assert emb["spec"] == P(None, "fsdp") and emb["local_shape"] == (62, 16)
     assert emb["notes"] == ["vocab: size 62 not divisible by tensor=4"]
@@ -491,18 +492,19 @@ def test_trainer_on_a_2x2x2_mesh_restores_into_fsdp8(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["train/update_skipped"] == 0 and r["train/grad_norm"] > 0 for r in rows)
     final, live = saved[2]
-    q = _flat(live)["layers.0.self_attn.q_proj.kernel"]  # (32, 2 x 32): embed/fsdp x heads/tensor
-    assert q.shape == (32, 64) and q.addressable_shards[0].data.shape == (16, 32)
+    q = _flat(live)["layers.self_attn.q_proj.kernel"]  # (layers, 32, 2 x 32): embed/fsdp x
+    # heads/tensor
+    assert q.shape[1:] == (32, 64) and q.addressable_shards[0].data.shape[1:] == (16, 32)
     assert not np.allclose(jax.device_get(_flat(saved[1][0].params)["lm_head.kernel"]),
                            _flat(final.params)["lm_head.kernel"])  # it trained
     # each sync moved the weights from the train layout to the sampler's: whole embed, heads
     # split over its tensor axis, the values of the step the sampler's version names
-    sq = tr.sampler.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-    assert sq.addressable_shards[0].data.shape == (32, 32)
+    sq = tr.sampler.state["layers"]["self_attn"]["q_proj"]["kernel"][...]
+    assert sq.addressable_shards[0].data.shape[1:] == (32, 32)
     version = tr.sampler.policy_version
     assert version in saved
     np.testing.assert_array_equal(
-        jax.device_get(sq), _flat(saved[version][0].params)["layers.0.self_attn.q_proj.kernel"])
+        jax.device_get(sq), _flat(saved[version][0].params)["layers.self_attn.q_proj.kernel"])
 
     cfg2 = tiny_config(tmp_path, *TRAINER, "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1")
     tr2 = loop.Trainer(cfg2, resume=True, progress=False)  # the mesh may change on resume
@@ -521,7 +523,7 @@ def test_trainer_on_a_2x2x2_mesh_restores_into_fsdp8(tmp_path):
     for x, s in zip(got, jax.tree.leaves(tr2.state_shardings,
                                          is_leaf=lambda s: isinstance(s, NamedSharding))):
         assert x.sharding.is_equivalent_to(s, x.ndim)
-    q = _flat(state.params)["layers.0.self_attn.q_proj.kernel"]
-    assert q.addressable_shards[0].data.shape == (4, 64)
-    mu = _flat(state.opt_state[1][0].mu)["layers.0.self_attn.q_proj.kernel"]  # adamw
-    assert mu.addressable_shards[0].data.shape == (4, 64)
+    q = _flat(state.params)["layers.self_attn.q_proj.kernel"]
+    assert q.addressable_shards[0].data.shape[1:] == (4, 64)
+    mu = _flat(state.opt_state[1][0].mu)["layers.self_attn.q_proj.kernel"]  # adamw
+    assert mu.addressable_shards[0].data.shape[1:] == (4, 64)

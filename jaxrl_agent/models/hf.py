@@ -39,15 +39,19 @@ class ParamSpec(NamedTuple):
 
     Attributes:
       hf_name: HF tensor name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
-      path: NNX path in ``Transformer``, e.g. ``("layers", 0, "self_attn", "q_proj", "kernel")``.
+      path: NNX path in ``Transformer``, e.g. ``("layers", "self_attn", "q_proj", "kernel")``.
       transpose: the HF array is the transpose of the NNX array (2-D linear weights).
-      shape: the NNX array shape (the HF shape is reversed when ``transpose``).
+      shape: the NNX array shape of this tensor (for a decoder layer's tensor: one layer's
+        slice; the HF shape is reversed when ``transpose``).
+      layer: for a decoder layer's tensor, its index along the stacked ``[num_layers]`` axis
+        of the NNX array at ``path``; None for the others.
     """
 
     hf_name: str
     path: tuple
     transpose: bool
     shape: tuple
+    layer: int | None = None
 
     @property
     def hf_shape(self) -> tuple:
@@ -62,30 +66,32 @@ def hf_param_map(config: ModelConfig) -> list[ParamSpec]:
     hd, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
     out = [ParamSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"), False, (V, D))]
 
-    def linear(hf_prefix, path, din, dout, bias):
-        rows = [ParamSpec(f"{hf_prefix}.weight", path + ("kernel",), True, (din, dout))]
+    def linear(hf_prefix, path, din, dout, bias, layer=None):
+        rows = [ParamSpec(f"{hf_prefix}.weight", path + ("kernel",), True, (din, dout), layer)]
         if bias:
-            rows.append(ParamSpec(f"{hf_prefix}.bias", path + ("bias",), False, (dout,)))
+            rows.append(ParamSpec(f"{hf_prefix}.bias", path + ("bias",), False, (dout,), layer))
         return rows
 
     for i in range(config.num_layers):
-        p, q = f"model.layers.{i}", ("layers", i)
+        p, q = f"model.layers.{i}", ("layers",)
         out.append(ParamSpec(f"{p}.input_layernorm.weight", q + ("input_layernorm", "weight"),
-                             False, (D,)))
+                             False, (D,), i))
         a, qa = f"{p}.self_attn", q + ("self_attn",)
-        out += linear(f"{a}.q_proj", qa + ("q_proj",), D, H * hd, config.qkv_bias)
-        out += linear(f"{a}.k_proj", qa + ("k_proj",), D, KV * hd, config.qkv_bias)
-        out += linear(f"{a}.v_proj", qa + ("v_proj",), D, KV * hd, config.qkv_bias)
-        out += linear(f"{a}.o_proj", qa + ("o_proj",), H * hd, D, config.o_bias)
+        out += linear(f"{a}.q_proj", qa + ("q_proj",), D, H * hd, config.qkv_bias, i)
+        out += linear(f"{a}.k_proj", qa + ("k_proj",), D, KV * hd, config.qkv_bias, i)
+        out += linear(f"{a}.v_proj", qa + ("v_proj",), D, KV * hd, config.qkv_bias, i)
+        out += linear(f"{a}.o_proj", qa + ("o_proj",), H * hd, D, config.o_bias, i)
         if config.qk_norm:
-            out.append(ParamSpec(f"{a}.q_norm.weight", qa + ("q_norm", "weight"), False, (hd,)))
-            out.append(ParamSpec(f"{a}.k_norm.weight", qa + ("k_norm", "weight"), False, (hd,)))
+            out.append(ParamSpec(f"{a}.q_norm.weight", qa + ("q_norm", "weight"), False, (hd,),
+                                 i))
+            out.append(ParamSpec(f"{a}.k_norm.weight", qa + ("k_norm", "weight"), False, (hd,),
+                                 i))
         out.append(ParamSpec(f"{p}.post_attention_layernorm.weight",
-                             q + ("post_attention_layernorm", "weight"), False, (D,)))
+                             q + ("post_attention_layernorm", "weight"), False, (D,), i))
         m, qm = f"{p}.mlp", q + ("mlp",)
-        out += linear(f"{m}.gate_proj", qm + ("gate_proj",), D, F, config.mlp_bias)
-        out += linear(f"{m}.up_proj", qm + ("up_proj",), D, F, config.mlp_bias)
-        out += linear(f"{m}.down_proj", qm + ("down_proj",), F, D, config.mlp_bias)
+        out += linear(f"{m}.gate_proj", qm + ("gate_proj",), D, F, config.mlp_bias, i)
+        out += linear(f"{m}.up_proj", qm + ("up_proj",), D, F, config.mlp_bias, i)
+        out += linear(f"{m}.down_proj", qm + ("down_proj",), F, D, config.mlp_bias, i)
     out.append(ParamSpec("model.norm.weight", ("norm", "weight"), False, (D,)))
     if not config.tie_word_embeddings:
         out.append(ParamSpec("lm_head.weight", ("lm_head", "kernel"), True, (D, V)))
@@ -99,6 +105,12 @@ def _variable(model, path):
     return obj
 
 
+def spec_array(spec: ParamSpec, array):
+    """The tensor of ``spec`` in the NNX layout, read from the array at ``spec.path`` (one
+    layer's slice of a stacked decoder-layer array)."""
+    return array if spec.layer is None else array[spec.layer]
+
+
 # ----------------------------------------------------------------------------- in memory
 
 
@@ -108,7 +120,7 @@ def to_hf_tensors(model: Transformer, *, as_numpy: bool = True) -> dict:
     them as (transposed) ``jax.Array`` s, e.g. for a jitted weight sync."""
     out = {}
     for spec in hf_param_map(model.config):
-        arr = _variable(model, spec.path)[...]
+        arr = spec_array(spec, _variable(model, spec.path)[...])
         if spec.transpose:
             arr = arr.T
         out[spec.hf_name] = np.ascontiguousarray(np.asarray(arr)) if as_numpy else arr
@@ -165,12 +177,18 @@ def _build(config, get, value_head_tensors, *, seed, place):
     dtype = param_dtype(config)
     place = place or (lambda path, a: jnp.asarray(a))
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    stacks: dict = {}  # decoder-layer path -> [num_layers] slices, placed once stacked
     for spec in hf_param_map(config):
         arr = np.asarray(get(spec.hf_name))
         if spec.transpose:
             arr = arr.T
-        arr = np.ascontiguousarray(arr.astype(dtype))
-        _variable(model, spec.path).set_value(place(spec.path, arr))
+        arr = arr.astype(dtype)
+        if spec.layer is not None:
+            stacks.setdefault(spec.path, []).append(arr)
+            if len(stacks[spec.path]) < config.num_layers:
+                continue
+            arr = np.stack(stacks.pop(spec.path))
+        _variable(model, spec.path).set_value(place(spec.path, np.ascontiguousarray(arr)))
     if config.value_head:
         head = Linear(config.hidden_size, 1, use_bias=True, dtype=jnp.float32,
                       rngs=nnx.Rngs(seed))

@@ -3,7 +3,7 @@
 Architecture (pre-norm)::
 
     h = embed(tokens)
-    for each layer:
+    for each layer (one lax.scan over the stacked layer parameters):
         h = h + o_proj(attention(rope(q_norm?(q_proj(rms(h)))), rope(k_norm?(k_proj(rms(h)))),
                                  v_proj(rms(h))))
         h = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
@@ -11,14 +11,17 @@ Architecture (pre-norm)::
     logits = hidden @ lm_head (f32)         # or @ embed.T when tied
     values = value_head(hidden)[..., 0]     # when config.value_head
 
-Module tree (the NNX paths that ``hf.hf_param_map`` maps to HF tensor names)::
+Module tree (the NNX paths that ``hf.hf_param_map`` maps to HF tensor names). The decoder
+layers are one ``DecoderLayer`` whose parameters are stacked along a leading ``[num_layers]``
+axis (logical axis ``"layers"``): the forward pass is a ``lax.scan`` over that axis, so the
+compiled program holds one layer's code whatever the depth (MaxText's "scanned layers")::
 
     embed_tokens.embedding                                [V, D]
-    layers[i].input_layernorm.weight                      [D]
-    layers[i].self_attn.{q,k,v,o}_proj.kernel (.bias)     [in, out] (HF weight transposed)
-    layers[i].self_attn.{q,k}_norm.weight                 [head_dim]   (qk_norm / Qwen3)
-    layers[i].post_attention_layernorm.weight             [D]
-    layers[i].mlp.{gate,up,down}_proj.kernel (.bias)      [in, out]
+    layers.input_layernorm.weight                         [n_layers, D]
+    layers.self_attn.{q,k,v,o}_proj.kernel (.bias)        [n_layers, in, out] (HF weight^T)
+    layers.self_attn.{q,k}_norm.weight                    [n_layers, head_dim] (qk_norm / Qwen3)
+    layers.post_attention_layernorm.weight                [n_layers, D]
+    layers.mlp.{gate,up,down}_proj.kernel (.bias)         [n_layers, in, out]
     norm.weight                                           [D]
     lm_head.kernel                                        [D, V]       (untied only)
     value_head.kernel / .bias                             [D, 1] / [1] (float32; value_head only)
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jaxrl_agent.models.attention import blocked_attention
 from jaxrl_agent.models.config import ModelConfig
 
 # Large negative used for masked attention scores (never -inf: fully masked rows stay finite).
@@ -61,18 +65,20 @@ class KVCache:
     """Functional key/value cache for incremental decoding (a pytree; static shapes).
 
     Attributes:
-      layers: tuple of ``num_layers`` pairs ``(k, v)``, each ``[B, max_len, num_kv_heads,
-        head_dim]`` in the cache dtype. Keys are stored *after* q/k-norm and RoPE.
+      k, v: ``[num_layers, B, max_len, num_kv_heads, head_dim]`` in the cache dtype, the layers
+        stacked like the model's (the layer scan carries them and updates layer i in place).
+        Keys are stored *after* q/k-norm and RoPE.
       index: ``[B]`` int32, per row the number of valid slots = the slot the next token is
         written to. Slots ``>= index[b]`` hold nothing valid (they may hold stale data, which
         is masked out and overwritten later).
 
     The cache is never mutated in place: ``Transformer.__call__`` returns an updated copy in
-    ``ModelOutput.cache``, so it can be a ``jax.jit`` argument or a ``lax.while_loop`` /
-    ``lax.scan`` carry.
+    ``ModelOutput.cache``, so it can be a ``jax.jit`` argument (donate it to let XLA reuse the
+    buffers) or a ``lax.while_loop`` / ``lax.scan`` carry.
     """
 
-    layers: tuple
+    k: Any
+    v: Any
     index: Any
 
     @property
@@ -81,7 +87,11 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.layers[0][0].shape[1]
+        return self.k.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
 
 
 @struct.dataclass
@@ -102,13 +112,13 @@ class ModelOutput:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """An empty ``KVCache``: zeros ``[batch_size, max_len, num_kv_heads, head_dim]`` per layer
-    for k and v (``dtype`` default: the parameter dtype) and ``index`` = zeros ``[batch_size]``."""
+    """An empty ``KVCache``: k and v zeros ``[num_layers, batch_size, max_len, num_kv_heads,
+    head_dim]`` (``dtype`` default: the parameter dtype) and ``index`` = zeros
+    ``[batch_size]``."""
     dtype = param_dtype(config) if dtype is None else jnp.dtype(dtype)
-    shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
-    layers = tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                   for _ in range(config.num_layers))
-    return KVCache(layers=layers, index=jnp.zeros((batch_size,), jnp.int32))
+    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   index=jnp.zeros((batch_size,), jnp.int32))
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -290,6 +300,22 @@ def _attend(q, k, v, mask):
     return out.reshape(B, L, H * hd)
 
 
+#: How training attention (no cache) is computed (``Transformer(..., attention=)``).
+ATTENTION_IMPLS = {
+    "dense": "the [B, L, L] mask and [B, heads, L, L] float32 scores materialised",
+    "blocked": "flash-style tiles of 512 x 512 (models.attention.blocked_attention): the mask "
+               "is recomputed per tile, no [L, L] array in the forward or the backward pass",
+}
+
+
+@struct.dataclass
+class BlockedMask:
+    """The mask of ``blocked_attention``, as the ``[B, L]`` vectors it is computed from."""
+
+    segment_ids: Any = None
+    key_ends: Any = None
+
+
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         dt, d, hd = param_dtype(config), config.hidden_size, config.head_dim
@@ -330,7 +356,12 @@ class Attention(nnx.Module):
             ck, cv = write(ck, slots, k), write(cv, slots, v)
             new_cache = (ck, cv)
             k, v = ck.astype(q.dtype), cv.astype(q.dtype)
-        return self.o_proj(_attend(q, k, v, mask)), new_cache
+        if isinstance(mask, BlockedMask):
+            out = blocked_attention(q, k, v, segment_ids=mask.segment_ids,
+                                    key_ends=mask.key_ends)
+        else:
+            out = _attend(q, k, v, mask)
+        return self.o_proj(out), new_cache
 
 
 class DecoderLayer(nnx.Module):
@@ -348,6 +379,53 @@ class DecoderLayer(nnx.Module):
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, new_cache
+
+
+# Activation checkpointing of the decoder layers in the backward pass (``Transformer(...,
+# remat=)``), one row per policy: what each layer keeps from its forward pass.
+REMAT_POLICIES = {
+    "none": "keep every activation (fastest, most memory)",
+    "full": "keep only each layer's input; recompute the layer in the backward pass",
+    "save_dots": "keep the outputs of the layer's matmuls (no batch dimensions); recompute "
+                 "norms, RoPE, softmax and activations",
+    "offload": "as save_dots, but the saved matmul outputs go to host memory (TPU/GPU only)",
+}
+
+
+def remat_policy_name(remat) -> str:
+    """The ``REMAT_POLICIES`` key of a ``remat`` argument (``True`` = ``"full"``, ``False`` /
+    None = ``"none"``); ValueError for anything else."""
+    if remat is True:
+        return "full"
+    if remat is False or remat is None:
+        return "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)} (or true / false), "
+                         f"got {remat!r}")
+    return remat
+
+
+def _checkpoint(fn, policy: str):
+    """``fn`` under ``jax.checkpoint`` with the named ``REMAT_POLICIES`` policy."""
+    if policy == "none":
+        return fn
+    cp = jax.checkpoint_policies
+    kinds = {"full": None, "save_dots": cp.dots_with_no_batch_dims_saveable,
+             "offload": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}
+    return jax.checkpoint(fn, policy=kinds[policy], prevent_cse=False)
+
+
+def stack_layers(layers) -> "DecoderLayer":
+    """One ``DecoderLayer`` whose parameters are those of ``layers`` stacked along a new
+    leading axis (logical axis ``"layers"``): the layout ``Transformer`` scans over."""
+    splits = [nnx.split(layer) for layer in layers]
+    graphdef = splits[0][0]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[state for _, state in splits])
+    for _, var in nnx.to_flat_state(stacked):
+        axes = var.get_metadata().get("logical_axes")
+        if axes is not None:
+            var.set_metadata("logical_axes", ("layers",) + tuple(axes))
+    return nnx.merge(graphdef, stacked)
 
 
 def segment_positions(segment_ids):
@@ -375,7 +453,9 @@ class Transformer(nnx.Module):
         self.config = config
         dt = param_dtype(config)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dt, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        # built one by one (the same random draws as unstacked layers), then stacked for the scan
+        self.layers = stack_layers([DecoderLayer(config, rngs=rngs)
+                                    for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dt)
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dt,
@@ -401,6 +481,14 @@ class Transformer(nnx.Module):
         return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w,
                           preferred_element_type=jnp.float32)
 
+    def head_weight(self):
+        """``(weight, tied)``: the LM head's weight, ``[D, V]`` (``tied`` False) or the embedding
+        table ``[V, D]`` (``tied`` True), for code that computes logits itself in pieces
+        (``train.logprobs.chunked_sampled_logprobs``)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...], True
+        return self.lm_head.kernel[...], False
+
     def values_from_hidden(self, hidden):
         """float32 values ``[...]`` from final hidden states ``[..., D]`` (None without a value
         head). Applies ``stop_gradient`` first when ``config.value_stop_gradient``."""
@@ -413,7 +501,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
                  *, key_ends=None, compute_logits: bool = True, remat: bool = False,
-                 activation_sharding=None) -> ModelOutput:
+                 activation_sharding=None, attention: str = "dense") -> ModelOutput:
         """Runs the model.
 
         Args:
@@ -445,8 +533,14 @@ class Transformer(nnx.Module):
             attention is ``key_ends = L``.
           compute_logits: False skips the LM head (``logits`` is None); use
             ``logits_from_hidden`` on the positions you need.
-          remat: recompute each decoder layer in the backward pass instead of storing its
-            activations (training memory; ignored with a cache).
+          remat: what each decoder layer keeps for the backward pass: a ``REMAT_POLICIES``
+            name (``"full"``: only the layer's input, the rest recomputed; ``"save_dots"``;
+            ``"offload"``; ``"none"``), or True (= ``"full"``) / False (= ``"none"``).
+            Training memory; ignored with a cache.
+          attention: ``"dense"`` or ``"blocked"`` (``ATTENTION_IMPLS``): how attention without
+            a cache is computed; the same numbers (up to float32 rounding), ``"blocked"``
+            without the ``[L, L]`` mask and scores. Ignored with a cache (the sampler's
+            prefill is chunked instead).
           activation_sharding: a ``Sharding`` the residual stream ``[B, L, D]`` is constrained
             to before every layer (the trainer passes batch rows over the mesh's data axes,
             replicated over ``tensor``: the Megatron layout), so XLA never picks a layout that
@@ -463,7 +557,17 @@ class Transformer(nnx.Module):
             segment_ids = jnp.asarray(segment_ids, jnp.int32)
         t = jnp.arange(L, dtype=jnp.int32)
 
-        if cache is None:
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {sorted(ATTENTION_IMPLS)}, got "
+                             f"{attention!r}")
+        if cache is None and attention == "blocked":
+            if positions is None:
+                positions = (jnp.broadcast_to(t, (B, L)) if segment_ids is None
+                             else segment_positions(segment_ids))
+            mask = BlockedMask(segment_ids=segment_ids, key_ends=(
+                None if key_ends is None else jnp.asarray(key_ends, jnp.int32)))
+            slots = None
+        elif cache is None:
             if positions is None:
                 positions = (jnp.broadcast_to(t, (B, L)) if segment_ids is None
                              else segment_positions(segment_ids))
@@ -478,8 +582,8 @@ class Transformer(nnx.Module):
         else:
             if key_ends is not None:
                 raise ValueError("key_ends (packed prefix trees) cannot be used with a cache")
-            if len(cache.layers) != cfg.num_layers:
-                raise ValueError(f"cache has {len(cache.layers)} layers, model has "
+            if cache.num_layers != cfg.num_layers:
+                raise ValueError(f"cache has {cache.num_layers} layers, model has "
                                  f"{cfg.num_layers}")
             idx = jnp.asarray(cache.index, jnp.int32)
             slots = idx[:, None] + t[None, :]                      # [B, L]
@@ -497,23 +601,32 @@ class Transformer(nnx.Module):
 
         pin = activation_sharding if cache is None else None
         h = self.embed_tokens(tokens, pin)
-        new_layers = []
-        remat = remat and cache is None
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else cache.layers[i]
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer_fn(h, layer_params, kv):
             if pin is not None:
                 h = jax.lax.with_sharding_constraint(h, pin)
-            if remat:  # keep only the layer inputs; recompute the rest in the backward pass
-                h, new_kv = nnx.remat(lambda lyr, x: lyr(x, positions, rope, mask))(layer, h)
-            else:
-                h, new_kv = layer(h, positions, rope, mask, kv, slots)
-            new_layers.append(new_kv)
-        hidden = self.norm(h)
+            return nnx.merge(graphdef, layer_params)(h, positions, rope, mask, kv, slots)
 
         new_cache = None
-        if cache is not None:
+        if cache is None:  # one scan over the stacked layers; remat keeps what the policy says
+            body = _checkpoint(lambda h, p: (layer_fn(h, p, None)[0], None),
+                               remat_policy_name(remat))
+            h, _ = jax.lax.scan(body, h, stacked)
+        else:  # the cache rides in the carry: layer i's slice is read and written back in place
+            def body(carry, xs):
+                h, ck, cv = carry
+                p, i = xs
+                h, (k, v) = layer_fn(h, p, (ck[i], cv[i]))
+                return (h, jax.lax.dynamic_update_index_in_dim(ck, k, i, 0),
+                        jax.lax.dynamic_update_index_in_dim(cv, v, i, 0)), None
+
+            (h, ck, cv), _ = jax.lax.scan(body, (h, cache.k, cache.v),
+                                          (stacked, jnp.arange(cfg.num_layers)))
             n = L if segment_ids is None else jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)
-            new_cache = KVCache(layers=tuple(new_layers), index=cache.index + n)
+            new_cache = KVCache(k=ck, v=cv, index=cache.index + n)
+        hidden = self.norm(h)
+
         logits = self.logits_from_hidden(hidden) if compute_logits else None
         return ModelOutput(logits=logits, hidden=hidden, values=self.values_from_hidden(hidden),
                            cache=new_cache)

@@ -215,6 +215,18 @@ def _check_mesh(mesh, config) -> Mesh | None:
 # ----------------------------------------------------------------------------- the sampler
 
 
+def _placed(x, sharding, copy: bool):
+    """``x`` on ``sharding``; with ``copy`` in buffers of its own (``device_put`` reuses a
+    replicated source's shard for a one-device target even with ``may_alias=False``, and the
+    trainer donates or frees the source)."""
+    y = jax.device_put(x, sharding, may_alias=not copy)
+    if copy and isinstance(x, jax.Array):
+        mine = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        if any(s.data.unsafe_buffer_pointer() in mine for s in y.addressable_shards):
+            y = jnp.array(y, copy=True)
+    return y
+
+
 class JaxSampler:
     """KV-cache sampler for a ``jaxrl_agent.models.Transformer`` (implements ``Sampler``).
 
@@ -314,19 +326,19 @@ class JaxSampler:
 
     @property
     def cache_sharding(self) -> NamedSharding | None:
-        """The KV cache's ``[B, S, kv_heads, head_dim]`` arrays: rows over ``data``, heads over
-        ``tensor``; None without a mesh."""
+        """The KV cache's ``[layers, B, S, kv_heads, head_dim]`` arrays: rows over ``data``,
+        heads over ``tensor``; None without a mesh."""
         if self.mesh is None:
             return None
         tp = self.mesh.shape.get("tensor", 1)
-        return NamedSharding(self.mesh, P("data", None, "tensor" if tp > 1 else None))
+        return NamedSharding(self.mesh, P(None, "data", None, "tensor" if tp > 1 else None))
 
     def _constrain_cache(self, cache):
         if self.mesh is None:
             return cache
-        layers = jax.lax.with_sharding_constraint(cache.layers, self.cache_sharding)
+        k, v = jax.lax.with_sharding_constraint((cache.k, cache.v), self.cache_sharding)
         index = jax.lax.with_sharding_constraint(cache.index, self.batch_sharding)
-        return type(cache)(layers=layers, index=index)
+        return type(cache)(k=k, v=v, index=index)
 
     @property
     def policy_version(self) -> int:
@@ -342,6 +354,19 @@ class JaxSampler:
     def num_compilations(self) -> int:
         """Total traces of the prefill and decode functions so far."""
         return sum(self.compile_counts.values())
+
+    def release_weights(self) -> None:
+        """Frees the sampler's copy of the weights until the next ``sync_weights`` (the trainer
+        calls it before a train step when no rollout runs during the step, so the device does
+        not hold the sampler's weights beside the step's); ``generate`` refuses meanwhile."""
+        for x in jax.tree.leaves(self._weights[0]):
+            if not x.is_deleted():
+                x.delete()
+
+    @property
+    def weights_released(self) -> bool:
+        """``release_weights`` was called and no ``sync_weights`` since."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self._weights[0]))
 
     def sync_weights(self, model_or_state: Any, version: int, *, copy: bool = True) -> None:
         """Replaces the weights and the policy version; no recompilation.
@@ -364,7 +389,7 @@ class JaxSampler:
         cur_state = self._weights[0]
         cur = nnx.to_pure_dict(cur_state)
         flat_cur = nnx.traversals.flatten_mapping(cur)
-        new_flat = {path: jax.device_put(x, flat_cur[path].sharding, may_alias=not copy)
+        new_flat = {path: _placed(x, flat_cur[path].sharding, copy)
                     for path, x in synced_params(model_or_state, cur).items()}
         new_state = jax.tree.map(lambda x: x, cur_state)    # fresh Variables, same structure
         nnx.replace_by_pure_dict(new_state, nnx.traversals.unflatten_mapping(new_flat))
@@ -480,9 +505,9 @@ class JaxSampler:
 
         tokens, lengths = sds((B, L), "int32"), sds((B,), "int32")
         prefill = self._prefill_jit.lower(state, tokens, lengths, cache_len=C)
-        kv = sds((B, C, self.config.num_kv_heads, self.config.head_dim),
+        kv = sds((self.config.num_layers, B, C, self.config.num_kv_heads, self.config.head_dim),
                  param_dtype(self.config), cache_sh)
-        cache = KVCache(layers=((kv, kv),) * self.config.num_layers, index=sds((B,), "int32"))
+        cache = KVCache(k=kv, v=kv, index=sds((B,), "int32"))
         logits = sds((B, self.config.vocab_size), "float32")
         rows = dict(temperature=sds((B,), "float32"), top_k=sds((B,), "int32"),
                     top_p=sds((B,), "float32"), max_new=sds((B,), "int32"),
@@ -514,6 +539,9 @@ class JaxSampler:
         arrays, plist = validate_requests(prompts, params, vocab_size=self.config.vocab_size,
                                           max_len=self.max_len)
         state, version = self._weights
+        if self.weights_released:
+            raise RuntimeError("the sampler's weights were released (release_weights): "
+                               "sync_weights before generate")
         with self._lock:
             call_id = self._calls
             self._calls += 1

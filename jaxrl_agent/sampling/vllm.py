@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_agent.models.hf import hf_param_map
+from jaxrl_agent.models.hf import hf_param_map, spec_array
 from jaxrl_agent.models.transformer import Transformer, token_logprobs
 from jaxrl_agent.sampling.base import (SampleOutput, SamplingParams, synced_params,
                                        validate_requests)
@@ -112,6 +112,7 @@ def hf_tensors_fn(config, dtype):
             x = params
             for key in s.path:
                 x = x[key]
+            x = spec_array(s, x)
             x = x.T if s.transpose else x
             out[s.hf_name] = x.astype(dtype)
         return out

@@ -63,6 +63,10 @@ Quirks the trainer must know
   casts (e.g. restoring float32 params as bfloat16 for eval). Same dtypes => bit-identical arrays.
 * **Mismatches**: missing / unexpected leaves or different shapes raise ``ValueError`` listing the
   differing key paths (``restore`` compares against orbax's saved tree metadata before reading any data).
+* **Checkpoints from before the layer scan**: a target leaf stacked over the decoder layers
+  (``.../layers/<rest>``, ``[num_layers, ...]``) that the checkpoint holds one leaf per layer
+  (``.../layers/0/<rest>``, ...; written before the layers were stacked) is read layer by layer and
+  stacked, parameters and optimizer moments alike, so old runs resume and evaluate unchanged.
 * **meta** goes through JSON: it is normalised at save time (``json.loads(json.dumps(meta))``) so what
   ``restore`` returns equals what was saved up to JSON's rules - tuples become lists, dict keys become
   strings. NumPy / 0-d jax scalars are converted to Python numbers; anything else non-JSON raises
@@ -86,6 +90,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_manager import StepAlreadyExistsError
@@ -252,6 +257,40 @@ def _abstract_leaf(leaf: Any) -> Any:
     raise TypeError(f"unsupported restore target leaf of type {type(leaf).__name__}")
 
 
+def _per_layer_keys(saved: dict, keys: list, abstract: list) -> dict:
+    """Target leaves stacked along the decoder layers (``.../layers/<rest>``, ``[L, ...]``) that
+    the checkpoint holds one per layer (``.../layers/<i>/<rest>``, as checkpoints written before
+    the layers were stacked for the layer scan do): ``{target index: [per-layer keys]}``."""
+    out = {}
+    for i, (key, leaf) in enumerate(zip(keys, abstract)):
+        if key in saved or "layers" not in key or not np.ndim(leaf):
+            continue
+        j = key.index("layers")
+        per = [key[:j + 1] + (str(n),) + key[j + 1:] for n in range(np.shape(leaf)[0])]
+        if all(p in saved for p in per):
+            out[i] = per
+    return out
+
+
+def _layer_slice(leaf: Any) -> Any:
+    """The abstract leaf of one layer of a stacked target leaf (its first axis dropped)."""
+    if isinstance(leaf, np.ndarray):
+        return np.asarray(leaf[0])
+    sharding = leaf.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+        sharding = jax.sharding.NamedSharding(sharding.mesh,
+                                              jax.sharding.PartitionSpec(*spec[1:]))
+    return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+
+
+def _stack_like(parts: list, leaf: Any) -> Any:
+    """The per-layer arrays ``parts`` stacked into the target leaf's shape and placement."""
+    if isinstance(leaf, np.ndarray):
+        return np.stack([np.asarray(p) for p in parts])
+    return jax.device_put(jnp.stack(parts), leaf.sharding)
+
+
 # ------------------------------------------------------------------------------------------ meta
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, np.generic):
@@ -365,22 +404,40 @@ class Checkpointer:
                     f"target leaf {_show(key)!r} is a typed PRNG key; checkpoints hold key_data "
                     "(uint32): use jax.random.key_data in the target, wrap_key_data after restore")
         abstract = [_abstract_leaf(leaf) for leaf in leaves]
-        self._check_compatible(step, keys, abstract)
-        nested_target = _nest(keys, abstract)
+        saved = self._saved_leaves(step)
+        per_layer = _per_layer_keys(saved, keys, abstract)
+        read_keys, read_abstract = [], []
+        for i, (key, leaf) in enumerate(zip(keys, abstract)):
+            if i in per_layer:
+                read_keys += per_layer[i]
+                read_abstract += [_layer_slice(leaf)] * len(per_layer[i])
+            else:
+                read_keys.append(key)
+                read_abstract.append(leaf)
+        self._check_compatible(step, read_keys, read_abstract, saved)
+        nested_target = _nest(read_keys, read_abstract)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(nested_target),
                                        _META: ocp.args.JsonRestore()}),
         )
-        new_leaves = _unnest(restored[_STATE], keys)
+        new_leaves = []
+        for i, (key, leaf) in enumerate(zip(keys, abstract)):
+            if i in per_layer:  # a checkpoint from before the decoder layers were stacked
+                parts = _unnest(restored[_STATE], per_layer[i])
+                new_leaves.append(_stack_like(parts, leaf))
+            else:
+                new_leaves += _unnest(restored[_STATE], [key])
         state = jax.tree_util.tree_unflatten(treedef, new_leaves)
         return state, restored[_META]
 
-    def _check_compatible(self, step: int, keys: list[tuple[str, ...]], abstract: list[Any]) -> None:
+    def _saved_leaves(self, step: int) -> dict:
+        meta = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / _STATE)
+        return _saved_leaves(getattr(meta, "tree", meta))
+
+    def _check_compatible(self, step: int, keys: list[tuple[str, ...]], abstract: list[Any],
+                          saved: dict) -> None:
         path = self.directory / str(step) / _STATE
-        meta = ocp.StandardCheckpointHandler().metadata(path)
-        tree = getattr(meta, "tree", meta)
-        saved = _saved_leaves(tree)
         wanted = dict(zip(keys, abstract))
         missing = [k for k in keys if k not in saved]
         unexpected = [k for k in saved if k not in wanted]
