@@ -18,7 +18,7 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
     trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, async_rollouts,
                 rollout_workers, seed, warmup_sft_steps, eval_every, eval_tasks, layout,
-                prefix_sharing, prefix_tree_len
+                remat, logits_chunk, attention, prefix_sharing, prefix_tree_len
     run:        dir                          (null = runs/<name>: everything of the run lives there)
     checkpoint: every, keep, export, export_warmup
     metrics:    tensorboard, plots
@@ -56,6 +56,7 @@ from typing import Any, Union
 
 import yaml
 
+from jaxrl_agent.models.transformer import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrl_agent.rollout.collect import RolloutConfig
 
 
@@ -211,7 +212,12 @@ class TrainerSection:
     eval_temperature: float = 1.0
     layout: str = "per_step"
     task_capacity: int = 65536
-    remat: bool = False                # recompute each decoder layer in the backward pass
+    # what each decoder layer keeps for the backward pass: false / "none", true / "full" (only
+    # its input; the rest recomputed), "save_dots" (its matmul outputs), "offload" (those, in
+    # host memory; TPU/GPU)
+    remat: bool | str = False
+    logits_chunk: int = 512            # log-probs / entropies from this many positions at a time
+    attention: str = "blocked"         # training attention: blocked (flash-style tiles) | dense
     # Train each packed prefix tree once: one forward/backward per rollout tree, exact
     # per-trajectory results; see docs/training.md.
     prefix_sharing: bool = False
@@ -485,6 +491,7 @@ RESUMABLE_KEYS = ("trainer.steps", "trainer.eval_every", "trainer.eval_tasks",
                   "trainer.async_rollouts", "trainer.rollout_workers", "rollout.env_threads",
                   "trainer.max_policy_lag",
                   "trainer.eval_temperature", "trainer.micro_batches", "trainer.remat",
+                  "trainer.logits_chunk", "trainer.attention",
                   "trainer.prefix_sharing", "trainer.prefix_tree_len", "checkpoint.",
                   "metrics.", "sampler.", "mesh.", "distributed.", "name", "run.", "imports")
 
@@ -1049,7 +1056,10 @@ def _check_trainer(cfg: RunConfig) -> None:
     _positive(t, "trainer", "steps", "ppo_epochs", "mini_batches", "micro_batches", "eval_tasks")
     _positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
               allow_zero=True)
-    _positive(t, "trainer", "rollout_workers")
+    _positive(t, "trainer", "rollout_workers", "logits_chunk")
+    if not isinstance(t.remat, bool):
+        _choice(t.remat, tuple(REMAT_POLICIES), "trainer.remat")
+    _choice(t.attention, tuple(ATTENTION_IMPLS), "trainer.attention")
     if t.async_rollouts and t.max_policy_lag < 1:
         raise ConfigError("trainer.async_rollouts: true samples the next steps while the trainer "
                           "trains, so their tokens are up to trainer.max_policy_lag versions old: "

@@ -267,6 +267,9 @@ def test_empty_sections_and_files(tmp_path):
     ("trainer.sft_noise=1.5", r"trainer.sft_noise must be in \[0, 1\]"),
     ("trainer.max_policy_lag=-1", r"trainer.max_policy_lag must be >= 0"),
     ("trainer.prefix_tree_len=-1", r"trainer.prefix_tree_len must be >= 0"),
+    ("trainer.remat=sometimes", r"trainer.remat must be one of none, full, save_dots, offload"),
+    ("trainer.attention=sparse", r"trainer.attention must be one of dense, blocked"),
+    ("trainer.logits_chunk=0", r"trainer.logits_chunk must be > 0"),
     ("checkpoint.keep=-1", r"checkpoint.keep must be >= 0"),
     ("mesh.fsdp=0", r"mesh.fsdp must be >= 1 or -1"),
     ("mesh.tensor=-1", r"at most one mesh axis may be -1"),
@@ -399,3 +402,14 @@ def test_sampler_shorthand():
     # on a config with a sampler mapping, `--set sampler=jax` changes only the name
     gpu = C.load(CONFIGS / "gpu_example.yaml", ["sampler=jax"], validate=False)
     assert gpu.sampler.name == "jax" and gpu.sampler.transfer == "dlpack"
+
+
+@pytest.mark.parametrize("value, policy", [("true", "full"), ("false", "none"),
+                                           ("save_dots", "save_dots"), ("full", "full")])
+def test_remat_takes_a_policy_or_a_bool(value, policy):
+    from jaxrl_agent.train.loop import step_config
+
+    cfg = C.load(None, [f"trainer.remat={value}", "trainer.logits_chunk=64",
+                        "trainer.attention=dense"])
+    scfg = step_config(cfg, 1)
+    assert (scfg.remat, scfg.logits_chunk, scfg.attention) == (policy, 64, "dense")

@@ -192,8 +192,10 @@ def test_refuse_stale_drops_whole_groups():
 
 
 def test_staleness_guard_in_the_loop(tmp_path, monkeypatch):
-    # A sampler that never receives new weights keeps stamping version 0.
+    # A sampler that never receives new weights (nor frees its old ones during the step) keeps
+    # stamping version 0.
     monkeypatch.setattr(loop.Trainer, "_sync", lambda self, state: None)
+    monkeypatch.setattr(loop.JaxSampler, "release_weights", lambda self: None)
     cfg = tiny_config(tmp_path, "trainer.steps=3", "trainer.eval_every=0",
                       "checkpoint.every=0", "trainer.max_policy_lag=1")
     with pytest.raises(loop.StaleBatchError, match="max_policy_lag"):

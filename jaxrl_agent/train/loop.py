@@ -406,7 +406,9 @@ class Trainer:
         self.rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
         self.state_shardings = sharding.train_state_shardings(
             jax.eval_shape(self._init_state), self.optimizer, self.mesh, self.rules)
-        self.train_step = make_train_step(self.model, self.optimizer, self.step_cfg,
+        # the old state is donated: the step writes the new one into its buffers (one copy of
+        # parameters and optimizer state alive, not two)
+        self.train_step = make_train_step(self.model, self.optimizer, self.step_cfg, donate=True,
                                           mesh=self.mesh, state_shardings=self.state_shardings)
         self.task_index: dict = {}
         self.checkpointer = Checkpointer(self.paths.checkpoints, every=cfg.checkpoint.every,
@@ -473,7 +475,8 @@ class Trainer:
         return multihost.global_tree(batch, sharding.batch_sharding(self.mesh))
 
     def layout_summary(self) -> str:
-        """One line on the mesh and how much of the train state each device holds."""
+        """One line on the mesh, how much of the train state each device holds, and the paths
+        the train step takes (layer scan + remat policy, chunked log-probs, attention)."""
         m = self.mesh.shape
         state = jax.eval_shape(self._init_state)
         total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
@@ -483,8 +486,8 @@ class Trainer:
         return (f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} on "
                 f"{self.mesh.size} x {jax.devices()[0].platform} ({jax.process_count()} "
                 f"process{'es' if jax.process_count() > 1 else ''}); parameters "
-                f"{local / 2**20:.1f} of {total / 2**20:.1f} MiB per device"
-                + (", remat" if self.cfg.trainer.remat else ""))
+                f"{local / 2**20:.1f} of {total / 2**20:.1f} MiB per device; "
+                f"{step_paths(self.step_cfg)}")
 
     # ------------------------------------------------------------------ rollouts & eval
 
@@ -678,7 +681,12 @@ class Trainer:
             # multi-host job are not here; they keep the periodic checkpoints)
             if (done is not None and jax.process_count() == 1
                     and done[0] not in self.checkpointer.all_steps()):
-                self.checkpointer.save(done[0], done[1], self._meta(done[0], extra), force=True)
+                if _donated(done[1]):  # handed to the train step that was interrupted
+                    self._print(f"the state of step {done[0]} went into the interrupted train "
+                                "step (its buffers are reused), so it is not saved again")
+                else:
+                    self.checkpointer.save(done[0], done[1], self._meta(done[0], extra),
+                                           force=True)
             if isinstance(e, KeyboardInterrupt):
                 newest = self.checkpointer.latest_step()
                 self._print(f"interrupted; newest checkpoint: step {newest} in "
@@ -815,6 +823,10 @@ class Trainer:
             shared = {"train/prefix_tokens_ratio": tree["total_tokens"] / max(
                 tree["unique_tokens"], 1), "train/prefix_tree_slots": tree["rows"] * tree["row_len"]}
         batch = self._shard_batch(batch)
+        if self.workers is None and isinstance(self.sampler, JaxSampler):
+            # no rollout runs during the step: the sampler's copy of the weights is freed
+            # until the sync after it (one copy of the weights beside the step, not two)
+            self.sampler.release_weights()
         state, out = self.train_step(state, batch)
         m = jax.device_get(out["metrics"])
         t2 = time.perf_counter()
@@ -948,10 +960,25 @@ def step_config(cfg: config_lib.RunConfig, data_shards: int) -> StepConfig:
         agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
         entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
         micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-        data_shards=data_shards, remat=t.remat, temperature=r.temperature,
+        data_shards=data_shards, remat=t.remat, logits_chunk=t.logits_chunk,
+        attention=t.attention,
+        temperature=r.temperature,
         top_k=r.top_k, top_p=r.top_p, is_weights=cfg.loss.is_weights,
         is_level=cfg.loss.is_level, is_cap=cfg.loss.is_cap, is_lower=cfg.loss.is_lower,
         decoupled=cfg.loss.decoupled)
+
+
+def _donated(tree) -> bool:
+    """Some array of ``tree`` was donated to a jitted call (its buffer is gone)."""
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree))
+
+
+def step_paths(scfg: StepConfig) -> str:
+    """How the train step computes, in words (the start-up summary and ``jaxrl-agent plan``):
+    layers under one scan with the remat policy, log-probs chunked over positions."""
+    return (f"layers scanned, remat {scfg.remat}; attention {scfg.attention}; "
+            f"log-probs/entropy in chunks of {scfg.logits_chunk} positions (no [rows, T, vocab] "
+            "logits)")
 
 
 def run_optimizer(cfg: config_lib.RunConfig):

@@ -72,9 +72,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl_agent import estimators, losses, registry, segments
 from jaxrl_agent import sharding as sharding_lib
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.losses.kl import entropy_from_logits
+from jaxrl_agent.models.transformer import ATTENTION_IMPLS, remat_policy_name
 from jaxrl_agent.rollout.tree import TREE_KEYS
 from jaxrl_agent.sampling.jax_sampler import process_logits
+from jaxrl_agent.train.logprobs import chunked_sampled_logprobs
 
 # What the train step supplies to the methods that read it (``Entry.reads``), by the source
 # ``registry.LOOP_INPUTS`` names: "value_head" inputs come from one forward pass of the value
@@ -148,7 +149,9 @@ class StepConfig:
     micro_batches: int = 1  # gradient accumulation within one update
     mini_batches: int = 1  # optimizer updates per epoch, each on 1/mini_batches of the rows
     ppo_epochs: int = 1  # passes over the batch
-    remat: bool = False  # recompute each decoder layer in the backward pass
+    remat: str = "none"  # what each decoder layer keeps for the backward pass (REMAT_POLICIES)
+    logits_chunk: int = 512  # log-probs / entropies computed this many positions at a time
+    attention: str = "blocked"  # training attention: blocked (flash-style tiles) | dense
     data_shards: int = 1  # blocks of the batch (data x fsdp)
     temperature: float = 1.0  # the rollouts' sampling parameters (log-probs of that distribution)
     top_k: int = 0
@@ -159,6 +162,14 @@ class StepConfig:
     is_cap: float = 2.0
     is_lower: float = 0.0  # mask mode: weights below it are masked too
     decoupled: bool = False  # PPO ratio against the proximal policy, not the sampler's
+
+    def __post_init__(self):
+        object.__setattr__(self, "remat", remat_policy_name(self.remat))  # True -> "full"
+        if int(self.logits_chunk) < 1:
+            raise ValueError(f"logits_chunk must be >= 1, got {self.logits_chunk}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {sorted(ATTENTION_IMPLS)}, got "
+                             f"{self.attention!r}")
 
     @property
     def proximal(self) -> bool:
@@ -271,14 +282,17 @@ def _tree_of(extras: dict) -> dict:
     return tree
 
 
-def _at_prev(x, index, blocks: int):
+def _at_node(x, index, blocks: int, prev: bool = False):
     """Per-node outputs ``x`` [blocks * P, L, ...] read for every row token t at the node of
-    token t - 1 (t = 0 reads token 0's node) -> [R, T, ...]. ``index`` [R, T] holds block-local
-    slots; the gather is batched over the blocks, so it stays on each block's devices."""
+    token t (``prev``: of token t - 1; t = 0 reads token 0's node) -> [R, T, ...]. ``index``
+    [R, T] holds block-local slots; the gather is batched over the blocks, so it stays on each
+    block's devices."""
     R, T = index.shape
-    prev = jnp.concatenate([index[:, :1], index[:, :-1]], axis=1).reshape(blocks, R // blocks, T)
+    if prev:
+        index = jnp.concatenate([index[:, :1], index[:, :-1]], axis=1)
+    at = index.reshape(blocks, R // blocks, T)
     xb = x.reshape((blocks, -1) + x.shape[2:])
-    out = jax.vmap(lambda xs, i: jnp.take(xs, i, axis=0, mode="clip"))(xb, prev)
+    out = jax.vmap(lambda xs, i: jnp.take(xs, i, axis=0, mode="clip"))(xb, at)
     return out.reshape((R, T) + x.shape[2:])
 
 
@@ -318,20 +332,6 @@ def _pick(z, zt, at, nxt):
     return jnp.where(outside, lp, jnp.where(outside, 0.0, picked_t) - lse_t), outside
 
 
-def _tree_logprobs(logits, tokens, index, blocks: int, cfg: "StepConfig"):
-    """Log-probs of the unpacked rows from the packed trees' logits [blocks * P, L, V]:
-    ``log p(tokens[r, t] | ...)`` read at the node of token t - 1 (``_pick``); 0 at t = 0.
-    Never builds an [R, T, V] copy of the logits. Returns ``(lp, outside)`` [R, T]."""
-    R, T = index.shape
-    z, zt = _process(logits.reshape(blocks, -1, logits.shape[-1]), *_sampling(cfg))
-    prev = index[:, :-1].reshape(blocks, R // blocks, T - 1)
-    nxt = jnp.asarray(tokens, jnp.int32)[:, 1:].reshape(blocks, R // blocks, T - 1)
-    blk = jnp.broadcast_to(jnp.arange(blocks)[:, None, None], prev.shape)
-    lp, out = _pick(z, zt, (blk, prev), nxt)
-    pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)  # noqa: E731
-    return pad(lp.reshape(R, T - 1)), pad(out.reshape(R, T - 1))
-
-
 def sampled_logprobs(logits, tokens, *, temperature: float = 1.0, top_k: int = 0,
                      top_p: float = 1.0):
     """Log-probs of ``tokens`` [R, T] under the distribution a sampler with these parameters
@@ -356,54 +356,57 @@ def sampled_logprobs(logits, tokens, *, temperature: float = 1.0, top_k: int = 0
 
 
 def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_entropy: bool,
-             remat=False, pin=None, blocks: int = 1):
+             remat="none", pin=None, blocks: int = 1):
     """Per-token (log-prob, entropy, value, outside-truncation) of the rows ``tokens`` [R, T]
     under the rollouts' sampling distribution (``cfg.temperature``, ``top_k``, ``top_p``);
     with prefix-tree extras the model runs on the packed trees (``blocks`` of them) and the
-    results are gathered back to the rows: the same numbers, each shared prefix computed
-    once."""
+    final hidden states are gathered back to the rows: the same numbers, each shared prefix's
+    layers computed once.
+
+    The LM head runs inside ``chunked_sampled_logprobs``, ``cfg.logits_chunk`` positions at a
+    time (the [R, T, V] float32 logits never exist, in the forward or the backward pass)."""
     model = nnx.merge(graphdef, params, rest)
     tree = _tree_of(extras)
     if tree:
         out = model(tree["tree_tokens"], positions=tree["tree_positions"],
-                    key_ends=tree["tree_ends"], remat=remat, activation_sharding=pin)
+                    key_ends=tree["tree_ends"], remat=remat, activation_sharding=pin,
+                    compute_logits=False, attention=cfg.attention)
         idx = tree["tree_index"]
-        lp, outside = _tree_logprobs(out.logits, tokens, idx, blocks, cfg)
+        hidden = _at_node(out.hidden, idx, blocks)  # row token t's node -> [R, T, D]
         first = (jnp.arange(tokens.shape[1]) == 0)[None, :]
-        ent = None
-        if want_entropy:
-            z, zt = _process(out.logits, *_sampling(cfg))
-            ent = jnp.where(first, 0.0, _at_prev(entropy_from_logits(z if zt is None else zt),
-                                                 idx, blocks))
         values = (None if out.values is None else
-                  jnp.where(first, 0.0, _at_prev(out.values, idx, blocks)))
-        return lp, ent, values, outside
-    out = model(tokens, positions=extras.get("positions"), segment_ids=extras.get("segment_ids"),
-                remat=remat, activation_sharding=pin)
-    lp, outside, zp = sampled_logprobs(out.logits, tokens, temperature=cfg.temperature,
-                                       top_k=cfg.top_k, top_p=cfg.top_p)
-    ent = None
-    if want_entropy:  # the entropy of the distribution token t was drawn from (logits at t - 1)
-        h = entropy_from_logits(zp)
-        ent = jnp.concatenate([jnp.zeros_like(h[:, :1]), h[:, :-1]], axis=1)
-    values = out.values
-    if values is not None:  # value of the state before token t (head read at t - 1)
-        values = jnp.concatenate([jnp.zeros_like(values[:, :1]), values[:, :-1]], axis=1)
+                  jnp.where(first, 0.0, _at_node(out.values, idx, blocks, prev=True)))
+    else:
+        out = model(tokens, positions=extras.get("positions"),
+                    segment_ids=extras.get("segment_ids"), remat=remat, activation_sharding=pin,
+                    compute_logits=False, attention=cfg.attention)
+        hidden, values = out.hidden, out.values
+        if values is not None:  # value of the state before token t (head read at t - 1)
+            values = jnp.concatenate([jnp.zeros_like(values[:, :1]), values[:, :-1]], axis=1)
+    weight, tied = model.head_weight()
+    copies = None if pin is None else NamedSharding(
+        pin.mesh, P(sharding_lib.BATCH_AXES, P.UNCONSTRAINED, P.UNCONSTRAINED))
+    lp, outside, ent = chunked_sampled_logprobs(
+        hidden, weight, tokens, tied=tied, temperature=cfg.temperature, top_k=cfg.top_k,
+        top_p=cfg.top_p, chunk=cfg.logits_chunk, want_entropy=want_entropy,
+        shards=cfg.data_shards if pin is not None else 1, shard_sharding=copies)
     return lp, ent, values, outside
 
 
-def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch, tree=None, blocks=1):
+def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch, tree=None, blocks=1,
+                     attention: str = "dense"):
     """[N, K, D] final hidden state at each turn's decision point (the position before its
     first action token: the state the action was drawn from), detached."""
     model = nnx.merge(graphdef, params, rest)
     if tree:
         h = model(tree["tree_tokens"], positions=tree["tree_positions"],
-                  key_ends=tree["tree_ends"], compute_logits=False).hidden.astype(jnp.float32)
-        h = _at_prev(h, tree["tree_index"], blocks)
+                  key_ends=tree["tree_ends"], compute_logits=False,
+                  attention=attention).hidden.astype(jnp.float32)
+        h = _at_node(h, tree["tree_index"], blocks, prev=True)
     else:
         h = model(batch.tokens, positions=batch.extras.get("positions"),
-                  segment_ids=batch.extras.get("segment_ids"),
-                  compute_logits=False).hidden.astype(jnp.float32)
+                  segment_ids=batch.extras.get("segment_ids"), compute_logits=False,
+                  attention=attention).hidden.astype(jnp.float32)
         h = jnp.concatenate([h[:, :1], h[:, :-1]], axis=1)  # h[t - 1] at position t
     first, _ = segments.turn_boundary_masks(batch)
     n, k = batch.num_traj, batch.num_turns
@@ -517,7 +520,8 @@ def _advantages(graphdef, rest, fwd, cfg: StepConfig, state: TrainState, batch, 
         _, _, values, _ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
                               want_entropy=False, blocks=cfg.blocks)
     if cfg.needs_hidden:
-        hidden = _decision_hidden(graphdef, state.params, rest, batch, tree, cfg.blocks)
+        hidden = _decision_hidden(graphdef, state.params, rest, batch, tree, cfg.blocks,
+                                  cfg.attention)
     est_batch = _provide(batch, cfg.reads, values, hidden)
     stateful = estimators.spec(cfg.estimator).stateful
     return _run_estimator(cfg.pipeline, est_batch, state.est_state, stateful, mesh)
@@ -629,8 +633,8 @@ def off_policy_metrics(prox, batch: TrajectoryBatch, weights, cfg: StepConfig) -
     action tokens: ``behaviour_kl_k3`` = mean of (r - 1) - log r with r = p / b (k3 estimate
     of KL(b || p), >= 0), ``is_weight_mean`` and ``is_ess`` of the raw weights r (at the
     correction's level; ESS as a fraction, 1 when on-policy), and ``is_corrected_frac``: the
-    share of tokens whose weight ``weights`` (the truncated / masked ones, or None) differs
-    from r."""
+    share of tokens whose weight ``weights`` (the truncated / masked ones, or None) was
+    masked (0) or truncated (below r)."""
     m = batch.action_mask
     mf = m.astype(jnp.float32)
     n = jnp.maximum(jnp.sum(mf), 1.0)
@@ -639,8 +643,9 @@ def off_policy_metrics(prox, batch: TrajectoryBatch, weights, cfg: StepConfig) -
     out = {"behaviour_kl_k3": jnp.sum(jnp.where(m, jnp.exp(lr) - 1.0 - lr, 0.0)) / n,
            "is_weight_mean": jnp.sum(raw) / n,
            "is_ess": jnp.sum(raw) ** 2 / jnp.maximum(n * jnp.sum(raw ** 2), 1e-30)}
-    if weights is not None:
-        out["is_corrected_frac"] = jnp.sum(jnp.where(m, (weights != raw).astype(jnp.float32),
+    if weights is not None:  # masked (weight 0) or truncated (weight below the raw one)
+        corrected = weights == 0 if cfg.is_weights == "mask" else weights < raw
+        out["is_corrected_frac"] = jnp.sum(jnp.where(m, corrected.astype(jnp.float32),
                                                      0.0)) / n
     return out
 
