@@ -10,6 +10,7 @@
   jaxrl-agent convert HF_DIR OUT_DIR [--dtype ...] [--max-shard-bytes N]
   jaxrl-agent sample HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
   jaxrl-agent plan [CONFIG.yaml] --topology cpu:8|v5e:2x4|... [--hf-config NAME|PATH] [--set ...]
+                   [--fit micro_batches]
 """
 
 from __future__ import annotations
@@ -479,13 +480,25 @@ def cmd_plan(args) -> int:
                         args.imports)
     from jaxrl_agent.train import plan as plan_lib
 
-    try:
-        p = plan_lib.plan_run(cfg, args.topology, hf_config=args.hf_config)
-    except plan_lib.PlanError as e:
-        raise CliError(str(e)) from None
     source = args.config or "(built-in default config)"
     if args.hf_config:
         source += f" with {args.hf_config}"
+    try:
+        if args.fit:
+            print(f"searching the fewest trainer.micro_batches that fit {args.topology} "
+                  "(one compile each):", flush=True)
+            p, tried = plan_lib.fit_micro_batches(cfg, args.topology, hf_config=args.hf_config,
+                                                  log=lambda line: print(line, flush=True))
+            if p is None:
+                raise CliError(f"no trainer.micro_batches fits {args.topology}: the largest, "
+                               f"{tried[-1][0]}, needs {tried[-1][1] / 2 ** 30:.2f} GiB per "
+                               "device; raise mesh.fsdp / mesh.tensor, lower "
+                               "rollout.max_context_tokens, or use a larger slice")
+            source += f" with trainer.micro_batches={p.step['micro_batches']} (--fit)"
+        else:
+            p = plan_lib.plan_run(cfg, args.topology, hf_config=args.hf_config)
+    except plan_lib.PlanError as e:
+        raise CliError(str(e)) from None
     print(plan_lib.format_plan(p, source))
     return 1 if p.run_fits is False else 0
 
@@ -637,6 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "qwen2.5-1.5b, qwen3-1.7b, qwen2.5-7b, llama-3.1-8b)")
     pl.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                     help="override a config value, e.g. --set mesh.fsdp=8 (repeatable)")
+    pl.add_argument("--fit", choices=("micro_batches",), default=None,
+                    help="search the fewest trainer.micro_batches (from the config's up) whose "
+                         "step fits the chip's HBM, one compile per candidate, and plan that")
     pl.set_defaults(func=cmd_plan)
     return p
 

@@ -96,6 +96,15 @@ def test_cpu8_plan_of_the_real_step_fsdp_x_tp():
     assert "verdict: compiled for 8 host devices" in text
     assert "JAX sampler: compiled for ONE cpu device" in text and "KV cache" in text
     assert "verdict: sampler: its " in text and "(16 prompts x 32 cache slots" in text
+    # the analytic floor beside the compiled total: state, gradients, saved layer inputs, one
+    # layer's working set and one chunk of logits
+    floor = p.floor
+    assert floor["train state"] >= p.state_bytes  # (+ step, rng, estimator state)
+    assert floor["gradients"] == p.params_bytes and floor["new state"] == 0  # donated
+    assert floor["total"] == sum(v for k, v in floor.items() if k != "total")
+    assert 0 < p.floor_ratio == p.total_bytes / floor["total"]
+    assert "analytic floor, per device" in text and "compiled total / floor = " in text
+    assert "attention=blocked logits_chunk=512" in text
 
 
 def test_cpu_plan_with_prefix_trees_and_a_sharded_sampler():
@@ -356,6 +365,9 @@ def test_sampler_verdicts_name_the_key_to_change():
     heavy = plan_lib.Plan(**step, sampler=dataclasses.replace(sampler(4), params_bytes=10 * gib))
     assert heavy.run_fits is False and "train step 7.00 + sampler weights 10.00" in \
         heavy.verdicts()[1]
+    # freed during the step (no asynchronous rollouts): only the step's own peak counts
+    freed = dataclasses.replace(heavy, sampler_released=True)
+    assert freed.sampler_device_bytes == 7 * gib and freed.run_fits
     # a train step that does not fit (its own verdict) and a sampler that fits beside the state
     big_step = dict(step, memory=plan_lib.CompiledMemory(3 * gib, 3 * gib, 0, 20 * gib, 0, 1.0))
     v = plan_lib.Plan(**big_step, sampler=sampler(4)).verdicts()
@@ -386,3 +398,33 @@ def test_tpu_v5e_2x2_sampler_decode_step(keep_env):
     assert split.kv_cache_bytes == (sp.kv_cache_bytes - 4 * 16) // 4 + 4 * 8
     assert split.params_bytes < sp.params_bytes
     assert split.decode.collectives["all-reduce"]["count"] > 0 and not split.decode.refused
+
+
+def test_fit_searches_the_fewest_micro_batches(monkeypatch):
+    """--fit micro_batches bisects over the counts the config accepts (divisors of the
+    trajectories per step, from the config's own up), one compile each, and plans the fewest
+    that fits with the sampler; none fitting is a None plan; cpu:N has no HBM to fit."""
+    gib = 2 ** 30
+    calls = []
+
+    def fake_plan(cfg, topology, *, hf_config=None, sampler=True):
+        m = cfg.trainer.micro_batches
+        calls.append((m, sampler))
+        total = (4 + 32 / m) * gib  # 16 trajectories: fits (<= 16 GiB) from 4 micro-batches
+        return types.SimpleNamespace(total_bytes=total, fits=total <= 16 * gib,
+                                     memory=types.SimpleNamespace(compile_s=1.0),
+                                     step={"micro_batches": m})
+
+    monkeypatch.setattr(plan_lib, "plan_run", fake_plan)
+    cfg = _cfg("trainer.micro_batches=1")  # 8 tasks x 2 = 16 trajectories: 1, 2, 4, 8, 16
+    p, tried = plan_lib.fit_micro_batches(cfg, "v5e:2x2", log=lambda line: None)
+    assert p.step["micro_batches"] == 4 and calls[-1] == (4, True)
+    assert [t[0] for t in tried] == [4, 1, 2] and [t[2] for t in tried] == [True, False, False]
+    monkeypatch.setattr(plan_lib, "plan_run", lambda *a, **k: types.SimpleNamespace(
+        total_bytes=99 * gib, fits=False, memory=types.SimpleNamespace(compile_s=1.0)))
+    p, tried = plan_lib.fit_micro_batches(cfg, "v5e:2x2", log=lambda line: None)
+    assert p is None and tried[-1][0] == 16
+    monkeypatch.setattr(plan_lib, "plan_run", lambda *a, **k: types.SimpleNamespace(
+        total_bytes=gib, fits=None, memory=types.SimpleNamespace(compile_s=1.0)))
+    with pytest.raises(plan_lib.PlanError, match="--fit needs a TPU topology"):
+        plan_lib.fit_micro_batches(cfg, "cpu:8", log=lambda line: None)

@@ -25,8 +25,8 @@ this long, so the memory reported is an upper bound for the step's shapes.
 Numbers per device: ``parameters`` / ``optimizer state`` / ``reference`` from the shardings
 (the layout the rules give); ``arguments`` / ``outputs`` / ``temporaries`` / ``code`` from XLA's
 ``memory_analysis()`` of the compiled program. ``total = arguments + outputs - aliased +
-temporaries + code`` is what the step needs at its peak (the trainer does not donate the old
-state, so old and new state are both alive). Collectives are counted statically in the compiled
+temporaries + code`` is what the step needs at its peak (the trainer donates the old state, so
+the new one is written into its buffers: the aliased bytes are counted once). Collectives are counted statically in the compiled
 HLO (an op inside the micro-batch loop runs once per micro-batch but is counted once); their
 bytes are the per-device result buffers.
 
@@ -82,7 +82,8 @@ from jaxrl_agent.train.step import init_state_from_params, make_train_step
 
 __all__ = ["PlanError", "Plan", "SamplerPlan", "CompiledMemory", "HBM_GIB", "HF_SHAPES",
            "topology_devices", "plan_run", "plan_sampler", "abstract_sampler", "sampler_dims",
-           "format_plan", "count_collectives", "compile_memory"]
+           "format_plan", "count_collectives", "compile_memory", "memory_floor",
+           "fit_micro_batches"]
 
 #: HBM per chip in GiB (Google Cloud TPU system architecture pages).
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
@@ -327,6 +328,48 @@ def batch_dims(cfg: config_lib.RunConfig, blocks: int) -> dict:
     return {"num_traj": n, "num_turns": k, "num_rows": rows, "row_len": t}
 
 
+def memory_floor(mc: ModelConfig, scfg, dims: dict, mesh_shape: dict, *, state_bytes: int,
+                 params_bytes: int, donated: bool, attention: str = "dense") -> dict:
+    """The analytic memory floor of one train step per device (bytes; our estimate of what any
+    implementation of this step must hold at its peak, to judge the compiled figure against):
+
+    * ``train state``: parameters, optimizer state and KL reference from the shardings;
+    * ``new state``: the step's output while the input is alive (0 when the state is donated);
+    * ``gradients``: one accumulator the size of the local parameters;
+    * ``saved layer inputs``: what the remat policy keeps per layer for the backward pass, for
+      one micro-batch's rows on this device (``r = rows / (data x fsdp x mini x micro)``):
+      ``n_layers r T D`` (``full``, ``offload``), plus every matmul output
+      ``n_layers r T (q + k + v + o + gate + up + down) / tensor`` (``save_dots``, ``none``;
+      a lower bound for ``none``, which also keeps norms and softmax);
+    * ``one layer's working set``: one decoder layer's weights gathered (FSDP: ``1 / tensor``
+      of a layer), its activations for ``r`` rows, and its attention scores and probabilities
+      ``2 r (H / tensor) T^2 4`` bytes with dense attention (one block of them with
+      ``blocked`` attention);
+    * ``one chunk of logits``: ``r x logits_chunk x V / tensor`` float32, twice (logits and
+      probabilities / their cotangent).
+    """
+    b = jnp.dtype(param_dtype(mc)).itemsize
+    tp = mesh_shape.get("tensor", 1)
+    r = max(dims["num_rows"] // (scfg.data_shards * scfg.mini_batches * scfg.micro_batches), 1)
+    t = dims["row_len"]
+    D, F, V, L = mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.num_layers
+    qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+    dots = r * t * (qkv + mc.num_heads * mc.head_dim + 2 * F) * b // tp + r * t * 2 * D * b
+    saved = L * r * t * D * b
+    if scfg.remat in ("save_dots", "none"):
+        saved += L * dots
+    layer_params = (D * (qkv + mc.num_heads * mc.head_dim) + 3 * D * F) * b // tp
+    heads = max(mc.num_heads // tp, 1)
+    q_len = t if attention == "dense" else min(t, 512)
+    scores = 2 * r * heads * q_len * t * 4
+    working = layer_params + dots + scores
+    logits = 2 * r * min(scfg.logits_chunk, t) * (V // tp) * 4
+    parts = {"train state": state_bytes, "new state": 0 if donated else state_bytes,
+             "gradients": params_bytes, "saved layer inputs": saved,
+             "one layer's working set": working, "one chunk of logits": logits}
+    return {**parts, "total": sum(parts.values())}
+
+
 def abstract_batch(dims: dict, layout: str, sharding_: NamedSharding, *,
                    tree_blocks: int = 0, tree_len: int = 0) -> TrajectoryBatch:
     """A ``TrajectoryBatch`` of ``ShapeDtypeStruct``s (rows / trajectories over the batch
@@ -436,6 +479,18 @@ class Plan:
     hbm_bytes: int | None
     #: the JAX sampler's prefill and decode step on its devices (None: not planned, e.g. vLLM)
     sampler: SamplerPlan | None = None
+    #: the analytic memory floor per device (``memory_floor``), by part and in total
+    floor: dict | None = None
+    #: the sampler's weights are freed during the train step (no rollout runs beside it:
+    #: ``trainer.async_rollouts`` off; ``JaxSampler.release_weights``)
+    sampler_released: bool = False
+
+    @property
+    def floor_ratio(self) -> float | None:
+        """The compiled step's total over the analytic floor (1.0 = at the floor)."""
+        if not self.floor or not self.floor.get("total"):
+            return None
+        return self.total_bytes / self.floor["total"]
 
     @property
     def total_bytes(self) -> int:
@@ -456,12 +511,15 @@ class Plan:
     @property
     def sampler_device_bytes(self) -> int | None:
         """The peak of the device the sampler runs on, which also keeps its share of the train
-        state: ``max(sampler peak + train state, train step total + sampler weights)`` (the
-        sampler's weights stay while the step runs). None without a sampler plan."""
+        state: ``max(sampler peak + train state, train step total + sampler weights)``, the
+        sampler's weights counted beside the step only when they stay while it runs
+        (asynchronous rollouts; otherwise the trainer frees them for the step). None without a
+        sampler plan."""
         s = self.sampler
         if s is None:
             return None
-        return max(s.peak_bytes + self.state_bytes, self.total_bytes + s.params_bytes)
+        beside = 0 if self.sampler_released else s.params_bytes
+        return max(s.peak_bytes + self.state_bytes, self.total_bytes + beside)
 
     @property
     def run_fits(self) -> bool | None:
@@ -501,9 +559,9 @@ class Plan:
                 key = ("raise mesh.fsdp (parameters and optimizer state are split over it) or "
                        "mesh.tensor, or use a larger slice")
             else:
-                key = ("set trainer.remat: true, raise trainer.micro_batches, or lower "
+                key = ("set trainer.remat: full, raise trainer.micro_batches, or lower "
                        "rollout.max_context_tokens / rollout.tasks_per_step"
-                       if not self.step["remat"] else
+                       if self.step["remat"] not in ("full", True) else
                        "raise trainer.micro_batches, or lower rollout.max_context_tokens / "
                        "rollout.tasks_per_step")
             out.append(f"DOES NOT FIT: {self.total_bytes / gib:.2f} GiB per device > "
@@ -555,9 +613,11 @@ class Plan:
             return [f"sampler DOES NOT FIT beside the train state: {dev / gib:.2f} GiB on its "
                     f"{self.chip} chip > {hbm:.0f} GiB HBM (sampling "
                     f"{s.peak_bytes / gib:.2f} + train state {self.state_bytes / gib:.2f}, "
-                    f"train step {self.total_bytes / gib:.2f} + sampler weights "
-                    f"{s.params_bytes / gib:.2f}; {what}); {key}, or split the train state "
-                    "over more devices (mesh.fsdp)"]
+                    f"train step {self.total_bytes / gib:.2f}"
+                    + ("" if self.sampler_released else
+                       f" + sampler weights {s.params_bytes / gib:.2f}")
+                    + f"; {what}); {key}, or split the train state over more devices "
+                    "(mesh.fsdp)"]
         if not self.fits:  # only sampling beside the state can be judged
             return [f"sampler fits beside the train state: {sampling / gib:.2f} GiB of "
                     f"{hbm:.0f} GiB HBM on its {self.chip} chip (sampling "
@@ -860,7 +920,7 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
                            tree_blocks=scfg.blocks if cfg.trainer.prefix_sharing else 0,
                            tree_len=cfg.trainer.prefix_tree_len)
 
-    step = make_train_step(model, opt, scfg, mesh=mesh, state_shardings=shardings)
+    step = make_train_step(model, opt, scfg, donate=True, mesh=mesh, state_shardings=shardings)
     state_b = _local_bytes(state, shardings)
     batch_b = _local_bytes(batch, jax.tree.map(lambda _: bsh, batch))
     # a refused compile: arguments and outputs from the shardings (old state + batch in, new
@@ -891,13 +951,57 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
                "value_head": mc.value_head},
         step={"estimator": scfg.estimator, "micro_batches": scfg.micro_batches,
               "mini_batches": scfg.mini_batches, "ppo_epochs": scfg.ppo_epochs,
-              "remat": scfg.remat, "kl_reference": with_ref, "layout": cfg.trainer.layout},
+              "remat": scfg.remat, "logits_chunk": scfg.logits_chunk,
+              "attention": scfg.attention,
+              "kl_reference": with_ref, "layout": cfg.trainer.layout},
         params_bytes=_local_bytes(state.params, shardings.params),
         params_total_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)),
         opt_bytes=_local_bytes(state.opt_state, shardings.opt_state),
         ref_bytes=_local_bytes(state.ref_params, shardings.ref_params) if with_ref else 0,
         batch_bytes=batch_b, memory=memory, notes=notes,
-        hbm_bytes=None if kind == "cpu" else HBM_GIB[kind] * 2 ** 30, sampler=sampler_plan)
+        floor=memory_floor(mc, scfg, dims, dict(mesh.shape), state_bytes=state_b,
+                           params_bytes=_local_bytes(state.params, shardings.params),
+                           donated=True, attention=scfg.attention),
+        hbm_bytes=None if kind == "cpu" else HBM_GIB[kind] * 2 ** 30, sampler=sampler_plan,
+        sampler_released=not cfg.trainer.async_rollouts)
+
+
+def fit_micro_batches(cfg: config_lib.RunConfig, topology: str, *,
+                      hf_config: str | None = None, log=print) -> tuple[Plan | None, list]:
+    """The fewest ``trainer.micro_batches`` whose train step fits the chip's HBM: a bisection
+    over the counts the config accepts (divisors of the trajectories per step, at least the
+    config's own), assuming memory falls as micro-batches grow; every candidate is a real
+    compile (``plan_run`` without the sampler), the chosen one is planned again with it.
+
+    Returns ``(plan of the chosen count or None when even the largest does not fit, [(count,
+    total bytes, fits), ...] in the order tried)``."""
+    r = cfg.rollout
+    n = r.tasks_per_step * r.group_size
+    start = cfg.trainer.micro_batches
+    counts = [d for d in range(1, n + 1) if n % d == 0 and d >= start]
+    tried = []
+
+    def plan_with(count: int, sampler: bool) -> Plan:
+        c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
+                                                                 micro_batches=count))
+        return plan_run(c, topology, hf_config=hf_config, sampler=sampler)
+
+    lo, hi, best = 0, len(counts) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        p = plan_with(counts[mid], sampler=False)
+        if p.fits is None:
+            raise PlanError("--fit needs a TPU topology (cpu:N has no HBM limit to fit)")
+        tried.append((counts[mid], p.total_bytes, p.fits))
+        log(f"  micro_batches={counts[mid]}: {p.total_bytes / 2 ** 30:.2f} GiB per device, "
+            f"{'fits' if p.fits else 'does not fit'} (compiled in {p.memory.compile_s:.0f} s)")
+        if p.fits:
+            best, hi = counts[mid], mid - 1
+        else:
+            lo = mid + 1
+    if best is None:
+        return None, tried
+    return plan_with(best, sampler=True), tried
 
 
 def _count(n: int) -> str:
@@ -919,8 +1023,9 @@ def format_plan(p: Plan, source: str = "") -> str:
         f"({p.model['dtype']}), {p.model['layers']} layers, hidden {p.model['hidden']}, vocab "
         f"{p.model['vocab']}" + (", value head" if p.model["value_head"] else ""),
         f"step: {s['estimator']}, {s['layout']} rows, micro_batches={s['micro_batches']} "
-        f"mini_batches={s['mini_batches']} ppo_epochs={s['ppo_epochs']} remat="
-        f"{'on' if s['remat'] else 'off'}" + (", KL reference" if s["kl_reference"] else ""),
+        f"mini_batches={s['mini_batches']} ppo_epochs={s['ppo_epochs']} remat={s['remat']} "
+        f"attention={s['attention']} logits_chunk={s['logits_chunk']}"
+        + (", KL reference" if s["kl_reference"] else ""),
         f"batch: {b['num_traj']} trajectories x {b['num_turns']} turns, {b['num_rows']} rows x "
         f"{b['row_len']} tokens (the largest the config packs: rows of "
         "rollout.max_context_tokens)",
@@ -942,8 +1047,14 @@ def format_plan(p: Plan, source: str = "") -> str:
     if mem.alias_bytes:
         lines.append(f"{'  aliased (counted once)':<34}{'-' + _mib(mem.alias_bytes):>12}")
     hbm = f"   HBM {p.hbm_bytes / 2 ** 30:.0f} GiB per {p.chip} chip" if p.hbm_bytes else ""
-    lines += [f"{'  total':<34}{_mib(p.total_bytes):>12}{hbm}",
-              f"compile time: {mem.compile_s:.1f} s", ""]
+    lines += [f"{'  total':<34}{_mib(p.total_bytes):>12}{hbm}"]
+    if p.floor:
+        lines += ["", f"{'analytic floor, per device':<34}{'MiB':>12}   (memory_floor: what the "
+                  "step must hold at least)"]
+        lines += [f"{'  ' + k:<34}{_mib(v):>12}" for k, v in p.floor.items() if k != "total"]
+        lines.append(f"{'  floor':<34}{_mib(p.floor['total']):>12}   compiled total / floor = "
+                     f"{p.floor_ratio:.2f}")
+    lines += [f"compile time: {mem.compile_s:.1f} s", ""]
     lines += format_collectives(mem.collectives, "the compiled step")
     if p.sampler is not None:
         lines += format_sampler(p) + [""]
@@ -1010,7 +1121,9 @@ def format_sampler(p: Plan) -> list[str]:
         row("total", pre.total_bytes, dec.total_bytes),
         f"{'  compile time (s)':<34}{pre.compile_s:>12.1f}{dec.compile_s:>12.1f}",
         f"{'  device peak with the train state':<34}{_mib(p.sampler_device_bytes):>12}   "
-        f"(max of sampler + train state {_mib(p.state_bytes)}, train step + sampler weights)",
+        f"(max of sampler + train state {_mib(p.state_bytes)}, train step"
+        + (", the sampler's weights freed during it)" if p.sampler_released else
+           " + sampler weights: async rollouts keep them)"),
     ]
     if m["data"] * m["tensor"] > 1:
         lines += [""] + format_collectives(dec.collectives, "the sampler's decode step")[:-1]
