@@ -426,3 +426,27 @@ def test_layers_are_one_scan_and_mistakes_are_named(model):
         model(_tokens(1, (1, 8)), remat="sometimes")
     with pytest.raises(ValueError, match="attention"):
         model(_tokens(1, (1, 8)), attention="sparse")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_blocked_attention_keeps_the_model_gradient_linear_in_length(remat):
+    """Differentiated through the layer scan, blocked attention keeps no [L, L] (or per-tile
+    [n_q, n_k, ...]) residuals: the model gradient's temporaries at L = 2048 are a fraction of
+    the dense path's (the dense scores alone are B x heads x L^2 x 4 bytes = 64 MiB here)."""
+    cfg = QWEN3.replace(num_layers=1, value_head=False)
+    graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((1, 2048), jnp.int32)
+
+    def temp(attention):
+        def loss(st):
+            out = nnx.merge(graphdef, st)(tokens, attention=attention, remat=remat,
+                                          compute_logits=False)
+            return jnp.sum(out.hidden)
+        mem = jax.jit(jax.grad(loss)).lower(state).compile().memory_analysis()
+        if mem is None:
+            pytest.skip("no memory analysis on this backend")
+        return mem.temp_size_in_bytes
+
+    dense, blocked = temp("dense"), temp("blocked")
+    assert dense >= 4 * 2048 ** 2 * 4
+    assert blocked < dense / 4, (blocked, dense)

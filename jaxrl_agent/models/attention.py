@@ -100,7 +100,12 @@ def blocked_attention(q, k, v, *, segment_ids=None, key_ends=None, block_q=512, 
                 raise ValueError(f"{name} must be [B, L] = [{B}, {L}], got shape {jnp.shape(x)}")
             x = jnp.asarray(x, jnp.int32)
         vectors.append(x)
-    return _attention(q, k, v, *vectors, min(block_q, L), min(block_k, L))
+    # Under jax.checkpoint: differentiated inside a lax.scan (the model's layer scan) with
+    # respect to the scan's inputs, JAX otherwise keeps the forward's per-tile intermediates of
+    # every tile pair ([nq, nk, B, KV, G, bq, bk] arrays: quadratic again). With it the only
+    # residuals are the inputs, and the custom backward recomputes what it needs.
+    return jax.checkpoint(_attention, static_argnums=(5, 6))(
+        q, k, v, *vectors, min(block_q, L), min(block_k, L))
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -406,11 +406,14 @@ def remat_policy_name(remat) -> str:
 
 
 def _checkpoint(fn, policy: str):
-    """``fn`` under ``jax.checkpoint`` with the named ``REMAT_POLICIES`` policy."""
-    if policy == "none":
-        return fn
+    """``fn`` under ``jax.checkpoint`` with the named ``REMAT_POLICIES`` policy. ``"none"`` is
+    ``everything_saveable`` rather than no checkpoint: the same residuals, but inside the layer
+    scan JAX then keeps the blocked attention's custom backward as the only way back through
+    the attention (without it, differentiating the scan kept every tile pair's forward
+    intermediates, [n_q, n_k, ..., block, block] arrays: quadratic in the row length)."""
     cp = jax.checkpoint_policies
-    kinds = {"full": None, "save_dots": cp.dots_with_no_batch_dims_saveable,
+    kinds = {"none": cp.everything_saveable, "full": None,
+             "save_dots": cp.dots_with_no_batch_dims_saveable,
              "offload": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}
     return jax.checkpoint(fn, policy=kinds[policy], prevent_cse=False)
 
