@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxrl_agent.models.attention import blocked_attention
-from jaxrl_agent.models.transformer import _attend
+from jaxrl_agent.models.transformer import dense_attention
 
 
 def dense_mask(B, L, segment_ids=None, key_ends=None):
@@ -90,7 +90,7 @@ def test_matches_dense_outputs_and_gradients(name):
     mask = dense_mask(B, L, seg, ends)
     blocked = _out_and_grads(lambda q, k, v: blocked_attention(
         q, k, v, segment_ids=seg, key_ends=ends, block_q=bq, block_k=bk))
-    dense = _out_and_grads(lambda q, k, v: _attend(q, k, v, mask))
+    dense = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, mask))
     out, grads = blocked(q, k, v, w)
     ref_out, ref_grads = dense(q, k, v, w)
     assert out.shape == (B, L, H * hd) and out.dtype == jnp.float32
@@ -113,7 +113,7 @@ def test_bfloat16_close_to_dense():
     mask = dense_mask(B, L, seg)
     out, grads = _out_and_grads(lambda q, k, v: blocked_attention(
         q, k, v, segment_ids=seg, block_q=16, block_k=16))(q, k, v, w)
-    ref_out, ref_grads = _out_and_grads(lambda q, k, v: _attend(q, k, v, mask))(q, k, v, w)
+    ref_out, ref_grads = _out_and_grads(lambda q, k, v: dense_attention(q, k, v, mask))(q, k, v, w)
     assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     np.testing.assert_allclose(f32(out), f32(ref_out), atol=3e-2, rtol=3e-2)
@@ -152,7 +152,7 @@ def test_compiled_memory_well_under_dense():
         return None if stats is None else stats.temp_size_in_bytes
 
     blocked = temp_bytes(lambda q, k, v, mask: blocked_attention(q, k, v))
-    dense = temp_bytes(_attend)
+    dense = temp_bytes(dense_attention)
     if blocked is None or dense is None:
         pytest.skip("memory_analysis() not available on this backend")
     assert dense > 2 * H * L * L * 4, dense      # sanity: the dense path holds [H, L, L] f32

@@ -363,7 +363,7 @@ def test_rope_frequencies():
     assert rope_frequencies(yarn)[1] == pytest.approx(0.1 * np.log(4.0) + 1)
 
 
-# ----------------------------------------------------------------------------- scan, remat, attention
+# ---------------------------------------------------------------- scan, remat, attention
 
 
 @functools.partial(jit, static_argnums=(0, 6, 7))

@@ -1,9 +1,9 @@
 """Memory-efficient ("flash") causal attention in pure JAX, with a hand-written backward pass.
 
 ``blocked_attention`` computes the same numbers as the transformer's dense training attention
-(``transformer._attend`` with the ``[B, L, L]`` mask ``Transformer.__call__`` builds without a
-cache) without ever materialising an ``[L, L]`` array: the mask is recomputed per block from
-``[B, L]`` vectors, the softmax is the online (running max / running sum) softmax of
+(``transformer.dense_attention`` with the ``[B, L, L]`` mask ``Transformer.__call__`` builds
+without a cache) without ever materialising an ``[L, L]`` array: the mask is recomputed per
+block from ``[B, L]`` vectors, the softmax is the online (running max / running sum) softmax of
 FlashAttention (Dao et al., 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention
 with IO-Awareness"; backward as in Dao, 2023, "FlashAttention-2"), and the backward pass
 recomputes the probabilities block by block from the saved per-query logsumexp.
@@ -59,7 +59,7 @@ def blocked_attention(q, k, v, *, segment_ids=None, key_ends=None, block_q=512, 
       block_q, block_k: tile sizes (static Python ints); each is clipped to ``L``.
 
     Returns:
-      ``[B, L, H * hd]`` in ``v.dtype``; equals ``_attend(q, k, v, mask)`` up to float
+      ``[B, L, H * hd]`` in ``v.dtype``; equals ``dense_attention(q, k, v, mask)`` up to float
       rounding (the probabilities are cast to ``v.dtype`` before the ``p v`` product
       *unnormalised*, relative to the running max, so bfloat16 outputs differ from the dense
       path by bfloat16 rounding; float32 agrees to ~1e-6).

@@ -280,7 +280,7 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _attend(q, k, v, mask):
+def dense_attention(q, k, v, mask):
     """Grouped-query attention. q [B,L,H,hd], k/v [B,S,KV,hd], mask [B,L,S] bool.
 
     Query head h uses key/value head ``h // (H // KV)`` (HF ``repeat_kv``). Scores and softmax
@@ -360,7 +360,7 @@ class Attention(nnx.Module):
             out = blocked_attention(q, k, v, segment_ids=mask.segment_ids,
                                     key_ends=mask.key_ends)
         else:
-            out = _attend(q, k, v, mask)
+            out = dense_attention(q, k, v, mask)
         return self.o_proj(out), new_cache
 
 

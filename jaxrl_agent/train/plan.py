@@ -25,10 +25,11 @@ this long, so the memory reported is an upper bound for the step's shapes.
 Numbers per device: ``parameters`` / ``optimizer state`` / ``reference`` from the shardings
 (the layout the rules give); ``arguments`` / ``outputs`` / ``temporaries`` / ``code`` from XLA's
 ``memory_analysis()`` of the compiled program. ``total = arguments + outputs - aliased +
-temporaries + code`` is what the step needs at its peak (the trainer donates the old state, so
-the new one is written into its buffers: the aliased bytes are counted once). Collectives are counted statically in the compiled
-HLO (an op inside the micro-batch loop runs once per micro-batch but is counted once); their
-bytes are the per-device result buffers.
+temporaries + code`` is what the step needs at its peak (the trainer donates the old state,
+so the new one is written into its buffers: the aliased bytes are counted once). Beside it,
+``memory_floor``: the analytic floor of the step per device. Collectives are counted
+statically in the compiled HLO (an op inside a loop, micro-batches or layers, runs once per
+iteration but is counted once); their bytes are the per-device result buffers.
 
 With ``sampler: jax`` the plan also compiles the JAX sampler's own jitted prefill and decode
 loop (``plan_sampler``, through ``JaxSampler.lower``) on the devices one host gives it: one
