@@ -312,10 +312,6 @@ def _process(logits, temperature: float, top_k: int, top_p: float):
     return z, zt.reshape(z.shape)
 
 
-def _sampling(cfg: "StepConfig") -> tuple:
-    return cfg.temperature, cfg.top_k, cfg.top_p
-
-
 def _pick(z, zt, at, nxt):
     """Log-prob of token ``nxt`` under the distribution at node ``at`` (``at``/``nxt`` index
     the leading axes of ``z`` through ``take``): ``zt`` where it keeps the token, else the
@@ -334,8 +330,10 @@ def _pick(z, zt, at, nxt):
 
 def sampled_logprobs(logits, tokens, *, temperature: float = 1.0, top_k: int = 0,
                      top_p: float = 1.0):
-    """Log-probs of ``tokens`` [R, T] under the distribution a sampler with these parameters
-    draws from: ``lp[:, t] = log softmax(z[:, t - 1])[tokens[:, t]]`` (0 at t = 0) with
+    """The dense form of what the train step computes in chunks
+    (``train.logprobs.chunked_sampled_logprobs``, from the hidden states; this one takes the
+    full ``[R, T, V]`` logits and is the tests' reference). Log-probs of ``tokens`` [R, T]
+    under the distribution a sampler with these parameters draws from: ``lp[:, t] = log softmax(z[:, t - 1])[tokens[:, t]]`` (0 at t = 0) with
     ``z = process_logits(logits / temperature, top_k, top_p)``, the sampler's own processing
     (``temperature <= 0``, greedy, means the untempered, untruncated distribution, as the
     sampler reports for greedy rows). A token outside the top-k / top-p set of ``z`` (the
