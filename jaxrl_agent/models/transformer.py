@@ -260,10 +260,12 @@ class Embed(nnx.Module):
 
     def __call__(self, tokens, out_sharding=None):
         table = self.embedding[...]
-        if out_sharding is not None:  # gather the whole table first (FSDP: weights per use), so
-            # the lookup comes out in the rows' layout, not split along the embedding dimension
+        if out_sharding is not None:  # gather the embedding dimension first (FSDP: weights per
+            # use), so the lookup comes out in the rows' layout, not split along it; the
+            # vocabulary keeps its split (a masked local lookup + a sum over its axis)
+            P_ = jax.sharding.PartitionSpec
             table = jax.lax.with_sharding_constraint(
-                table, jax.sharding.NamedSharding(out_sharding.mesh, jax.sharding.PartitionSpec()))
+                table, jax.sharding.NamedSharding(out_sharding.mesh, P_(P_.UNCONSTRAINED, None)))
         # mode="clip": an out-of-range id never produces NaN (the default "fill" would).
         return jnp.take(table, tokens, axis=0, mode="clip")
 
