@@ -485,8 +485,6 @@ def cmd_plan(args) -> int:
         source += f" with {args.hf_config}"
     try:
         if args.fit:
-            print(f"searching the fewest trainer.micro_batches that fit {args.topology} "
-                  "(one compile each):", flush=True)
             p, tried = plan_lib.fit_micro_batches(cfg, args.topology, hf_config=args.hf_config,
                                                   log=lambda line: print(line, flush=True))
             if p is None:

@@ -976,11 +976,14 @@ def fit_micro_batches(cfg: config_lib.RunConfig, topology: str, *,
 
     Returns ``(plan of the chosen count or None when even the largest does not fit, [(count,
     total bytes, fits), ...] in the order tried)``."""
+    if chip_kind(topology) == "cpu":
+        raise PlanError("--fit needs a TPU topology (cpu:N has no HBM limit to fit)")
     r = cfg.rollout
     n = r.tasks_per_step * r.group_size
     start = cfg.trainer.micro_batches
     counts = [d for d in range(1, n + 1) if n % d == 0 and d >= start]
     tried = []
+    log(f"searching the fewest trainer.micro_batches that fit {topology} (one compile each):")
 
     def plan_with(count: int, sampler: bool) -> Plan:
         c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
