@@ -478,13 +478,9 @@ class Transformer(nnx.Module):
         """float32 logits ``[..., V]`` from final hidden states ``[..., D]`` (the LM head only:
         lets a sampler compute logits at the last position of a prefill without the full
         ``[B, L, V]`` tensor)."""
-        if self.lm_head is None:
-            w = self.embed_tokens.embedding[...]
-            return jnp.einsum("...d,vd->...v", hidden.astype(w.dtype), w,
-                              preferred_element_type=jnp.float32)
-        w = self.lm_head.kernel[...]
-        return jnp.einsum("...d,dv->...v", hidden.astype(w.dtype), w,
-                          preferred_element_type=jnp.float32)
+        w, tied = self.head_weight()
+        return jnp.einsum("...d,vd->...v" if tied else "...d,dv->...v", hidden.astype(w.dtype),
+                          w, preferred_element_type=jnp.float32)
 
     def head_weight(self):
         """``(weight, tied)``: the LM head's weight, ``[D, V]`` (``tied`` False) or the embedding

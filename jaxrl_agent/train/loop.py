@@ -974,8 +974,8 @@ def _donated(tree) -> bool:
 
 
 def step_paths(scfg: StepConfig) -> str:
-    """How the train step computes, in words (the start-up summary and ``jaxrl-agent plan``):
-    layers under one scan with the remat policy, log-probs chunked over positions."""
+    """How the train step computes, in words (the start-up summary): layers under one scan
+    with the remat policy, the attention path, log-probs chunked over positions."""
     return (f"layers scanned, remat {scfg.remat}; attention {scfg.attention}; "
             f"log-probs/entropy in chunks of {scfg.logits_chunk} positions (no [rows, T, vocab] "
             "logits)")
