@@ -339,12 +339,12 @@ def cmd_convert(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from jaxrl_agent.models import load_hf, load_tokenizer
+    from jaxrl_agent.models import load_model_folder, load_tokenizer
     from jaxrl_agent.sampling import JaxSampler, SamplingParams
 
     try:
-        model, config = load_hf(args.model, dtype=args.dtype)
-    except (OSError, ValueError) as e:
+        model, config, tok_folder = load_model_folder(args.model, dtype=args.dtype)
+    except (OSError, ValueError, KeyError) as e:
         raise CliError(f"{args.model}: {e}") from None
     tok = None
     if args.prompt_ids is not None:
@@ -354,9 +354,9 @@ def cmd_sample(args) -> int:
             raise CliError("--prompt-ids must be comma-separated integers") from None
     else:
         try:
-            tok = load_tokenizer(args.model)
+            tok = load_tokenizer(tok_folder)
         except Exception as e:  # noqa: BLE001 - missing files, missing packages, bad JSON
-            raise CliError(f"{args.model}: cannot load a tokenizer ({e}); pass --prompt-ids "
+            raise CliError(f"{tok_folder}: cannot load a tokenizer ({e}); pass --prompt-ids "
                            f"instead") from None
         if args.raw:
             prompt = tok.encode(args.prompt)
@@ -612,7 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write sharded safetensors with an index")
     v.set_defaults(func=cmd_convert)
     g = sub.add_parser("sample", help="sample completions from a Hugging Face checkpoint "
-                                     "folder with the JAX sampler")
+                                     "folder (or a PEFT LoRA adapter folder on its local "
+                                     "base) with the JAX sampler")
     g.add_argument("model", metavar="HF_DIR")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (chat template applied unless --raw)")

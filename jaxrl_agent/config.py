@@ -5,7 +5,8 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     name: str
     model:      hf_path (None = tiny built-in model), vocab_size, hidden_size, intermediate_size,
                 num_layers, num_heads, num_kv_heads, head_dim, max_position_embeddings, dtype,
-                value_head, value_stop_gradient
+                value_head, value_stop_gradient,
+                lora {rank, alpha, targets, train_norms}   (rank 0 / null = full fine-tune)
     env:        name, kwargs {}
     rollout:    tasks_per_step, group_size, max_turns, max_new_tokens, max_context_tokens,
                 temperature, top_k, top_p, on_invalid, history, bos, branch_turns, branch_factor
@@ -56,6 +57,7 @@ from typing import Any, Union
 
 import yaml
 
+from jaxrl_agent.models.config import LORA_TARGETS
 from jaxrl_agent.models.transformer import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrl_agent.rollout.collect import RolloutConfig
 
@@ -82,6 +84,18 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters on a frozen base (``models.ModelConfig.lora_*``): ``rank: 0`` (or
+    ``model.lora: null``) trains every weight. With ``rank > 0`` only the adapters of the
+    ``targets`` projections (PEFT's names), the value head and, with ``train_norms``, the
+    RMSNorm weights are trained; the base gets no gradient and no optimizer state."""
+    rank: int = 0
+    alpha: float = 16.0
+    targets: list = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    train_norms: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
     """``hf_path=None`` builds the tiny built-in model from the dims below (byte codec, ids < 260);
     with an ``hf_path`` the dims come from its ``config.json`` and are ignored."""
@@ -98,6 +112,7 @@ class ModelSection:
     value_head: bool = False
     value_stop_gradient: bool = False
     builtin_dir: str | None = None  # null = <run.dir>/base_model (created on first use)
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -935,6 +950,17 @@ def _check_model(cfg: RunConfig) -> None:
             raise ConfigError(f"model.head_dim must be even (RoPE rotates pairs); got {m.head_dim}")
     if m.value_stop_gradient and not m.value_head:
         raise ConfigError("model.value_stop_gradient needs model.value_head: true")
+    lo = m.lora
+    if isinstance(lo.rank, bool) or not isinstance(lo.rank, int) or lo.rank < 0:
+        raise ConfigError(f"model.lora.rank must be an int >= 0 (0 = full fine-tune); got "
+                          f"{lo.rank!r}")
+    if lo.rank:
+        if not lo.alpha > 0:
+            raise ConfigError(f"model.lora.alpha must be > 0; got {lo.alpha!r}")
+        bad = [t for t in lo.targets if t not in LORA_TARGETS]
+        if bad or not lo.targets:
+            raise ConfigError(f"model.lora.targets must be a non-empty list of "
+                              f"{list(LORA_TARGETS)}; got {list(lo.targets)}")
 
 
 def _check_env(cfg: RunConfig) -> None:

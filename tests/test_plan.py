@@ -74,6 +74,65 @@ def test_count_collectives_reads_ops_and_result_bytes():
     assert c["all-to-all"]["count"] == 0
 
 
+# a scan of 28 layers with a 4-trip loop inside; one asynchronous all-gather split over two
+# fused computations (same channel: counted once), one in the scanned body, one in the entry
+LOOPS = """
+%cond.28 (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %c = s32[]{:T(128)} constant(28)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+%cond.4 (p: (u32[], f32[8])) -> pred[] {
+  %c4 = u32[]{:T(128)} constant(4), metadata={op_name="x"}
+  %p = (u32[], f32[8]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c4), direction=LT
+}
+
+%start (a: bf16[1,64]) -> bf16[8,64] {
+  %ag.1 = bf16[8,64]{1,0} all-gather(%a), channel_id=7, replica_groups=[2,8]<=[8,2]T(1,0), \
+dimensions={0}
+}
+
+%done (a: bf16[1,64]) -> bf16[8,64] {
+  %ag.2 = bf16[8,64]{1,0} all-gather(%a), channel_id=7, replica_groups=[2,8]<=[8,2]T(1,0), \
+dimensions={0}
+}
+
+%inner (p: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %ag.3 = f32[4,8]{1,0} all-gather(%x), channel_id=9, replica_groups=[8,2]<=[16], dimensions={0}
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %f1 = bf16[8,64] fusion(%w), kind=kCustom, calls=%start
+  %f2 = bf16[8,64] fusion(%f1), kind=kCustom, calls=%done
+  %w4 = (u32[], f32[8]) while(%t), condition=%cond.4, body=%inner
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t0), condition=%cond.28, body=%body
+  %ag.4 = f32[16]{0} all-gather(%a), channel_id=11, \
+replica_groups=mesh['axis_0'=2,'axis_1'=8], device_ids=([8,2]T(1,0)) {'axis_0'}, dimensions={0}
+}
+"""
+
+
+def test_executed_gathers_apply_trip_counts_dedupe_channels_and_name_axes():
+    times, unknown = plan_lib.executions(LOOPS)
+    assert unknown == 0
+    assert times["main"] == 1 and times["body"] == 28 and times["inner"] == 28 * 4
+    assert times["start"] == times["done"] == 28
+    g = plan_lib.executed_gathers(LOOPS, {"data": 1, "fsdp": 8, "tensor": 2})
+    # device ids: positions in the (data, fsdp, tensor) mesh; [2,8]<=[8,2]T(1,0) groups ids
+    # 0, 2, 4, ... (fsdp); [8,2]<=[16] groups 0, 1 (tensor); the mesh[...] form's axis_0 of
+    # the transposed ids is 0, 1 (tensor) as well
+    assert g["fsdp"] == 28 * 8 * 64 * 2  # the split async gather, once per layer
+    assert g["tensor"] == 28 * 4 * 4 * 8 * 4 + 16 * 4
+    assert g["unknown loops"] == 0
+
+
 def test_cpu8_plan_of_the_real_step_fsdp_x_tp():
     p = plan_lib.plan_run(_cfg(*FSDP_TP, "mesh.data=2"), "cpu:8")
     assert p.mesh == {"data": 2, "fsdp": 2, "tensor": 2} and p.num_devices == 8
@@ -105,6 +164,16 @@ def test_cpu8_plan_of_the_real_step_fsdp_x_tp():
     assert 0 < p.floor_ratio == p.total_bytes / floor["total"]
     assert "analytic floor, per device" in text and "compiled total / floor = " in text
     assert "attention=blocked logits_chunk=512" in text
+    assert "all-gathers executed in one step" in text and "FSDP: " in text
+    # without remat the backward pass reuses the forward's gathered weights (saved with the
+    # activations): one gather of each per micro-batch pass; with full remat one in the
+    # forward and one in the backward pass. Not more: XLA hands one gathered copy of each
+    # layer's weights to all its uses (sharding.layer_use_shardings)
+    assert p.weights_gathered_bytes > 0
+    assert 0.7 <= p.gathers_per_micro_batch <= 1.1, p.memory.gathers
+    full = plan_lib.plan_run(_cfg(*FSDP_TP, "mesh.data=2", "trainer.remat=full"), "cpu:8",
+                             sampler=False)
+    assert 1.5 <= full.gathers_per_micro_batch <= 2.1, full.memory.gathers
 
 
 def test_cpu_plan_with_prefix_trees_and_a_sharded_sampler():

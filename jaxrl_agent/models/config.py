@@ -28,6 +28,8 @@ ARCHITECTURES = {
 }
 FAMILIES = tuple(ARCHITECTURES.values())
 DTYPES = ("float32", "bfloat16")
+#: the projections LoRA can adapt (PEFT's ``target_modules`` names)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
 
 # Keys each rope type needs (besides rope_type) and the ones it may carry.
@@ -133,6 +135,13 @@ class ModelConfig:
       value_stop_gradient: the value head reads ``stop_gradient(hidden)`` so a value loss does
         not train the backbone.
       bos_token_id, eos_token_id, pad_token_id: carried through to ``config.json``.
+      lora_rank: 0 (no adapters: every weight is trained), or the rank ``r`` of the LoRA
+        adapters on the ``lora_targets`` projections: ``y = x W + (alpha / r) (x A) B`` with
+        ``A [in, r]`` and ``B [r, out]`` (float32), ``B`` zero at the start so the adapted
+        model equals the base model exactly.
+      lora_alpha: the adapters' scale numerator (PEFT's ``lora_alpha``).
+      lora_targets: the adapted projections, a subset of ``LORA_TARGETS``.
+      lora_train_norms: with LoRA, the RMSNorm weights are trained too (else frozen).
     """
 
     vocab_size: int
@@ -158,6 +167,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: Any = None
     pad_token_id: int | None = None
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple = LORA_TARGETS
+    lora_train_norms: bool = False
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -191,6 +204,17 @@ class ModelConfig:
                                                      self.max_position_embeddings))
         if isinstance(self.eos_token_id, list):
             set_("eos_token_id", tuple(self.eos_token_id))
+        r = self.lora_rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"ModelConfig.lora_rank must be an int >= 0, got {r!r}")
+        set_("lora_targets", tuple(self.lora_targets))
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad or (r and not self.lora_targets):
+            raise ValueError(f"ModelConfig.lora_targets must be a non-empty subset of "
+                             f"{list(LORA_TARGETS)}, got {list(self.lora_targets)}")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"ModelConfig.lora_alpha must be > 0, got {self.lora_alpha!r}")
+        set_("lora_alpha", float(self.lora_alpha))
 
     @property
     def num_kv_groups(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_agent.models.config import ModelConfig
-from jaxrl_agent.models.transformer import Linear, Transformer, param_dtype
+from jaxrl_agent.models.transformer import (Linear, Transformer, lora_init, lora_paths,
+                                            merge_lora, param_dtype)
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
@@ -111,6 +112,23 @@ def spec_array(spec: ParamSpec, array):
     return array if spec.layer is None else array[spec.layer]
 
 
+def hf_tensors(config: ModelConfig, get: Callable[[tuple], Any]) -> dict:
+    """``{hf_name: array}`` in ``hf_param_map`` order and HF layout (``[out, in]`` linear
+    weights), from ``get(nnx_path) -> array`` (numpy or jax, jittable). A LoRA-adapted
+    projection is written merged: ``kernel + (lora_alpha / r) lora_a lora_b``, so the tensors
+    are a plain HF model's (its adapters alone: ``save_peft_adapter``)."""
+    adapted = set(lora_paths(config))
+    scale = config.lora_alpha / config.lora_rank if config.lora_rank else 0.0
+    out = {}
+    for spec in hf_param_map(config):
+        arr = spec_array(spec, get(spec.path))
+        if spec.path[:-1] in adapted and spec.path[-1] == "kernel":
+            arr = merge_lora(arr, spec_array(spec, get(spec.path[:-1] + ("lora_a",))),
+                             spec_array(spec, get(spec.path[:-1] + ("lora_b",))), scale)
+        out[spec.hf_name] = arr.T if spec.transpose else arr
+    return out
+
+
 # ----------------------------------------------------------------------------- in memory
 
 
@@ -118,12 +136,9 @@ def to_hf_tensors(model: Transformer, *, as_numpy: bool = True) -> dict:
     """The backbone parameters under HF names and layouts (``[out, in]`` linear weights), in the
     parameter dtype: ``{hf_name: array}`` in ``hf_param_map`` order. ``as_numpy=False`` keeps
     them as (transposed) ``jax.Array`` s, e.g. for a jitted weight sync."""
-    out = {}
-    for spec in hf_param_map(model.config):
-        arr = spec_array(spec, _variable(model, spec.path)[...])
-        if spec.transpose:
-            arr = arr.T
-        out[spec.hf_name] = np.ascontiguousarray(np.asarray(arr)) if as_numpy else arr
+    out = hf_tensors(model.config, lambda path: _variable(model, path)[...])
+    if as_numpy:
+        out = {k: np.ascontiguousarray(np.asarray(v)) for k, v in out.items()}
     return out
 
 
@@ -202,6 +217,11 @@ def _build(config, get, value_head_tensors, *, seed, place):
                                  f"but the config expects {want}")
             _variable(model, ("value_head", name)).set_value(
                 place(("value_head", name), np.asarray(arr, np.float32)))
+    # LoRA adapters are not part of an HF checkpoint: fresh ones (b = 0: the base model's
+    # outputs exactly), drawn from ``seed``
+    for path, (a, b) in lora_init(config, jax.random.key(seed)).items():
+        for name, arr in (("lora_a", a), ("lora_b", b)):
+            _variable(model, path + (name,)).set_value(place(path + (name,), np.asarray(arr)))
     return model
 
 
@@ -365,3 +385,103 @@ def save_hf(model: Transformer, config: ModelConfig | None, folder: str, *,
         save_file(vh, os.path.join(folder, VALUE_HEAD_NAME),
                   metadata={"format": "jaxrl_agent",
                             "value_stop_gradient": str(bool(config.value_stop_gradient))})
+
+
+# ----------------------------------------------------------------------------- LoRA adapters
+
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+def _peft_name(path: tuple, layer: int, which: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{path[1]}.{path[2]}.{which}.weight"
+
+
+def save_peft_adapter(model: Transformer, folder: str, *,
+                      base_model_name_or_path: str | None = None) -> None:
+    """Writes ``model``'s LoRA adapters as a PEFT adapter folder that
+    ``peft.PeftModel.from_pretrained(base, folder)`` loads on the HF base model:
+    ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules``)
+    and ``adapter_model.safetensors`` with ``...layers.{i}.self_attn.q_proj.lora_A.weight``
+    ``[r, in]`` and ``lora_B.weight`` ``[out, r]`` per adapted projection (float32). The value
+    head is not part of it (``save_hf`` of the merged model writes it).
+
+    Raises ``ValueError`` when the model has no adapters."""
+    from safetensors.numpy import save_file
+
+    config = model.config
+    if not config.lora_rank:
+        raise ValueError("save_peft_adapter: the model has no LoRA adapters (lora_rank 0)")
+    tensors = {}
+    for path in sorted(lora_paths(config)):
+        lin = _variable(model, path)
+        a, b = np.asarray(lin.lora_a[...], np.float32), np.asarray(lin.lora_b[...], np.float32)
+        for i in range(config.num_layers):
+            tensors[_peft_name(path, i, "lora_A")] = np.ascontiguousarray(a[i].T)
+            tensors[_peft_name(path, i, "lora_B")] = np.ascontiguousarray(b[i].T)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+    peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora_rank,
+            "lora_alpha": config.lora_alpha, "target_modules": list(config.lora_targets),
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "inference_mode": True, "modules_to_save": None,
+            "base_model_name_or_path": base_model_name_or_path}
+    with open(os.path.join(folder, PEFT_CONFIG_NAME), "w") as f:
+        json.dump(peft, f, indent=2)
+
+
+def load_peft_adapter(model: Transformer, folder: str) -> None:
+    """Sets ``model``'s LoRA adapters from a PEFT adapter folder (``save_peft_adapter``'s
+    layout); the model must have been built with the same ``r``, ``lora_alpha`` and
+    ``target_modules``. Raises ``ValueError`` naming what differs or is missing."""
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(folder, PEFT_CONFIG_NAME)) as f:
+        peft = json.load(f)
+    c = model.config
+    want = {"r": c.lora_rank, "lora_alpha": c.lora_alpha,
+            "target_modules": sorted(c.lora_targets)}
+    got = {"r": peft.get("r"), "lora_alpha": float(peft.get("lora_alpha", 0)),
+           "target_modules": sorted(peft.get("target_modules") or [])}
+    if got != want:
+        raise ValueError(f"{folder}/{PEFT_CONFIG_NAME}: the adapter has {got}, the model "
+                         f"{want}")
+    tensors = load_file(os.path.join(folder, PEFT_WEIGHTS_NAME))
+    for path in sorted(lora_paths(c)):
+        lin = _variable(model, path)
+        for which, var in (("lora_A", lin.lora_a), ("lora_B", lin.lora_b)):
+            rows = []
+            for i in range(c.num_layers):
+                name = _peft_name(path, i, which)
+                if name not in tensors:
+                    raise ValueError(f"{folder}/{PEFT_WEIGHTS_NAME}: missing tensor {name!r}")
+                rows.append(tensors[name].T)
+            arr = np.stack(rows).astype(np.float32)
+            if arr.shape != tuple(var.shape):
+                raise ValueError(f"{folder}/{PEFT_WEIGHTS_NAME}: {which} of {'.'.join(path)} "
+                                 f"has shape {arr.shape[1:]}, the model {tuple(var.shape)[1:]}")
+            var.set_value(jnp.asarray(arr))
+
+
+def load_model_folder(folder: str, dtype: str | None = None) -> tuple[Transformer, ModelConfig,
+                                                                       str]:
+    """``(model, config, tokenizer folder)`` of an HF checkpoint folder (``load_hf``) or of a
+    PEFT LoRA adapter folder (``adapter_config.json``): the base named by its
+    ``base_model_name_or_path`` (a local folder) with the adapters on it. Raises ``ValueError``
+    (or ``OSError``) naming the folder and what is wrong."""
+    cfg_path = os.path.join(folder, PEFT_CONFIG_NAME)
+    if not os.path.exists(cfg_path):
+        model, config = load_hf(folder, dtype=dtype)
+        return model, config, folder
+    with open(cfg_path) as f:
+        peft = json.load(f)
+    base = peft.get("base_model_name_or_path")
+    if peft.get("peft_type") != "LORA" or not base or not os.path.isdir(base):
+        raise ValueError(f"{cfg_path}: a LoRA adapter whose base_model_name_or_path is a local "
+                         f"HF folder is needed (peft_type {peft.get('peft_type')!r}, base "
+                         f"{base!r})")
+    model, config = load_hf(base, dtype=dtype, lora_rank=int(peft["r"]),
+                            lora_alpha=float(peft["lora_alpha"]),
+                            lora_targets=tuple(peft["target_modules"]))
+    load_peft_adapter(model, folder)
+    return model, config, base

@@ -35,6 +35,7 @@ log-probs must agree tightly in float32).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -221,8 +222,18 @@ def _normal(rngs, shape, dtype, std=0.02):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+class LoRAParam(nnx.Param):
+    """A LoRA adapter matrix (``Linear.lora_a`` / ``lora_b``): a parameter the trainer trains
+    while the base weights stay frozen (``trainable_filter``)."""
+
+
 class Linear(nnx.Module):
-    """``y = x @ kernel (+ bias)``; ``kernel`` is [in, out] (the transpose of HF's weight)."""
+    """``y = x @ kernel (+ bias)``; ``kernel`` is [in, out] (the transpose of HF's weight).
+
+    With a LoRA adapter (``add_lora``) it computes ``y = x @ kernel (+ bias) + scale (x @
+    lora_a) @ lora_b``, ``lora_a [in, r]``, ``lora_b [r, out]``, ``scale = lora_alpha / r``.
+    Adapters are float32 (the optimizer's updates to them are small); their product runs in
+    the kernel's dtype."""
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype,
                  rngs: nnx.Rngs, axes: tuple = (None, None)):
@@ -230,13 +241,109 @@ class Linear(nnx.Module):
                                 logical_axes=tuple(axes))
         self.bias = (nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes[1],))
                      if use_bias else None)
+        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)  # (add_lora)
+        self.lora_scale = 0.0
+
+    def add_lora(self, a, b, scale: float):
+        """Attaches the adapter ``(a [..., in, r], b [..., r, out])`` (leading axes: a stacked
+        layer's) with logical axes ``(..., in, None)`` / ``(..., None, out)`` of the kernel's."""
+        axes = tuple(self.kernel.get_metadata().get("logical_axes") or
+                     (None,) * self.kernel.ndim)
+        self.lora_a = LoRAParam(a, logical_axes=axes[:-1] + (None,))
+        self.lora_b = LoRAParam(b, logical_axes=axes[:-2] + (None, axes[-1]))
+        self.lora_scale = float(scale)
 
     def __call__(self, x):
         kernel = self.kernel[...]
-        y = jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel)
+        x = x.astype(kernel.dtype)
+        if self.lora_a is None:
+            y = jnp.einsum("...i,io->...o", x, kernel)
+        else:
+            y = lora_matmul(x, kernel, self.lora_a[...], self.lora_b[...], self.lora_scale)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def lora_matmul(x, w, a, b, scale: float):
+    """``x @ (w + scale a b)``: ``x [..., in]``, ``w [in, out]``, LoRA adapter ``a [in, r]``,
+    ``b [r, out]``.
+
+    The forward pass multiplies by the merged weight (one ``[in, out]`` matrix per call, in
+    ``w``'s dtype): with ``b = 0`` it is ``w`` itself, bit for bit, so an adapted model
+    starts with exactly the base model's outputs. The backward pass takes the low-rank path:
+    ``da = scale x^T (dy b^T)``, ``db = scale (x a)^T dy`` (``tokens x r`` products, no
+    ``[in, out]`` gradient); ``dw = x^T dy`` is returned as well and left out by XLA when
+    nothing reads it (a frozen base)."""
+    return jnp.einsum("...i,io->...o", x, merge_lora(w, a, b, scale))
+
+
+def merge_lora(w, a, b, scale: float):
+    """``w + scale a b`` in ``w``'s dtype (the product in float32): a LoRA-adapted kernel as
+    one matrix (``w`` itself, bit for bit, while ``b`` is zero)."""
+    return w + (scale * jnp.dot(a, b, preferred_element_type=jnp.float32)).astype(w.dtype)
+
+
+def _lora_fwd(x, w, a, b, scale):
+    return lora_matmul(x, w, a, b, scale), (x, w, a, b)
+
+
+def _lora_bwd(scale, res, dy):
+    x, w, a, b = res
+    dx = jnp.einsum("...o,io->...i", dy, merge_lora(w, a, b, scale))
+    xa = jnp.einsum("...i,ir->...r", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
+    dyb = jnp.einsum("...o,ro->...r", dy, b.astype(dy.dtype),
+                     preferred_element_type=jnp.float32)
+    lead = "".join("abcdefgh"[: x.ndim - 1])
+    da = scale * jnp.einsum(f"{lead}i,{lead}r->ir", x, dyb.astype(x.dtype),
+                            preferred_element_type=jnp.float32)
+    db = scale * jnp.einsum(f"{lead}r,{lead}o->ro", xa.astype(dy.dtype), dy,
+                            preferred_element_type=jnp.float32)
+    dw = jnp.einsum(f"{lead}i,{lead}o->io", x, dy).astype(w.dtype)
+    return dx.astype(x.dtype), dw, da.astype(a.dtype), db.astype(b.dtype)
+
+
+lora_matmul.defvjp(_lora_fwd, _lora_bwd)
+
+
+def lora_paths(config: ModelConfig) -> dict:
+    """``{path of an adapted Linear: (in, out)}`` under ``config`` (empty without LoRA)."""
+    if not config.lora_rank:
+        return {}
+    D, F, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    H, KV = config.num_heads * hd, config.num_kv_heads * hd
+    dims = {"q_proj": ("self_attn", D, H), "k_proj": ("self_attn", D, KV),
+            "v_proj": ("self_attn", D, KV), "o_proj": ("self_attn", H, D),
+            "gate_proj": ("mlp", D, F), "up_proj": ("mlp", D, F), "down_proj": ("mlp", F, D)}
+    return {("layers", dims[n][0], n): dims[n][1:] for n in config.lora_targets}
+
+
+def lora_init(config: ModelConfig, key) -> dict:
+    """Fresh adapters ``{path: (a, b)}`` for ``lora_paths(config)``, stacked over the layers:
+    ``a [L, in, r]`` uniform in ``+-1 / sqrt(in)`` (PEFT's default), ``b [L, r, out]`` zero, so
+    the adapted model starts equal to the base model bit for bit. Float32."""
+    out = {}
+    L, r = config.num_layers, config.lora_rank
+    for i, (path, (din, dout)) in enumerate(sorted(lora_paths(config).items())):
+        bound = 1.0 / math.sqrt(din)
+        a = jax.random.uniform(jax.random.fold_in(key, i), (L, din, r), jnp.float32,
+                               -bound, bound)
+        out[path] = (a, jnp.zeros((L, r, dout), jnp.float32))
+    return out
+
+
+def trainable_filter(config: ModelConfig):
+    """The ``nnx`` filter of the parameters the trainer trains: all of them without LoRA
+    (``config.lora_rank == 0``); with LoRA the adapters (``LoRAParam``), the value head and,
+    with ``lora_train_norms``, the RMSNorm weights. The others are frozen: no gradient, no
+    optimizer state."""
+    if not config.lora_rank:
+        return nnx.Param
+    keep = [LoRAParam, nnx.PathContains("value_head")]
+    if config.lora_train_norms:
+        keep.append(lambda path, _: len(path) > 1 and str(path[-2]).endswith("norm"))
+    return nnx.Any(*keep)
 
 
 class RMSNorm(nnx.Module):
@@ -260,14 +367,24 @@ class Embed(nnx.Module):
 
     def __call__(self, tokens, out_sharding=None):
         table = self.embedding[...]
-        if out_sharding is not None:  # gather the embedding dimension first (FSDP: weights per
-            # use), so the lookup comes out in the rows' layout, not split along it; the
-            # vocabulary keeps its split (a masked local lookup + a sum over its axis)
-            P_ = jax.sharding.PartitionSpec
-            table = jax.lax.with_sharding_constraint(
-                table, jax.sharding.NamedSharding(out_sharding.mesh, P_(P_.UNCONSTRAINED, None)))
-        # mode="clip": an out-of-range id never produces NaN (the default "fill" would).
-        return jnp.take(table, tokens, axis=0, mode="clip")
+        if out_sharding is None:
+            # mode="clip": an out-of-range id never produces NaN (the default "fill" would).
+            return jnp.take(table, tokens, axis=0, mode="clip")
+        # FSDP without gathering the table: every device looks up the ids of all rows of its
+        # data-parallel group in its own shard of the table (ids are a few KB; the result is
+        # split along the embedding dimension like the table, summed over the vocabulary's
+        # split), then the rows move to their devices (an all-to-all inside the group). The
+        # gradient flows back the same way into the local shard.
+        mesh = out_sharding.mesh
+        P_ = jax.sharding.PartitionSpec
+        data = "data" if mesh.shape.get("data", 1) > 1 else None
+        tokens = jax.lax.with_sharding_constraint(
+            tokens, jax.sharding.NamedSharding(mesh, P_(data)))
+        x = jnp.take(table, tokens, axis=0, mode="clip")
+        fsdp = "fsdp" if mesh.shape.get("fsdp", 1) > 1 else None
+        x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(
+            mesh, P_(data, None, fsdp)))
+        return jax.lax.with_sharding_constraint(x, out_sharding)
 
 
 class MLP(nnx.Module):
@@ -467,6 +584,18 @@ class Transformer(nnx.Module):
                                rngs=rngs, axes=("embed", "vocab")))
         self.value_head = (Linear(config.hidden_size, 1, use_bias=True, dtype=jnp.float32,
                                   rngs=rngs, axes=("embed", None)) if config.value_head else None)
+        if config.lora_rank:  # drawn after every base weight: the base equals a LoRA-less one
+            self.attach_lora(lora_init(config, rngs.params()))
+
+    def attach_lora(self, adapters: dict):
+        """Sets the LoRA adapters ``{path: (a, b)}`` (``lora_init``'s layout) on their
+        ``Linear`` s, with the scale ``lora_alpha / lora_rank``."""
+        scale = self.config.lora_alpha / self.config.lora_rank
+        for path, (a, b) in adapters.items():
+            obj = self
+            for key in path:
+                obj = getattr(obj, key)
+            obj.add_lora(a, b, scale)
 
     # -- pieces the sampler may call directly
 
@@ -502,7 +631,8 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
                  *, key_ends=None, compute_logits: bool = True, remat: bool = False,
-                 activation_sharding=None, attention: str = "dense") -> ModelOutput:
+                 activation_sharding=None, residual_sharding=None, layer_shardings=None,
+                 attention: str = "dense") -> ModelOutput:
         """Runs the model.
 
         Args:
@@ -546,6 +676,15 @@ class Transformer(nnx.Module):
             to before every layer (the trainer passes batch rows over the mesh's data axes,
             replicated over ``tensor``: the Megatron layout), so XLA never picks a layout that
             needs a full rematerialisation to switch. Ignored with a cache.
+          residual_sharding: the layout of the residual stream between layers, when it differs
+            from ``activation_sharding`` (the trainer splits its embedding dimension over
+            ``tensor``: ``sharding.residual_spec``); the final hidden states are returned in
+            ``activation_sharding``'s layout. Default: ``activation_sharding``.
+          layer_shardings: the layout one layer's weights are used in (a tree like one
+            layer's ``nnx.State`` without the ``layers`` axis; the trainer passes
+            ``sharding.layer_use_shardings``: FSDP's split gathered, tensor parallelism kept),
+            so each weight is gathered once per layer per pass, not once per use. Ignored
+            with a cache.
 
         Returns:
           ``ModelOutput(logits [B,L,V] f32, hidden [B,L,D], values [B,L] f32 or None,
@@ -601,12 +740,17 @@ class Transformer(nnx.Module):
         rope = rope_frequencies(cfg, seq_len)
 
         pin = activation_sharding if cache is None else None
+        carry_pin = pin if residual_sharding is None or pin is None else residual_sharding
         h = self.embed_tokens(tokens, pin)
         graphdef, stacked = nnx.split(self.layers)
 
+        gather = layer_shardings if cache is None else None
+
         def layer_fn(h, layer_params, kv):
-            if pin is not None:
-                h = jax.lax.with_sharding_constraint(h, pin)
+            if gather is not None:
+                layer_params = jax.lax.with_sharding_constraint(layer_params, gather)
+            if carry_pin is not None:
+                h = jax.lax.with_sharding_constraint(h, carry_pin)
             return nnx.merge(graphdef, layer_params)(h, positions, rope, mask, kv, slots)
 
         new_cache = None
@@ -626,7 +770,9 @@ class Transformer(nnx.Module):
                                           (stacked, jnp.arange(cfg.num_layers)))
             n = L if segment_ids is None else jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)
             new_cache = KVCache(k=ck, v=cv, index=cache.index + n)
-        hidden = self.norm(h)
+        hidden = self.norm(h)  # on the residual's layout, then gathered to the rows' layout
+        if carry_pin is not pin:
+            hidden = jax.lax.with_sharding_constraint(hidden, pin)
 
         logits = self.logits_from_hidden(hidden) if compute_logits else None
         return ModelOutput(logits=logits, hidden=hidden, values=self.values_from_hidden(hidden),

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_agent.models.hf import hf_param_map, spec_array
+from jaxrl_agent.models.hf import hf_tensors
 from jaxrl_agent.models.transformer import Transformer, token_logprobs
 from jaxrl_agent.sampling.base import (SampleOutput, SamplingParams, synced_params,
                                        validate_requests)
@@ -104,18 +104,14 @@ def _on_gpu_torch() -> bool:
 def hf_tensors_fn(config, dtype):
     """``params (nested pure dict) -> {hf_name: array}`` for ``config``, jittable: the weight-sync
     view of the parameters (HF names, ``[out, in]`` linear weights, ``dtype``)."""
-    specs = hf_param_map(config)
-
     def fn(params):
-        out = {}
-        for s in specs:
+        def get(path):
             x = params
-            for key in s.path:
+            for key in path:
                 x = x[key]
-            x = spec_array(s, x)
-            x = x.T if s.transpose else x
-            out[s.hf_name] = x.astype(dtype)
-        return out
+            return x
+
+        return {k: v.astype(dtype) for k, v in hf_tensors(config, get).items()}
 
     return fn
 

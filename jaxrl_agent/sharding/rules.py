@@ -11,6 +11,10 @@ dimension::
     *_layernorm / norm.weight       (norm,)               q/k_norm: (head_dim,)
     value_head.kernel               (embed, None)
 
+One more name is an activation's, not a parameter's: ``activation_embed``, the embedding
+dimension of the residual stream ``[rows, T, D]`` the train step carries from layer to layer
+(and keeps for the backward pass). ``residual_spec`` reads it.
+
 A rule table (the config's ``mesh.rules``) maps each logical name to a mesh axis, a tuple of
 mesh axes, or None (replicated). ``DEFAULT_RULES`` gives FSDP along ``embed`` and Megatron
 tensor parallelism along heads / MLP / vocabulary, so per-device parameter bytes scale as
@@ -29,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxrl_agent.sharding.mesh import AXES
+from jaxrl_agent.sharding.mesh import AXES, BATCH_AXES
 
 DEFAULT_RULES: dict = {
     "embed": "fsdp",
@@ -39,6 +43,10 @@ DEFAULT_RULES: dict = {
     "mlp": "tensor",
     "norm": None,
     "head_dim": None,
+    # the residual stream between decoder layers: its embedding dimension split over tensor
+    # (each layer gathers it at its first matmul and reduce-scatters its output), so the
+    # inputs remat keeps for the backward pass take 1 / tensor of their bytes
+    "activation_embed": "tensor",
 }
 
 
@@ -92,6 +100,41 @@ def spec_for(axes: tuple | None, shape: tuple, mesh: Mesh, rules: Mapping) -> tu
     return P(*parts), notes
 
 
+def residual_spec(mesh: Mesh, rules: Mapping, hidden_size: int) -> P:
+    """Layout of the residual stream ``[rows, T, D]`` between the decoder layers of the train
+    step: rows over the batch axes (``data x fsdp``), the embedding dimension over
+    ``rules["activation_embed"]`` (default ``tensor``). Mesh axes of size 1, axes the batch
+    already uses, and a split that does not divide ``hidden_size`` are dropped (then ``D`` is
+    whole: the plain Megatron layout, every tensor shard holding the full residual).
+
+    With ``D`` split over ``tensor`` the layer's first matmuls all-gather it and its output
+    projections reduce-scatter into it (the all-reduce of the plain layout in two halves, the
+    same bytes sent), and the layer inputs remat keeps take ``1 / tensor`` of the memory."""
+    want = tuple(a for a in check_rules(rules).get("activation_embed", ())
+                 if mesh.shape.get(a, 1) > 1 and a not in BATCH_AXES)
+    n = int(np.prod([mesh.shape[a] for a in want])) if want else 1
+    if not want or hidden_size % n:
+        return P(BATCH_AXES)
+    return P(BATCH_AXES, None, want[0] if len(want) == 1 else want)
+
+
+def layer_use_shardings(layers: Any, mesh: Mesh, rules: Mapping) -> Any:
+    """How one decoder layer's weights are laid out when the layer runs: the rules' layout of
+    the stacked layers (``layers``: their ``nnx.State``, leading axis ``layers``) with the
+    batch axes (``data``, ``fsdp``: the FSDP split, gathered for use) dropped and the leading
+    axis removed; tensor parallelism stays. Constraining each layer's weights to it inside
+    the layer scan makes XLA gather every weight once per layer per pass (forward; again in
+    the backward pass when remat recomputes the layer) and hand that one copy to all its
+    uses."""
+    use = {k: tuple(a for a in v if a not in BATCH_AXES) for k, v in check_rules(rules).items()}
+
+    def one(v):
+        spec = spec_for(logical_axes(v), _shape(v), mesh, use)[0]
+        return v.replace(NamedSharding(mesh, P(*tuple(spec)[1:])))
+
+    return jax.tree.map(one, layers, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
 def _shape(v: Any) -> tuple:
     """Shape of an array, a ``ShapeDtypeStruct`` or an ``nnx.Variable`` holding either."""
     x = v.get_value() if isinstance(v, nnx.Variable) else v
@@ -118,17 +161,19 @@ def param_shardings(params: Any, mesh: Mesh, rules: Mapping | None = None) -> An
 
 
 def train_state_shardings(state: Any, optimizer: optax.GradientTransformation, mesh: Mesh,
-                          rules: Mapping | None = None) -> Any:
+                          rules: Mapping | None = None, trainable=nnx.Param) -> Any:
     """Shardings for a ``train.step.TrainState``: parameters (and the frozen reference copy)
-    by the rules, the optimizer state like the parameters it tracks (``optax.tree_map_params``),
-    everything else (step, rng, estimator state, counters) replicated."""
+    by the rules, the optimizer state like the parameters it tracks (``optax.tree_map_params``;
+    the ``trainable`` ones: all, or LoRA's adapters and value head), everything else (step,
+    rng, estimator state, counters) replicated."""
     repl = NamedSharding(mesh, P())
     ps = param_shardings(state.params, mesh, rules)
-    opt = optax.tree_map_params(optimizer, lambda _, s: s, state.opt_state, ps,
+    trained, _ = nnx.split_state(ps, trainable, ...)
+    opt = optax.tree_map_params(optimizer, lambda _, s: s, state.opt_state, trained,
                                 transform_non_params=lambda _: repl)
     everything = jax.tree.map(lambda _: repl, state)
     has_ref = not (isinstance(state.ref_params, tuple) and not state.ref_params)
-    return everything.replace(params=ps, opt_state=opt, ref_params=ps if has_ref else ())
+    return everything.replace(params=ps, opt_state=opt, ref_params=trained if has_ref else ())
 
 
 def layout_table(params: Any, mesh: Mesh, rules: Mapping | None = None) -> list[dict]:

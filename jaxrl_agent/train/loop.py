@@ -47,7 +47,7 @@ from jaxrl_agent.sharding import multihost
 from jaxrl_agent.batch import bucket, round_up_to_step
 from jaxrl_agent.rollout.records import pack, parse_records, plan_packing
 from jaxrl_agent.models.config import ModelConfig
-from jaxrl_agent.models.transformer import Transformer
+from jaxrl_agent.models.transformer import Transformer, trainable_filter
 from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig, collect_groups
 from jaxrl_agent.rollout.tree import attach_prefix_trees, attention_cost
 from jaxrl_agent.rollout.workers import RolloutWorkers
@@ -56,7 +56,8 @@ from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
-                                    make_optimizer, make_train_step)
+                                    make_optimizer, make_train_step, split_trainable,
+                                    trainable_of)
 
 __all__ = ["Trainer", "build_sampler", "jax_sampler_args", "sampler_batch_buckets", "StaleBatchError",
            "RunLockedError", "refuse_stale", "step_seed", "build_model", "find_run",
@@ -163,7 +164,31 @@ def builtin_model_config(cfg: config_lib.RunConfig) -> ModelConfig:
                        family="qwen3", qk_norm=True, value_head=m.value_head,
                        value_stop_gradient=m.value_stop_gradient,
                        bos_token_id=codec.bos_token_id, eos_token_id=codec.eos_token_id,
-                       pad_token_id=codec.pad_token_id)
+                       pad_token_id=codec.pad_token_id, **lora_fields(cfg))
+
+
+def lora_summary(mc: ModelConfig, params, sampler: str = "jax") -> str:
+    """``"LoRA rank r on q_proj, ...: N of M parameters trained (x%), the base frozen; "`` for
+    the start-up summary, and how the sampler gets the adapters (empty without LoRA)."""
+    if not mc.lora_rank:
+        return ""
+    trained, _ = split_trainable(params, trainable_filter(mc))
+    n = sum(x.size for x in jax.tree.leaves(trained))
+    total = sum(x.size for x in jax.tree.leaves(params))
+    return (f"LoRA rank {mc.lora_rank} (alpha {mc.lora_alpha:g}) on "
+            f"{', '.join(mc.lora_targets)}: {n:,} of {total:,} parameters trained "
+            f"({100 * n / total:.1f}%), the base frozen, "
+            + ("the JAX sampler runs the adapters; " if sampler == "jax" else
+               f"{sampler} gets the merged weights at every sync; "))
+
+
+def lora_fields(cfg: config_lib.RunConfig) -> dict:
+    """The ``ModelConfig`` fields of the run's ``model.lora`` section (none without LoRA)."""
+    lo = cfg.model.lora
+    if not lo.rank:
+        return {}
+    return dict(lora_rank=lo.rank, lora_alpha=lo.alpha, lora_targets=tuple(lo.targets),
+                lora_train_norms=lo.train_norms)
 
 
 def build_model(cfg: config_lib.RunConfig, seed: int):
@@ -176,7 +201,7 @@ def build_model(cfg: config_lib.RunConfig, seed: int):
         from jaxrl_agent.models.hf import load_hf
         from jaxrl_agent.models.tokenizer import load_tokenizer
         model, _ = load_hf(m.hf_path, dtype=m.dtype, seed=seed, value_head=m.value_head,
-                           value_stop_gradient=m.value_stop_gradient)
+                           value_stop_gradient=m.value_stop_gradient, **lora_fields(cfg))
         return model, load_tokenizer(m.hf_path), m.hf_path
     from jaxrl_agent.models.hf import load_hf, save_hf
     codec = ByteCodec()
@@ -184,7 +209,7 @@ def build_model(cfg: config_lib.RunConfig, seed: int):
     folder = pathlib.Path(config_lib.run_paths(cfg).base_model)
     if (folder / "config.json").exists():
         model, loaded = load_hf(str(folder), dtype=m.dtype, seed=seed, value_head=m.value_head,
-                                value_stop_gradient=m.value_stop_gradient)
+                                value_stop_gradient=m.value_stop_gradient, **lora_fields(cfg))
         same = {k: getattr(loaded, k) for k in ("vocab_size", "hidden_size", "num_layers",
                                                  "num_heads", "num_kv_heads", "head_dim")}
         want = {k: getattr(mc, k) for k in same}
@@ -405,11 +430,13 @@ class Trainer:
         self.step_cfg = step_config(cfg, self.data_shards)
         self.rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
         self.state_shardings = sharding.train_state_shardings(
-            jax.eval_shape(self._init_state), self.optimizer, self.mesh, self.rules)
+            jax.eval_shape(self._init_state), self.optimizer, self.mesh, self.rules,
+            trainable=trainable_of(self.model))
         # the old state is donated: the step writes the new one into its buffers (one copy of
         # parameters and optimizer state alive, not two)
         self.train_step = make_train_step(self.model, self.optimizer, self.step_cfg, donate=True,
-                                          mesh=self.mesh, state_shardings=self.state_shardings)
+                                          mesh=self.mesh, state_shardings=self.state_shardings,
+                                          rules=self.rules)
         self.task_index: dict = {}
         self.checkpointer = Checkpointer(self.paths.checkpoints, every=cfg.checkpoint.every,
                                          keep=max(cfg.checkpoint.keep, 1),
@@ -460,7 +487,8 @@ class Trainer:
                      if self.spec.stateful else ())
         init = functools.partial(init_state_from_params, optimizer=self.optimizer,
                                  seed=self.cfg.trainer.seed,
-                                 with_reference=self.cfg.loss.kl_coef > 0)
+                                 with_reference=self.cfg.loss.kl_coef > 0,
+                                 trainable=trainable_of(self.model))
         return jax.jit(init, out_shardings=self.state_shardings)(
             params, est_state=multihost.global_tree(jax.device_get(est_state),
                                                     sharding.replicated(self.mesh)))
@@ -487,6 +515,7 @@ class Trainer:
                 f"{self.mesh.size} x {jax.devices()[0].platform} ({jax.process_count()} "
                 f"process{'es' if jax.process_count() > 1 else ''}); parameters "
                 f"{local / 2**20:.1f} of {total / 2**20:.1f} MiB per device; "
+                f"{lora_summary(self.model.config, state.params, self.cfg.sampler.name)}"
                 f"{step_paths(self.step_cfg)}")
 
     # ------------------------------------------------------------------ rollouts & eval
@@ -752,8 +781,12 @@ class Trainer:
         """The current model as an HF folder, with its tokenizer: the byte codec's own files,
         or the files of the HF folder it was loaded from, so ``jaxrl-agent sample FOLDER``
         works on every model the trainer writes."""
-        from jaxrl_agent.models.hf import save_hf
-        save_hf(self.model, None, folder)
+        from jaxrl_agent.models.hf import save_hf, save_peft_adapter
+        save_hf(self.model, None, folder)  # LoRA: the adapters merged into the base
+        if self.model.config.lora_rank:  # ... and alone, as a PEFT folder on the local base
+            base = self.cfg.model.hf_path or self.paths.base_model
+            save_peft_adapter(self.model, os.path.join(folder, "adapter"),
+                              base_model_name_or_path=os.path.abspath(base))
         if hasattr(self.codec, "save_pretrained"):
             self.codec.save_pretrained(folder)
         elif self.cfg.model.hf_path is not None:

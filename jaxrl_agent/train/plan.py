@@ -75,16 +75,16 @@ from jaxrl_agent import config as config_lib
 from jaxrl_agent import estimators, sharding
 from jaxrl_agent.batch import TrajectoryBatch, bucket
 from jaxrl_agent.models.config import ModelConfig
-from jaxrl_agent.models.transformer import Transformer, param_dtype
+from jaxrl_agent.models.transformer import Transformer, param_dtype, trainable_filter
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
-from jaxrl_agent.train.loop import (builtin_model_config, jax_sampler_args, run_optimizer,
-                                    sampler_batch_buckets, step_config)
-from jaxrl_agent.train.step import init_state_from_params, make_train_step
+from jaxrl_agent.train.loop import (builtin_model_config, jax_sampler_args, lora_fields,
+                                    run_optimizer, sampler_batch_buckets, step_config)
+from jaxrl_agent.train.step import init_state_from_params, make_train_step, split_trainable
 
 __all__ = ["PlanError", "Plan", "SamplerPlan", "CompiledMemory", "HBM_GIB", "HF_SHAPES",
            "topology_devices", "plan_run", "plan_sampler", "abstract_sampler", "sampler_dims",
-           "format_plan", "count_collectives", "compile_memory", "memory_floor",
-           "fit_micro_batches"]
+           "format_plan", "count_collectives", "executed_gathers", "executions",
+           "compile_memory", "memory_floor", "fit_micro_batches"]
 
 #: HBM per chip in GiB (Google Cloud TPU system architecture pages).
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
@@ -305,7 +305,8 @@ def model_config(cfg: config_lib.RunConfig, hf_config: str | None = None,
         try:
             return ModelConfig.from_hf(load_hf_config(source), dtype=m.dtype,
                                        value_head=m.value_head,
-                                       value_stop_gradient=m.value_stop_gradient)
+                                       value_stop_gradient=m.value_stop_gradient,
+                                       **lora_fields(cfg))
         except PlanError as e:
             if hf_config is None:
                 raise PlanError(f"model.hf_path: {e}; the plan needs only config.json (no "
@@ -329,17 +330,28 @@ def batch_dims(cfg: config_lib.RunConfig, blocks: int) -> dict:
     return {"num_traj": n, "num_turns": k, "num_rows": rows, "row_len": t}
 
 
+def _split_of(spec, dim: int, mesh) -> int:
+    """How many ways ``spec`` splits dimension ``dim`` on ``mesh``."""
+    part = spec[dim] if len(spec) > dim else None
+    axes = () if part is None else (part,) if isinstance(part, str) else tuple(part)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def memory_floor(mc: ModelConfig, scfg, dims: dict, mesh_shape: dict, *, state_bytes: int,
-                 params_bytes: int, donated: bool, attention: str = "dense") -> dict:
+                 params_bytes: int, donated: bool, attention: str = "dense",
+                 residual_split: int = 1) -> dict:
     """The analytic memory floor of one train step per device (bytes; our estimate of what any
     implementation of this step must hold at its peak, to judge the compiled figure against):
 
     * ``train state``: parameters, optimizer state and KL reference from the shardings;
     * ``new state``: the step's output while the input is alive (0 when the state is donated);
-    * ``gradients``: one accumulator the size of the local parameters;
+    * ``gradients``: one accumulator the size of the local trained parameters (all, or the
+      LoRA adapters and value head);
     * ``saved layer inputs``: what the remat policy keeps per layer for the backward pass, for
       one micro-batch's rows on this device (``r = rows / (data x fsdp x mini x micro)``):
-      ``n_layers r T D`` (``full``, ``offload``), plus every matmul output
+      ``n_layers r T D / residual_split`` (``full``, ``offload``; ``residual_split`` the
+      mesh axes the residual stream's embedding dimension is split over, ``tensor`` by
+      default: ``sharding.residual_spec``), plus every matmul output
       ``n_layers r T (q + k + v + o + gate + up + down) / tensor`` (``save_dots``, ``none``;
       a lower bound for ``none``, which also keeps norms and softmax);
     * ``one layer's working set``: one decoder layer's weights gathered (FSDP: ``1 / tensor``
@@ -347,7 +359,9 @@ def memory_floor(mc: ModelConfig, scfg, dims: dict, mesh_shape: dict, *, state_b
       ``2 r (H / tensor) T^2 4`` bytes with dense attention (one block of them with
       ``blocked`` attention);
     * ``one chunk of logits``: ``r x logits_chunk x V / tensor`` float32, twice (logits and
-      probabilities / their cotangent).
+      probabilities / their cotangent);
+    * ``the LM head gathered``: ``D x V / tensor`` (FSDP gathers the head, the largest
+      single weight, while the logits are computed, as it gathers each layer).
     """
     b = jnp.dtype(param_dtype(mc)).itemsize
     tp = mesh_shape.get("tensor", 1)
@@ -356,7 +370,7 @@ def memory_floor(mc: ModelConfig, scfg, dims: dict, mesh_shape: dict, *, state_b
     D, F, V, L = mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.num_layers
     qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
     dots = r * t * (qkv + mc.num_heads * mc.head_dim + 2 * F) * b // tp + r * t * 2 * D * b
-    saved = L * r * t * D * b
+    saved = L * r * t * D * b // max(residual_split, 1)
     if scfg.remat in ("save_dots", "none"):
         saved += L * dots
     layer_params = (D * (qkv + mc.num_heads * mc.head_dim) + 3 * D * F) * b // tp
@@ -367,7 +381,8 @@ def memory_floor(mc: ModelConfig, scfg, dims: dict, mesh_shape: dict, *, state_b
     logits = 2 * r * min(scfg.logits_chunk, t) * (V // tp) * 4
     parts = {"train state": state_bytes, "new state": 0 if donated else state_bytes,
              "gradients": params_bytes, "saved layer inputs": saved,
-             "one layer's working set": working, "one chunk of logits": logits}
+             "one layer's working set": working, "one chunk of logits": logits,
+             "the LM head gathered": D * V * b // tp}
     return {**parts, "total": sum(parts.values())}
 
 
@@ -453,6 +468,158 @@ def count_collectives(hlo_text: str) -> dict:
     return out
 
 
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)"
+                    r"=%?([\w.-]+)")
+_BRANCHES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_CONST = re.compile(r"%?([\w.-]+) = [su]\d+\[\]\S* constant\((\d+)\)")
+_LT = re.compile(r"(?:compare|fusion)\(%?([\w.-]+), %?([\w.-]+)\)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUPS = re.compile(r"replica_groups=\{\{([\d,]+)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
+                          r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}")
+_GATHER = re.compile(r"=\s*(.*?)\sall-gather(-start)?\(")
+
+
+def _computations(hlo_text: str) -> tuple[dict, str]:
+    """``({name: [instruction lines]}, entry name)`` of an HLO module's text."""
+    comps, name, entry = {}, None, ""
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            words = line.split()
+            is_entry = words[0] == "ENTRY"
+            name = words[1 if is_entry else 0].lstrip("%")
+            entry = name if is_entry else entry
+            comps[name] = []
+        elif name is not None and line.startswith(" "):
+            comps[name].append(line)
+    return comps, entry
+
+
+def _trip_count(lines: list, comps: dict) -> int | None:
+    """A while loop's trip count read from its condition: ``i < N`` with ``N`` a constant (the
+    counter starting at 0, as XLA writes scans and fori loops), the compare written out or in
+    a fusion (the CPU compiler wraps it); None otherwise."""
+    consts = {m.group(1): int(m.group(2)) for m in map(_CONST.search, lines) if m}
+    for line in lines:
+        m = _LT.search(line)
+        if not m or m.group(2) not in consts:
+            continue
+        callee = re.search(r"calls=%?([\w.-]+)", line)
+        body = " ".join(comps.get(callee.group(1), [])) if callee else line
+        if "direction=LT" in body:
+            return consts[m.group(2)]
+    return None
+
+
+def executions(hlo_text: str) -> tuple[dict, int]:
+    """``({computation: times it runs per execution of the module}, loops of unknown trip
+    count)``: the entry runs once, a while loop's body and condition run its trip count
+    (``_trip_count``; 1 when unknown) times per run of the caller, every other called
+    computation (fusions, calls, both branches of a conditional: an upper bound) once."""
+    comps, entry = _computations(hlo_text)
+    calls = {}
+    unknown = 0
+    for name, lines in comps.items():
+        out = []
+        for line in lines:
+            trips = 1
+            if " while(" in line:
+                cond = re.search(r"condition=%?([\w.-]+)", line)
+                known = _TRIPS.search(line)
+                n = (int(known.group(1)) if known else
+                     _trip_count(comps.get(cond.group(1), []), comps) if cond else None)
+                unknown += n is None
+                trips = 1 if n is None else n
+            for kind, callee in _CALLS.findall(line):
+                out.append((callee, trips if kind in ("body", "condition") else 1))
+            for group in _BRANCHES.findall(line):
+                out += [(c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip()]
+        calls[name] = out
+    times: dict = {}
+
+    def visit(name, n):
+        times[name] = times.get(name, 0) + n
+        for callee, k in calls.get(name, ()):
+            if callee in comps:
+                visit(callee, n * k)
+
+    if entry:
+        visit(entry, 1)
+    return times, unknown
+
+
+def _group_axes(line: str, mesh_shape: dict) -> str:
+    """The mesh axes a collective's first replica group spans (``"fsdp"``, ``"tensor"``,
+    ``"fsdp+tensor"``...; ``"?"`` when the groups cannot be read). Device ids are positions in
+    the mesh's device order (``mesh.devices.flat``), axes in ``mesh_shape``'s order."""
+    import numpy as np
+    names, dims = list(mesh_shape), [int(v) for v in mesh_shape.values()]
+    m, mm = _GROUPS_IOTA.search(line), _GROUPS_MESH.search(line)
+    if mm:  # mesh['axis_0'=a,...], device_ids=([dims]T(perm)) {'axis_k', ...}: the group
+        # spans the listed axes of that (internal) mesh, the others fixed at 0
+        names_ = re.findall(r"'(\w+)'=(\d+)", mm.group(1))
+        sizes = [int(v) for _, v in names_]
+        ids = np.arange(math.prod(sizes))
+        if mm.group(2):
+            ids = ids.reshape([int(x) for x in mm.group(2).split(",")])
+            if mm.group(3):
+                ids = ids.transpose([int(x) for x in mm.group(3).split(",")])
+        ids = ids.reshape(sizes)
+        spans = set(re.findall(r"'(\w+)'", mm.group(4)))
+        first = ids[tuple(slice(None) if n in spans else 0 for n, _ in names_)].reshape(-1)
+    elif m:
+        g, s = int(m.group(1)), int(m.group(2))
+        shape = [int(x) for x in m.group(3).split(",")]
+        ids = np.arange(math.prod(shape)).reshape(shape)
+        if m.group(4):
+            ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        first = ids.reshape(g, s)[0]
+    else:
+        m = _GROUPS.search(line)
+        if not m:
+            return "?"
+        first = np.array([int(x) for x in m.group(1).split(",")])
+    if first.max() >= math.prod(dims):
+        return "?"
+    coords = np.array(np.unravel_index(first, dims))
+    spans = [n for n, c in zip(names, coords) if len(set(c.tolist())) > 1]
+    return "+".join(spans) or "none"
+
+
+def executed_gathers(hlo_text: str, mesh_shape: dict) -> dict:
+    """All-gather bytes executed per run of the compiled program, by the mesh axes they gather
+    over: ``{"fsdp": bytes, "tensor": bytes, ...}`` (per-device result bytes of each all-gather
+    times the number of times its computation runs, ``executions``), plus
+    ``"unknown loops"``: while loops whose trip count could not be read (counted once).
+
+    The TPU compiler splits an asynchronous all-gather over several fused computations (its
+    start, its continuation, its end), each holding a copy of the op with the same
+    ``channel_id``: one channel counts once."""
+    times, unknown = executions(hlo_text)
+    comps, _ = _computations(hlo_text)
+    seen: dict = {}
+    out: dict = {}
+    for name, lines in comps.items():
+        n = times.get(name, 0)
+        if not n:
+            continue
+        for line in lines:
+            m = _GATHER.search(line)
+            if not m:
+                continue
+            sizes = _shape_bytes(m.group(1))
+            b = max(sizes, default=0) if m.group(2) else sum(sizes)
+            axes = _group_axes(line, mesh_shape)
+            channel = re.search(r"channel_id=(\d+)", line)
+            key = ("channel", channel.group(1)) if channel else ("op", name, line)
+            seen[key] = max(seen.get(key, (axes, 0)), (axes, b * n), key=lambda e: e[1])
+    for axes, b in seen.values():
+        out[axes] = out.get(axes, 0) + b
+    out["unknown loops"] = unknown
+    return out
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -485,6 +652,25 @@ class Plan:
     #: the sampler's weights are freed during the train step (no rollout runs beside it:
     #: ``trainer.async_rollouts`` off; ``JaxSampler.release_weights``)
     sampler_released: bool = False
+    #: per device, what one all-gather of every FSDP-split weight returns (``_gathered_bytes``):
+    #: the unit of ``gathers_per_micro_batch``
+    weights_gathered_bytes: int = 0
+
+    @property
+    def gathers_per_micro_batch(self) -> float | None:
+        """The all-gather bytes the step executes over the batch axes (``fsdp``, ``data``),
+        per micro-batch pass (``micro_batches x mini_batches x ppo_epochs`` of them), in units
+        of ``weights_gathered_bytes``: 2.0 is one gather of every weight in the forward and
+        one in the backward pass. Forward-only passes of the step (KL reference, proximal
+        log-probs, values for the advantages) add theirs. None without the figures."""
+        g = self.memory.gathers
+        if not g or not self.weights_gathered_bytes:
+            return None
+        over = sum(v for k, v in g.items() if k != "unknown loops" and k != "?"
+                   and set(k.split("+")) <= set(sharding.BATCH_AXES))
+        s = self.step
+        passes = s["micro_batches"] * s["mini_batches"] * s["ppo_epochs"]
+        return over / passes / self.weights_gathered_bytes
 
     @property
     def floor_ratio(self) -> float | None:
@@ -650,6 +836,26 @@ def _local_bytes(tree, shardings) -> int:
     return total
 
 
+def _gathered_bytes(tree, shardings, mesh) -> int:
+    """Per device, the bytes one all-gather of every weight over its FSDP split (the batch axes
+    ``data x fsdp`` a parameter is split over) returns: its local bytes times that split."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        split = _split_axes(s.spec, mesh, sharding.BATCH_AXES)
+        if split > 1:
+            total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize * split
+    return total
+
+
+def _split_axes(spec, mesh, axes) -> int:
+    """How many ways ``spec`` splits an array over the mesh axes ``axes``, all dims together."""
+    n = 1
+    for part in spec:
+        for a in (() if part is None else (part,) if isinstance(part, str) else part):
+            n *= mesh.shape[a] if a in axes else 1
+    return n
+
+
 def _num_params(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
@@ -673,6 +879,9 @@ class CompiledMemory:
     refused: bool = False
     #: ``count_collectives`` of the compiled program (empty when XLA refused it)
     collectives: dict = dataclasses.field(default_factory=dict)
+    #: ``executed_gathers`` of the compiled program (empty when XLA refused it or no mesh
+    #: was given)
+    gathers: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -681,11 +890,14 @@ class CompiledMemory:
                 + self.code_bytes)
 
 
-def compile_memory(lower, argument_bytes: int, output_bytes: int) -> CompiledMemory:
+def compile_memory(lower, argument_bytes: int, output_bytes: int,
+                   mesh_shape: dict | None = None) -> CompiledMemory:
     """Compiles ``lower()`` (a ``jax.stages.Lowered``) and reads its memory analysis and
     collectives (``count_collectives``). When XLA refuses for lack of HBM the result is
     ``refused``, with XLA's temporaries figure and the given ``argument_bytes`` /
-    ``output_bytes`` (from the shapes); other errors propagate."""
+    ``output_bytes`` (from the shapes); other errors propagate. With ``mesh_shape`` (the
+    program's mesh, axes in order) also the all-gather bytes it executes by mesh axis
+    (``executed_gathers``)."""
     t0 = time.perf_counter()
     try:
         compiled = lower().compile()
@@ -697,10 +909,13 @@ def compile_memory(lower, argument_bytes: int, output_bytes: int) -> CompiledMem
                               time.perf_counter() - t0, refused=True)
     seconds = time.perf_counter() - t0
     ma = compiled.memory_analysis()
+    text = compiled.as_text()
     return CompiledMemory(int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
                           int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes),
                           int(ma.generated_code_size_in_bytes), seconds,
-                          collectives=count_collectives(compiled.as_text()))
+                          collectives=count_collectives(text),
+                          gathers={} if mesh_shape is None else executed_gathers(text,
+                                                                                  mesh_shape))
 
 
 @dataclasses.dataclass
@@ -908,8 +1123,10 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
     params = nnx.state(model, nnx.Param)
     state = jax.eval_shape(
         lambda p, e: init_state_from_params(p, opt, seed=cfg.trainer.seed, est_state=e,
+                                            trainable=trainable_filter(mc),
                                             with_reference=with_ref), params, est_state)
-    shardings = sharding.train_state_shardings(state, opt, mesh, rules)
+    shardings = sharding.train_state_shardings(state, opt, mesh, rules,
+                                               trainable=trainable_filter(mc))
     for row in sharding.layout_table(params, mesh, rules):
         for n in row["notes"]:
             notes.append(f"{row['path']}: {n}")
@@ -921,13 +1138,14 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
                            tree_blocks=scfg.blocks if cfg.trainer.prefix_sharing else 0,
                            tree_len=cfg.trainer.prefix_tree_len)
 
-    step = make_train_step(model, opt, scfg, donate=True, mesh=mesh, state_shardings=shardings)
+    step = make_train_step(model, opt, scfg, donate=True, mesh=mesh, state_shardings=shardings,
+                           rules=rules)
     state_b = _local_bytes(state, shardings)
     batch_b = _local_bytes(batch, jax.tree.map(lambda _: bsh, batch))
     # a refused compile: arguments and outputs from the shardings (old state + batch in, new
     # state out)
     memory = compile_memory(lambda: step.lower(abstract_state, batch), state_b + batch_b,
-                            state_b)
+                            state_b, mesh_shape=dict(mesh.shape))
     if memory.refused:
         notes.append("XLA refused to compile the step (it ran out of HBM): temporaries are "
                      "XLA's figure, arguments and outputs are from the shardings, collectives "
@@ -949,7 +1167,7 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
         mesh=dict(mesh.shape), batch=dims,
         model={"family": mc.family, "params": n_params, "dtype": mc.dtype,
                "layers": mc.num_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size,
-               "value_head": mc.value_head},
+               "value_head": mc.value_head, "lora_rank": mc.lora_rank},
         step={"estimator": scfg.estimator, "micro_batches": scfg.micro_batches,
               "mini_batches": scfg.mini_batches, "ppo_epochs": scfg.ppo_epochs,
               "remat": scfg.remat, "logits_chunk": scfg.logits_chunk,
@@ -961,10 +1179,15 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
         ref_bytes=_local_bytes(state.ref_params, shardings.ref_params) if with_ref else 0,
         batch_bytes=batch_b, memory=memory, notes=notes,
         floor=memory_floor(mc, scfg, dims, dict(mesh.shape), state_bytes=state_b,
-                           params_bytes=_local_bytes(state.params, shardings.params),
-                           donated=True, attention=scfg.attention),
+                           params_bytes=_local_bytes(
+                               *(split_trainable(t, trainable_filter(mc))[0]
+                                 for t in (state.params, shardings.params))),
+                           donated=True, attention=scfg.attention,
+                           residual_split=_split_of(sharding.residual_spec(
+                               mesh, rules, mc.hidden_size), 2, mesh)),
         hbm_bytes=None if kind == "cpu" else HBM_GIB[kind] * 2 ** 30, sampler=sampler_plan,
-        sampler_released=not cfg.trainer.async_rollouts)
+        sampler_released=not cfg.trainer.async_rollouts,
+        weights_gathered_bytes=_gathered_bytes(state.params, shardings.params, mesh))
 
 
 def fit_micro_batches(cfg: config_lib.RunConfig, topology: str, *,
@@ -1037,7 +1260,10 @@ def format_plan(p: Plan, source: str = "") -> str:
         f"{'per device':<34}{'MiB':>12}",
         f"{'  parameters':<34}{_mib(p.params_bytes):>12}   (of {_mib(p.params_total_bytes)} "
         "in all)",
-        f"{'  optimizer state':<34}{_mib(p.opt_bytes):>12}",
+        f"{'  optimizer state':<34}{_mib(p.opt_bytes):>12}"
+        + (f"   (LoRA rank {p.model['lora_rank']}: {100 * p.opt_bytes / (2 * p.params_bytes):.2f}%"
+           " of a full fine-tune's Adam state, 2 x the parameters)"
+           if p.model.get("lora_rank") else ""),
     ]
     if p.ref_bytes:
         lines.append(f"{'  KL reference parameters':<34}{_mib(p.ref_bytes):>12}")
@@ -1060,6 +1286,7 @@ def format_plan(p: Plan, source: str = "") -> str:
                      f"{p.floor_ratio:.2f}")
     lines += [f"compile time: {mem.compile_s:.1f} s", ""]
     lines += format_collectives(mem.collectives, "the compiled step")
+    lines += format_gathers(p)
     if p.sampler is not None:
         lines += format_sampler(p) + [""]
     notes = list(p.notes)
@@ -1069,6 +1296,30 @@ def format_plan(p: Plan, source: str = "") -> str:
     lines += [f"note: {n}" for n in notes]
     lines += [f"verdict: {v}" for v in p.verdicts()]
     return "\n".join(lines)
+
+
+def format_gathers(p: Plan) -> list[str]:
+    """The all-gathers the step executes (``executed_gathers``) by mesh axis, per micro-batch,
+    against the one-gather-per-layer-per-pass floor (empty without the figures)."""
+    g = p.memory.gathers
+    if not g or set(g) == {"unknown loops"}:
+        return []
+    s = p.step
+    passes = s["micro_batches"] * s["mini_batches"] * s["ppo_epochs"]
+    lines = [f"all-gathers executed in one step (loop trip counts applied), per micro-batch "
+             f"pass ({passes} of them)",
+             f"{'  over':<22}{'MiB / pass':>14}"]
+    for axes, b in sorted((k, v) for k, v in g.items() if k != "unknown loops"):
+        lines.append(f"{'  ' + axes:<22}{_mib(b / passes):>14}")
+    ratio = p.gathers_per_micro_batch
+    if ratio is not None:
+        lines.append(f"  FSDP: {ratio:.2f} x the FSDP-split weights "
+                     f"({_mib(p.weights_gathered_bytes)} MiB) per pass; one gather of each in "
+                     "the forward and one in the backward pass is 2.00 (forward-only passes "
+                     "add theirs; the embedding table is looked up in place, not gathered)")
+    if g.get("unknown loops"):
+        lines.append(f"  ({g['unknown loops']} loops of unknown trip count counted once)")
+    return lines + [""]
 
 
 def format_collectives(collectives: dict, what: str) -> list[str]:

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxrl_agent.batch import round_up_to_step
 from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs.base import Task, run_episode, solver_policy
-from jaxrl_agent.models.transformer import token_logprobs
+from jaxrl_agent.models.transformer import LoRAParam, token_logprobs
 from jaxrl_agent.rollout.collect import RolloutConfig
 from jaxrl_agent.train.step import warmup_schedule
 
@@ -103,12 +103,16 @@ def run_sft(model: nnx.Module, records: list[dict], *, steps: int, batch_size: i
     ``pad_to`` fixes the packed shape (one compile); by default it is the bucketed shape of the
     longest records. Returns the loss of every step; ``on_step(step, loss)`` is called after
     each.
+
+    Every weight but LoRA adapters is trained: the warm-up stands in for the base checkpoint
+    a LoRA run starts from, so its adapters stay at their initial value (``lora_b = 0``: the
+    warm-up model exactly) until RL trains them.
     """
     if steps <= 0 or not records:
         return []
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, nnx.All(nnx.Param, nnx.Not(LoRAParam)), ...)
     sched = warmup_schedule(lr, steps, min(max(1, steps // 10), steps - 1))
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.0))
     opt_state = opt.init(params)

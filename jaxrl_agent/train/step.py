@@ -72,7 +72,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxrl_agent import estimators, losses, registry, segments
 from jaxrl_agent import sharding as sharding_lib
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.models.transformer import ATTENTION_IMPLS, remat_policy_name
+from jaxrl_agent.models.transformer import (ATTENTION_IMPLS, Transformer, remat_policy_name,
+                                            trainable_filter)
 from jaxrl_agent.rollout.tree import TREE_KEYS
 from jaxrl_agent.sampling.jax_sampler import process_logits
 from jaxrl_agent.train.logprobs import chunked_sampled_logprobs
@@ -110,12 +111,15 @@ class TrainState:
     """Everything a resumed run needs on the device side.
 
     Attributes:
-      params: ``nnx.State`` of the policy's ``nnx.Param`` leaves (value head included).
-      opt_state: the optax state.
+      params: ``nnx.State`` of the policy's ``nnx.Param`` leaves (value head included; the
+        frozen base weights too when LoRA adapters are trained).
+      opt_state: the optax state of the trained parameters (``trainable_filter``: all of
+        them, or the adapters and value head).
       step: int32, updates attempted so far = the policy version that the next rollouts use.
       rng: uint32 [2] PRNG key data (``jax.random.key_data``), split once per step.
       est_state: the estimator's state (SPO's tracker) or ``()``.
-      ref_params: frozen reference parameters for the KL term, or ``()``.
+      ref_params: frozen reference copy of the trained parameters for the KL term (the rest
+        is shared with ``params``), or ``()``.
       skipped: int32, updates skipped because the loss or the gradient was not finite.
       idle: int32, updates skipped because their mini-batch carried no learning signal (every
         advantage 0 and no value loss).
@@ -256,18 +260,37 @@ def _clip(grad_clip: float) -> list:
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, seed: int,
                est_state=(), with_reference: bool = False) -> TrainState:
+    """The train state of ``model``: its parameters, the optimizer state of those it trains
+    (``trainable_of(model)``)."""
     return init_state_from_params(nnx.state(model, nnx.Param), optimizer, seed=seed,
-                                  est_state=est_state, with_reference=with_reference)
+                                  est_state=est_state, with_reference=with_reference,
+                                  trainable=trainable_of(model))
+
+
+def trainable_of(model: nnx.Module):
+    """The filter of the parameters the step trains: ``models.trainable_filter`` of a
+    ``Transformer``'s config (LoRA: the adapters and value head), every ``nnx.Param``
+    otherwise."""
+    return trainable_filter(model.config) if isinstance(model, Transformer) else nnx.Param
+
+
+def split_trainable(params, trainable=nnx.Param):
+    """``(trained, frozen)`` parts of ``params`` (``nnx.State``) under the ``trainable``
+    filter; ``nnx.merge_state(trained, frozen)`` gives ``params`` back (same tree)."""
+    return nnx.split_state(params, trainable, ...)
 
 
 def init_state_from_params(params, optimizer: optax.GradientTransformation, *, seed: int,
-                           est_state=(), with_reference: bool = False) -> TrainState:
+                           est_state=(), with_reference: bool = False,
+                           trainable=nnx.Param) -> TrainState:
     """``init_state`` from the parameters (an ``nnx.State``); jit it with ``out_shardings`` to
-    create the optimizer state (and reference copy) directly in its sharded layout."""
+    create the optimizer state (and reference copy) directly in its sharded layout. The
+    optimizer state and the KL reference cover the ``trainable`` parameters only."""
+    trained, _ = split_trainable(params, trainable)
     return TrainState(
-        params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+        params=params, opt_state=optimizer.init(trained), step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)), est_state=est_state,
-        ref_params=jax.tree.map(jnp.copy, params) if with_reference else (),
+        ref_params=jax.tree.map(jnp.copy, trained) if with_reference else (),
         skipped=jnp.zeros((), jnp.int32), idle=jnp.zeros((), jnp.int32))
 
 
@@ -354,7 +377,7 @@ def sampled_logprobs(logits, tokens, *, temperature: float = 1.0, top_k: int = 0
 
 
 def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_entropy: bool,
-             remat="none", pin=None, blocks: int = 1):
+             remat="none", pin=None, residual=None, layer_use=None, blocks: int = 1):
     """Per-token (log-prob, entropy, value, outside-truncation) of the rows ``tokens`` [R, T]
     under the rollouts' sampling distribution (``cfg.temperature``, ``top_k``, ``top_p``);
     with prefix-tree extras the model runs on the packed trees (``blocks`` of them) and the
@@ -368,7 +391,8 @@ def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_
     if tree:
         out = model(tree["tree_tokens"], positions=tree["tree_positions"],
                     key_ends=tree["tree_ends"], remat=remat, activation_sharding=pin,
-                    compute_logits=False, attention=cfg.attention)
+                    residual_sharding=residual, layer_shardings=layer_use, compute_logits=False,
+                    attention=cfg.attention)
         idx = tree["tree_index"]
         hidden = _at_node(out.hidden, idx, blocks)  # row token t's node -> [R, T, D]
         first = (jnp.arange(tokens.shape[1]) == 0)[None, :]
@@ -377,7 +401,8 @@ def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_
     else:
         out = model(tokens, positions=extras.get("positions"),
                     segment_ids=extras.get("segment_ids"), remat=remat, activation_sharding=pin,
-                    compute_logits=False, attention=cfg.attention)
+                    residual_sharding=residual, layer_shardings=layer_use, compute_logits=False,
+                    attention=cfg.attention)
         hidden, values = out.hidden, out.values
         if values is not None:  # value of the state before token t (head read at t - 1)
             values = jnp.concatenate([jnp.zeros_like(values[:, :1]), values[:, :-1]], axis=1)
@@ -707,7 +732,8 @@ def _apply_update(optimizer, params, opt_state, grads, loss, has_signal):
 
 
 def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
-               batch: TrajectoryBatch, *, mesh=None, state_shardings=None):
+               batch: TrajectoryBatch, *, mesh=None, state_shardings=None, residual=None,
+               layer_use=None, trainable=nnx.Param):
     """One step: ``cfg.ppo_epochs x cfg.mini_batches`` optimizer updates on one batch; pure
     (jit it with ``graphdef``, ``rest``, ``optimizer``, ``cfg`` static, or use
     ``make_train_step``). Returns ``(new_state, {"metrics": ..., "advantages": ...})``.
@@ -718,10 +744,17 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     ``ppo_epochs`` passes -> metrics.
 
     ``mesh``: the batch is split over its ``data x fsdp`` axes (the estimator then runs under
-    ``shard_map``); ``state_shardings``: the shardings the new state is constrained to.
+    ``shard_map``); ``state_shardings``: the shardings the new state is constrained to;
+    ``residual``: the residual stream's layout between layers (``sharding.residual_spec``;
+    default: the rows' layout); ``layer_use``: the layout each layer's weights are used in
+    (``sharding.layer_use_shardings``; default: XLA chooses, and may gather a weight once
+    per use); ``trainable``: the filter of the parameters trained (``trainable_of``; the
+    others get no gradient and keep their values).
     """
     pin = None if mesh is None else NamedSharding(mesh, sharding_lib.batch_spec())
-    fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin, cfg=cfg)
+    residual = None if mesh is None or residual is None else NamedSharding(mesh, residual)
+    fwd = functools.partial(_forward, graphdef, rest=rest, pin=pin, residual=residual,
+                            layer_use=None if mesh is None else layer_use, cfg=cfg)
     all_blocks = cfg.blocks
     tree = _tree_of(batch.extras)  # prefix sharing: the model runs on the packed trees
     if tree and tree["tree_blocks"].shape[0] != all_blocks:
@@ -730,11 +763,17 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
                          f"mini_batches x micro_batches = {all_blocks}: "
                          f"attach_prefix_trees(batch, num_blocks={all_blocks})")
     batch = batch.replace(extras={k: v for k, v in batch.extras.items() if k not in tree})
+    trained, frozen = split_trainable(state.params, trainable)
+    join = lambda p: nnx.merge_state(p, frozen)  # noqa: E731
+    has_ref = not (isinstance(state.ref_params, tuple) and not state.ref_params)
+    view = state.replace(ref_params=join(state.ref_params)) if has_ref else state
     adv, est_state = _advantages(graphdef, rest, fwd, cfg, state, batch, tree, mesh)
-    split, dens, signal, off_metrics = _step_inputs(fwd, cfg, state, batch, adv, tree, mesh)
-    grad_fn = jax.value_and_grad(_micro_loss(fwd, cfg, batch), has_aux=True)
+    split, dens, signal, off_metrics = _step_inputs(fwd, cfg, view, batch, adv, tree, mesh)
+    micro_loss = _micro_loss(fwd, cfg, batch)
+    grad_fn = jax.value_and_grad(lambda p, mbd, den: micro_loss(join(p), mbd, den),
+                                 has_aux=True)
     aux0 = jax.tree.map(lambda x: jnp.zeros((), jnp.float32),
-                        jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(
+                        jax.eval_shape(lambda: grad_fn(trained, jax.tree.map(
                             lambda x: x[0, 0], split), {k: v[0] for k, v in dens.items()})[0][1]))
 
     def update(carry, xs):
@@ -752,11 +791,11 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
 
     zero = jnp.zeros((), jnp.int32)
     (params, opt_state, n_bad, n_idle), per = jax.lax.scan(
-        epoch, (state.params, state.opt_state, zero, zero), None, length=cfg.ppo_epochs)
+        epoch, (trained, state.opt_state, zero, zero), None, length=cfg.ppo_epochs)
     rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
     ok = n_bad == 0
     new_state = state.replace(
-        params=params, opt_state=opt_state,
+        params=join(params), opt_state=opt_state,
         est_state=jax.tree.map(lambda a, b: jnp.where(ok, a, b), est_state, state.est_state),
         step=state.step + 1, rng=jax.random.key_data(rng), skipped=state.skipped + n_bad,
         idle=state.idle + n_idle)
@@ -770,7 +809,7 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
 
 
 def make_train_step(model: nnx.Module, optimizer, cfg: StepConfig, *, donate: bool = False,
-                    mesh=None, state_shardings=None):
+                    mesh=None, state_shardings=None, rules=None):
     """``step(state, batch) -> (state, out)`` jitted; ``model`` supplies the graph and any
     non-parameter state (e.g. RoPE tables are computed, so usually nothing).
 
@@ -778,12 +817,21 @@ def make_train_step(model: nnx.Module, optimizer, cfg: StepConfig, *, donate: bo
     blocks of whole groups (``pack_records(num_shards=cfg.blocks)``); with ``mesh`` its rows
     are split over the ``data x fsdp`` axes (``cfg.data_shards = data * fsdp``).
     ``state_shardings`` (``sharding.train_state_shardings``) pins the layout of the returned
-    state.
+    state. ``rules`` (default ``sharding.DEFAULT_RULES``): the partition rules; their
+    ``activation_embed`` entry lays out the residual stream between layers
+    (``sharding.residual_spec``), and each layer's weights are gathered once per layer per
+    pass (``sharding.layer_use_shardings``).
     """
     if mesh is not None and cfg.data_shards != sharding_lib.batch_shards(mesh):
         raise ValueError(f"StepConfig.data_shards={cfg.data_shards} but the mesh splits the "
                          f"batch into data*fsdp={sharding_lib.batch_shards(mesh)} blocks")
     graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    rules = sharding_lib.DEFAULT_RULES if rules is None else rules
+    residual = layer_use = None
+    if mesh is not None and isinstance(model, Transformer):
+        residual = sharding_lib.residual_spec(mesh, rules, model.config.hidden_size)
+        layer_use = sharding_lib.layer_use_shardings(nnx.state(model.layers), mesh, rules)
     fn = functools.partial(train_step, graphdef, rest, optimizer, cfg, mesh=mesh,
-                           state_shardings=state_shardings)
+                           state_shardings=state_shardings, residual=residual,
+                           layer_use=layer_use, trainable=trainable_of(model))
     return jax.jit(fn, donate_argnums=(0,) if donate else ())
