@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py             # 5 estimators x 2 layouts, 10 repeats
     python benchmarks/train_step.py --quick     # 3 repeats, concatenated layout only
+    python benchmarks/train_step.py --lora 8    # + the same step with rank-8 LoRA adapters
 
 Batch: --traj synthetic rollout records (default 16, in groups of 8), 4-8 turns each, an
 observation of 32-48 and an action of 4-8 tokens per turn (random ids below --vocab, random
@@ -20,6 +21,9 @@ Per case (estimator, layout):
   (``token_values`` [R, T] for gae, ``turn_values`` [N, K] for turn_gae). It does not include
   the value forward pass that the step runs to produce those values.
 * share = estimator ms / step ms.
+* lora ms (with ``--lora R``): the same step of the same model with rank-R LoRA adapters on
+  all seven projections (the base frozen: gradients and Adam state for the adapters and the
+  value head only), in the same run.
 * baseline ms (measured once per layout in the same run, on the same batch, with the
   policy-only model): plain supervised training, i.e. grad of the token-mean NLL of the action
   tokens + the same optax update, jitted; what the RL step adds is step ms - baseline ms.
@@ -133,6 +137,9 @@ def run(args):
                            max_position_embeddings=max(2048, TURNS[1] * (OBS_LEN[1] + ACT_LEN[1])))
     models = {vh: Transformer(base_cfg.replace(value_head=vh), rngs=nnx.Rngs(0))
               for vh in (False, True)}
+    lora_models = ({vh: Transformer(base_cfg.replace(value_head=vh, lora_rank=args.lora),
+                                    rngs=nnx.Rngs(0)) for vh in (False, True)}
+                   if args.lora else {})
     optimizer = make_optimizer(1e-4, total_steps=1000, warmup_steps=10)
     records = synthetic_records(args.traj, args.group, args.vocab, seed=args.seed)
     batches = {layout: jax.device_put(pack_records(records, layout=layout)[0])
@@ -152,7 +159,7 @@ def run(args):
           f"{args.repeats}\n", flush=True)
 
     header = (f"{'case':<14}{'layout':<14}{'R x T':>11}{'step ms':>10}{'estimator ms':>14}"
-              f"{'share %':>9}{'baseline ms':>13}")
+              f"{'share %':>9}{'baseline ms':>13}" + (f"{'lora ms':>10}" if args.lora else ""))
     print(header)
     print("-" * len(header), flush=True)
 
@@ -178,9 +185,15 @@ def run(args):
                 s0 = init_state(models[False], optimizer, seed=0)
                 baselines[layout] = median_ms(lambda: sup(s0.params, s0.opt_state, batch),
                                               args.repeats)
+            lora = ""
+            if args.lora:
+                lm = lora_models[cfg.needs_values]
+                ls = init_state(lm, optimizer, seed=0)
+                lstep = make_train_step(lm, optimizer, cfg)
+                lora = f"{median_ms(lambda: lstep(ls, batch)[0], args.repeats):>10.2f}"
             rt = f"{batch.tokens.shape[0]}x{batch.tokens.shape[1]}"
             print(f"{name:<14}{layout:<14}{rt:>11}{t_step:>10.2f}{t_est:>14.3f}"
-                  f"{100 * t_est / t_step:>9.2f}{baselines[layout]:>13.2f}", flush=True)
+                  f"{100 * t_est / t_step:>9.2f}{baselines[layout]:>13.2f}{lora}", flush=True)
     print("\nbaseline = forward + backward of the token-mean NLL of the action tokens + the same "
           "optax update, policy-only model, measured once per layout\nestimator ms for gae / "
           "turn_gae excludes the value forward pass that their step adds")
@@ -197,6 +210,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--estimators", nargs="*", default=list(CASES))
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="also time the step with LoRA adapters of this rank")
     p.add_argument("--quick", action="store_true",
                    help="smoke check: 3 repeats, concatenated layout only")
     args = p.parse_args()

@@ -33,7 +33,11 @@ def chat_template() -> str:
 
 
 def write_tokenizer(folder: str) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        sys.exit("make_tiny_checkpoint.py needs the tokenizers package: pip install -e '.[hf]' "
+                 "(the test extra has it too)")
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -2,6 +2,7 @@
 
   jaxrl-agent train [CONFIG.yaml] [--set section.key=value ...] [--resume [RUN]] [--overwrite]
   jaxrl-agent eval RUN [--step N] [--tasks N] [--split test|train]
+  jaxrl-agent show RUN [--step N]              (sampled conversations of a step, as text)
   jaxrl-agent credit ROLLOUTS.jsonl --estimator NAME [--shaping NAME ...] [--then NAME ...]
                      [--set key=value | --set stage.key=value ...] [--layout ...] --out OUT
   jaxrl-agent estimators
@@ -461,6 +462,38 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_show(args) -> int:
+    from jaxrl_agent.train.loop import find_run
+
+    folder = os.path.join(find_run(args.run), "rollouts")
+    steps = sorted(int(n[5:-6]) for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+                   if n.startswith("step_") and n.endswith(".jsonl") and n[5:-6].isdigit())
+    if not steps:
+        raise CliError(f"{folder}: no rollout samples (the run writes them from its first step "
+                       f"on, metrics.rollout_samples per step)")
+    step = steps[-1] if args.step is None else args.step
+    if step not in steps:
+        raise CliError(f"{folder}: no samples of step {step}; steps with samples: "
+                       f"{steps[0]}..{steps[-1]} ({len(steps)} of them)")
+    with open(os.path.join(folder, f"step_{step}.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for r in rows:
+        verdict = "success" if r.get("success") else "no success"
+        err = f", env error: {r['env_error']}" if r.get("env_error") else ""
+        print(f"== step {step}  task {r.get('task')}  group {r.get('group')}  outcome "
+              f"{r.get('outcome', 0):.2f} ({verdict}{err})")
+        for k, t in enumerate(r["turns"]):
+            print(f"-- turn {k + 1}: reward {t['reward']:+.2f}  credit {t['credit']:+.3f}"
+                  f"{'  (cut at max_new_tokens)' if t.get('finish_reason') == 'length' else ''}")
+            obs = t["observation"]
+            if len(obs) > args.chars:
+                obs = "..." + obs[-args.chars:]
+            print("  observation: " + obs.replace("\n", "\n  "))
+            print("  reply:       " + t["reply"].replace("\n", "\n  "))
+        print()
+    return 0
+
+
 def cmd_eval(args) -> int:
     from jaxrl_agent.train.loop import evaluate_run
 
@@ -536,6 +569,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML and exit")
     t.set_defaults(func=cmd_train)
+    sh = sub.add_parser("show", help="print a run's sampled conversations of one step (what "
+                                     "the model said, the rewards and the credit)")
+    sh.add_argument("run", metavar="RUN",
+                    help="a run directory (e.g. runs/cpu_default) or a run name")
+    sh.add_argument("--step", type=int, default=None, help="default: the newest step")
+    sh.add_argument("--chars", type=int, default=400,
+                    help="characters of each observation shown (its end)")
+    sh.set_defaults(func=cmd_show)
     ev = sub.add_parser("eval", help="held-out evaluation of a run's checkpoint")
     ev.add_argument("run", metavar="RUN",
                     help="a run directory (e.g. runs/cpu_default) or a run name")
@@ -693,9 +734,12 @@ def main(argv=None) -> int:
         return 2
     except ValueError as e:  # config and input errors: no traceback
         from jaxrl_agent.config import ConfigError
-        from jaxrl_agent.train.loop import RunLockedError, StaleBatchError
+        from jaxrl_agent.envs.tasks import TaskFileError
+        from jaxrl_agent.rollout.chat import ChatError
+        from jaxrl_agent.train.loop import EnvFailureError, RunLockedError, StaleBatchError
 
-        if not isinstance(e, (ConfigError, StaleBatchError, RunLockedError)):
+        if not isinstance(e, (ConfigError, StaleBatchError, RunLockedError, EnvFailureError,
+                              TaskFileError, ChatError)):
             raise
         print(f"jaxrl-agent {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,8 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
     trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, async_rollouts,
                 rollout_workers, seed, warmup_sft_steps, eval_every, eval_tasks, layout,
-                remat, logits_chunk, attention, prefix_sharing, prefix_tree_len
+                remat, logits_chunk, attention, prefix_sharing, prefix_tree_len,
+                max_failed_steps
     run:        dir                          (null = runs/<name>: everything of the run lives there)
     checkpoint: every, keep, export, export_warmup
     metrics:    tensorboard, plots
@@ -237,6 +238,9 @@ class TrainerSection:
     # per-trajectory results; see docs/training.md.
     prefix_sharing: bool = False
     prefix_tree_len: int = 0           # packed prefix-tree row length; 0 = auto (cost model)
+    # stop the run when every trajectory of this many steps in a row ended in an environment
+    # (or reward function) error; 0 = never stop
+    max_failed_steps: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +262,7 @@ class CheckpointSection:
 class MetricsSection:
     tensorboard: bool = True
     plots: bool = True
+    rollout_samples: int = 4           # trajectories per step written as text to rollouts/ (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +289,9 @@ class SamplerSection:
     transfer: str = "auto"             # auto | host | dlpack (device buffers, GPU)
     probe_every: int = 1               # parity probe after every n-th weight sync (0 = never)
     probe_tol: float | None = None     # null = by dtype (1e-3 float32, 0.25 bfloat16)
+    # LoRA policies: "adapters" (vLLM serves the adapters, each sync sends them alone) or
+    # "merged" (each sync sends the whole model, adapters merged)
+    lora_sync: str = "adapters"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,6 +439,9 @@ def _build(cls, data, prefix: str):
         data = {}
     if cls is SamplerSection and isinstance(data, str):
         data = {"name": data}              # `sampler: vllm`
+    if cls is EnvSection and "name" in data and "kwargs" not in data \
+            and data["name"] != EnvSection.name:
+        data = dict(data, kwargs={})       # not the default env's kwargs
     if not isinstance(data, dict):
         raise ConfigError(f"key '{prefix}' must be a mapping, got {data!r} ({type(data).__name__})")
     fields = _fields(cls)
@@ -440,7 +451,10 @@ def _build(cls, data, prefix: str):
         if key in REMOVED_KEYS:
             raise ConfigError(f"key '{key}' no longer exists: {REMOVED_KEYS[key]}")
         if k not in fields:
-            raise _unknown(key, list(fields), _suggest(str(k)) if prefix else "")
+            hint = _suggest(str(k)) if prefix else ""
+            if not hint and "params" in fields and prefix:  # estimator.gamma: a hyper-parameter
+                hint = f" (did you mean {prefix}.params.{k}?)"
+            raise _unknown(key, list(fields), hint)
         tp = fields[k]
         if dataclasses.is_dataclass(tp):
             kwargs[k] = _build(tp, v, key)
@@ -484,7 +498,8 @@ class RunPaths:
     base_model: str      # the built-in model's starting weights (model.builtin_dir: null)
 
     #: entries of a run directory that mean "a run lives here"
-    OUTPUTS = ("config.yaml", "checkpoints", "metrics", "final_model", "warmup_model")
+    OUTPUTS = ("config.yaml", "checkpoints", "metrics", "final_model", "warmup_model",
+               "rollouts", "env_errors.log")
 
 
 def run_dir(cfg: RunConfig) -> str:
@@ -507,7 +522,8 @@ RESUMABLE_KEYS = ("trainer.steps", "trainer.eval_every", "trainer.eval_tasks",
                   "trainer.max_policy_lag",
                   "trainer.eval_temperature", "trainer.micro_batches", "trainer.remat",
                   "trainer.logits_chunk", "trainer.attention",
-                  "trainer.prefix_sharing", "trainer.prefix_tree_len", "checkpoint.",
+                  "trainer.prefix_sharing", "trainer.prefix_tree_len",
+                  "trainer.max_failed_steps", "checkpoint.",
                   "metrics.", "sampler.", "mesh.", "distributed.", "name", "run.", "imports")
 
 
@@ -561,11 +577,26 @@ def apply_overrides(d: dict | None, overrides, defaults: dict | None = None) -> 
     is copied from ``defaults`` (the values ``d`` would get anyway; ``load`` passes the
     ``RunConfig`` defaults), so ``env.kwargs.size=6`` keeps the other keys of ``env.kwargs``.
     Mappings that neither has are created (``estimator.params.gamma=0.99``). Unknown keys are
-    reported by ``from_dict`` afterwards, with the same message as in a YAML file."""
+    reported by ``from_dict`` afterwards, with the same message as in a YAML file. Switching
+    ``env.name``, ``estimator.name`` or ``loss.policy`` to another value starts its
+    ``env.kwargs`` / ``estimator.params`` / ``loss.params`` empty (``_SWITCHES``; the overrides
+    after it fill it), unless an earlier override set them."""
     import copy
     out = copy.deepcopy(d) if d else {}
-    for text in overrides or ():
+    overrides = list(overrides or ())
+    keys = [parse_override(t)[0] for t in overrides]
+    for i, text in enumerate(overrides):
         parts, value = parse_override(text)
+        dep = _SWITCHES.get(tuple(parts))
+        if dep is not None and not any(k[:len(dep)] == list(dep) for k in keys[:i]):
+            old = out.get(parts[0], {}).get(parts[1]) if isinstance(out.get(parts[0]),
+                                                                    dict) else None
+            if old is None and isinstance(defaults, dict):
+                old = (defaults.get(parts[0]) or {}).get(parts[1])
+            if value != old:  # another choice: its own settings, not the old one's
+                section = out.setdefault(parts[0], {})
+                if isinstance(section, dict):
+                    section[dep[1]] = {}
         node, base = out, defaults
         for i, p in enumerate(parts[:-1]):
             nxt = node.get(p)
@@ -583,6 +614,12 @@ def apply_overrides(d: dict | None, overrides, defaults: dict | None = None) -> 
         else:
             node[parts[-1]] = value
     return out
+
+
+#: an override of the first key starts the second from empty (unless the same command line
+#: sets it too): `--set env.name=tasks` does not keep the grid world's kwargs
+_SWITCHES = {("env", "name"): ("env", "kwargs"), ("estimator", "name"): ("estimator", "params"),
+             ("loss", "policy"): ("loss", "params")}
 
 
 def read_text(path, what: str = "file") -> str:
@@ -1081,8 +1118,9 @@ def _check_trainer(cfg: RunConfig) -> None:
     t = cfg.trainer
     _positive(t, "trainer", "steps", "ppo_epochs", "mini_batches", "micro_batches", "eval_tasks")
     _positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
-              allow_zero=True)
+              "max_failed_steps", allow_zero=True)
     _positive(t, "trainer", "rollout_workers", "logits_chunk")
+    _positive(cfg.metrics, "metrics", "rollout_samples", allow_zero=True)
     if not isinstance(t.remat, bool):
         _choice(t.remat, tuple(REMAT_POLICIES), "trainer.remat")
     _choice(t.attention, tuple(ATTENTION_IMPLS), "trainer.attention")
@@ -1119,6 +1157,7 @@ def _check_sampler(cfg: RunConfig) -> None:
     if s.dtype is not None:
         _choice(s.dtype, DTYPES, "sampler.dtype")
     _choice(s.transfer, TRANSFERS, "sampler.transfer")
+    _choice(s.lora_sync, ("adapters", "merged"), "sampler.lora_sync")
     for key in ("data_parallel", "tensor_parallel"):
         v = getattr(s, key)
         if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):

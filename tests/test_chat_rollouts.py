@@ -535,3 +535,28 @@ def test_task_file_few_shot_history_comes_before_the_first_observation(tokenizer
     records, _ = collect_groups(env, [task], sampler, tok, config, seed=0)
     assert sampler.calls[0][0][0] == template_ids(tok, msgs)
     assert records[0]["turns"][0]["observation"] == template_ids(tok, msgs)
+
+
+PHI3_STYLE = ("{% for m in messages %}{% if m['role'] == 'system' %}<|system|>{{ m['content'] }}"
+              "<|end|>{% elif m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>"
+              "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|end|>"
+              "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_a_template_that_drops_tool_messages_is_refused(tmp_path):
+    """A Phi-3-style template with no branch for the tool role renders tool results as nothing:
+    an agent with tools would be blind to them, so collection refuses, naming the role and the
+    ways out."""
+    folder = build_tokenizer_folder("qwen2.5", tmp_path / "phi")
+    with open(folder + "/tokenizer_config.json") as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = PHI3_STYLE
+    with open(folder + "/tokenizer_config.json", "w") as f:
+        json.dump(cfg, f)
+    tok = load_tokenizer(folder, backend="tokenizers")
+    assert ChatTemplate(tok, tools=[ADD_TOOL]).silent_roles == ("tool",)
+    env = AddEnv()
+    config = RolloutConfig(group_size=1, max_turns=2, chat=True)
+    with pytest.raises(ValueError, match=r"renders 'tool' messages as nothing.*observation_role"):
+        collect_groups(env, env.sample_tasks(0, 1), ToolPolicySampler(tok, tok.token_to_id(
+            "<|im_end|>")), tok, config)

@@ -320,3 +320,19 @@ def test_success_standard_error():
     assert success_se(0.8, 100) == pytest.approx(0.04)
     assert success_se(1.0, 10) == 0.0 and success_se(0.0, 10) == 0.0
     assert success_se(0.3, 0) == 0.0
+
+
+def test_progress_shows_errors_kl_and_lag_only_while_non_zero(tmp_path):
+    out = io.StringIO()
+    logger, clock = with_clock(MetricsLogger(tmp_path, total_steps=2, tensorboard=False,
+                                             stream=out, print_every_s=0.0))
+    clock.t += 1.0
+    logger.log(1, {"train/reward": 0.5, "train/env_errors": 0, "train/loss_kl": 0.0,
+                   "train/lr": 5e-4})
+    clock.t += 1.0
+    logger.log(2, {"train/reward": 0.5, "train/env_errors": 3, "train/loss_kl": 0.02,
+                   "async/lag_mean": 0.5, "train/lr": 4e-4})
+    logger.close()
+    first, second = [ln for ln in out.getvalue().splitlines() if ln.startswith("step ")]
+    assert "env-errors" not in first and "kl" not in first and "lr 5" in first
+    assert "env-errors 3" in second and "kl 0.02" in second and "lag 0.50" in second

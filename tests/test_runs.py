@@ -60,7 +60,8 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_a_run_keeps_everything_in_its_directory(finished):
     names = sorted(p.name for p in finished.iterdir())
     assert names == [".lock", "base_model", "checkpoints", "config.yaml", "final_model",
-                     "metrics"], names  # warm-up export only when there is a warm-up
+                     "metrics", "rollouts"], names  # warm-up export only when there is a
+    # warm-up; rollouts/: a few conversations of each step as text (jaxrl-agent show)
     saved = config_lib.read_yaml(finished / "config.yaml")
     assert saved == config_lib.to_dict(tiny_config(finished))
 

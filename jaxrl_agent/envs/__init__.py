@@ -6,8 +6,8 @@ See docs/envs.md. ``make_env(name, **kwargs)`` builds a registered environment (
 (``resolve_env``).
 """
 
-from jaxrl_agent.envs.base import (ENV_NAME_FORMS, Env, Episode, SafeEnv, StepResult, Task,
-                                   env_class, gymnasium_env, make_env, names, normalize_action,
+from jaxrl_agent.envs.base import (ENV_NAME_FORMS, Env, Episode, FirstErrors, SafeEnv,
+                                   StepResult, Task, env_class, first_errors, gymnasium_env, make_env, names, normalize_action,
                                    register, reset_group, resolve_env, run_episode,
                                    solver_policy, split_of, stable_hash)
 from jaxrl_agent.envs.gridworld import GridWorld
@@ -22,7 +22,7 @@ from jaxrl_agent.envs.tools import (FunctionTool, Tool, ToolCall, ToolCallError,
                                     format_tool_calls, parse_tool_calls, tool_schema)
 from jaxrl_agent.envs.mcp import MCPEnv, MCPServerError, close_idle_servers
 
-__all__ = ["Env", "Episode", "SafeEnv", "StepResult", "Task", "env_class", "make_env", "names",
+__all__ = ["Env", "Episode", "FirstErrors", "SafeEnv", "first_errors", "StepResult", "Task", "env_class", "make_env", "names",
            "normalize_action", "register", "reset_group", "run_episode", "solver_policy",
            "split_of", "stable_hash", "GridWorld", "Calculator", "ParseError", "evaluate",
            "Chain", "GymnasiumTextAdapter", "HTTPEnv", "ENV_NAME_FORMS", "gymnasium_env",

@@ -29,6 +29,7 @@ import hashlib
 import inspect
 import threading
 import time
+import traceback
 from typing import Any, Callable
 
 from jaxrl_agent import registry as _registry
@@ -466,6 +467,49 @@ def make_env(name: str, **kwargs):
 # --- fault handling ---------------------------------------------------------------------------
 
 
+class FirstErrors:
+    """The first traceback of each kind of exception raised inside an environment (a kind: the
+    exception type and the file and line it was raised at), process-wide and thread-safe:
+    ``SafeEnv`` turns every exception into a terminal step, and this is where the trainer
+    finds the user's traceback to show once (``take_new``)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._seen: set = set()
+        self._new: list = []
+
+    def note(self, exc: BaseException) -> None:
+        root = exc  # where it started: the innermost cause (a reward function's own line)
+        while root.__cause__ is not None:
+            root = root.__cause__
+        frames = traceback.extract_tb(root.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        key = (type(root).__name__, where)
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+            self._new.append((f"{type(exc).__name__}: {exc} (at {where})",
+                              "".join(traceback.format_exception(exc))))
+
+    def reset(self) -> None:
+        """Forgets every kind seen (a new run shows its own first errors again)."""
+        with self._lock:
+            self._seen.clear()
+            self._new = []
+
+    def take_new(self) -> list[tuple[str, str]]:
+        """``[(one-line summary, traceback text)]`` of the kinds first seen since the last
+        call."""
+        with self._lock:
+            out, self._new = self._new, []
+        return out
+
+
+#: the process's ``FirstErrors`` (every ``SafeEnv`` reports to it)
+first_errors = FirstErrors()
+
+
 class SafeEnv:
     """Wraps an env so that faults end the episode instead of the run.
 
@@ -560,11 +604,13 @@ class SafeEnv:
                 return "timeout", f"timeout: step exceeded {self.step_timeout}s (abandoned)"
             if "error" in box:
                 e = box["error"]
+                first_errors.note(e)
                 return "error", f"{type(e).__name__}: {e}"
             return "ok", box["value"]
         try:
             value = fn(*args)
         except Exception as e:  # noqa: BLE001
+            first_errors.note(e)
             return "error", f"{type(e).__name__}: {e}"
         dt = time.monotonic() - t0
         if self.step_timeout is not None and dt > self.step_timeout:

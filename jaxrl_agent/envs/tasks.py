@@ -241,7 +241,7 @@ def sample_task_list(tasks: list[Task], rng, n: int, split: str, where: str) -> 
     check_split(split)
     pool = [t for t in tasks if t.split == split]
     if not pool:
-        raise ValueError(f"{where}: no {split!r} tasks (a task without \"split\" goes to "
+        raise TaskFileError(f"{where}: no {split!r} tasks (a task without \"split\" goes to "
                          f"'test' about one time in five, by a hash of its id; give some "
                          f"tasks \"split\": \"{split}\")")
     return _pick(pool, as_random(rng), n)

@@ -112,12 +112,13 @@ def spec_array(spec: ParamSpec, array):
     return array if spec.layer is None else array[spec.layer]
 
 
-def hf_tensors(config: ModelConfig, get: Callable[[tuple], Any]) -> dict:
+def hf_tensors(config: ModelConfig, get: Callable[[tuple], Any], *, merge: bool = True) -> dict:
     """``{hf_name: array}`` in ``hf_param_map`` order and HF layout (``[out, in]`` linear
     weights), from ``get(nnx_path) -> array`` (numpy or jax, jittable). A LoRA-adapted
     projection is written merged: ``kernel + (lora_alpha / r) lora_a lora_b``, so the tensors
-    are a plain HF model's (its adapters alone: ``save_peft_adapter``)."""
-    adapted = set(lora_paths(config))
+    are a plain HF model's; ``merge=False`` writes the base kernels (the adapters alone:
+    ``peft_tensors``)."""
+    adapted = set(lora_paths(config)) if merge else set()
     scale = config.lora_alpha / config.lora_rank if config.lora_rank else 0.0
     out = {}
     for spec in hf_param_map(config):
@@ -397,6 +398,28 @@ def _peft_name(path: tuple, layer: int, which: str) -> str:
     return f"base_model.model.model.layers.{layer}.{path[1]}.{path[2]}.{which}.weight"
 
 
+def peft_tensors(config: ModelConfig, get: Callable[[tuple], Any]) -> dict:
+    """The LoRA adapters under PEFT's names and layouts (``lora_A.weight [r, in]``,
+    ``lora_B.weight [out, r]`` per layer and adapted projection), from ``get(nnx_path) ->
+    array`` (jittable): what ``save_peft_adapter`` writes."""
+    out = {}
+    for path in sorted(lora_paths(config)):
+        a, b = get(path + ("lora_a",)), get(path + ("lora_b",))
+        for i in range(config.num_layers):
+            out[_peft_name(path, i, "lora_A")] = a[i].T
+            out[_peft_name(path, i, "lora_B")] = b[i].T
+    return out
+
+
+def peft_config(config: ModelConfig, base_model_name_or_path: str | None = None) -> dict:
+    """The ``adapter_config.json`` dict of ``config``'s adapters."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora_rank,
+            "lora_alpha": config.lora_alpha, "target_modules": list(config.lora_targets),
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "inference_mode": True, "modules_to_save": None,
+            "base_model_name_or_path": base_model_name_or_path}
+
+
 def save_peft_adapter(model: Transformer, folder: str, *,
                       base_model_name_or_path: str | None = None) -> None:
     """Writes ``model``'s LoRA adapters as a PEFT adapter folder that
@@ -407,27 +430,27 @@ def save_peft_adapter(model: Transformer, folder: str, *,
     head is not part of it (``save_hf`` of the merged model writes it).
 
     Raises ``ValueError`` when the model has no adapters."""
-    from safetensors.numpy import save_file
 
     config = model.config
     if not config.lora_rank:
         raise ValueError("save_peft_adapter: the model has no LoRA adapters (lora_rank 0)")
-    tensors = {}
-    for path in sorted(lora_paths(config)):
-        lin = _variable(model, path)
-        a, b = np.asarray(lin.lora_a[...], np.float32), np.asarray(lin.lora_b[...], np.float32)
-        for i in range(config.num_layers):
-            tensors[_peft_name(path, i, "lora_A")] = np.ascontiguousarray(a[i].T)
-            tensors[_peft_name(path, i, "lora_B")] = np.ascontiguousarray(b[i].T)
+    tensors = peft_tensors(config, lambda path: np.asarray(_variable(model, path)[...],
+                                                           np.float32))
+    write_peft_folder(folder, config, tensors, base_model_name_or_path)
+
+
+def write_peft_folder(folder: str, config: ModelConfig, tensors: Mapping[str, Any],
+                      base_model_name_or_path: str | None = None) -> int:
+    """Writes ``peft_tensors`` (numpy or jax arrays) and ``peft_config`` to ``folder``;
+    returns the bytes of the tensors."""
+    from safetensors.numpy import save_file
+
+    host = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in tensors.items()}
     os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
-    peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora_rank,
-            "lora_alpha": config.lora_alpha, "target_modules": list(config.lora_targets),
-            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "inference_mode": True, "modules_to_save": None,
-            "base_model_name_or_path": base_model_name_or_path}
+    save_file(host, os.path.join(folder, PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
     with open(os.path.join(folder, PEFT_CONFIG_NAME), "w") as f:
-        json.dump(peft, f, indent=2)
+        json.dump(peft_config(config, base_model_name_or_path), f, indent=2)
+    return int(sum(v.nbytes for v in host.values()))
 
 
 def load_peft_adapter(model: Transformer, folder: str) -> None:

@@ -102,8 +102,13 @@ class ChatTemplateWarning(UserWarning):
     from the ids the collector holds (and trains on)."""
 
 
+class ChatError(ValueError):
+    """Chat rollouts cannot work with this template, codec or environment (the message names
+    ``rollout.chat`` and what to change)."""
+
+
 def _chat_error(message: str) -> ValueError:
-    return ValueError(f"rollout.chat: {message}")
+    return ChatError(f"rollout.chat: {message}")
 
 
 def observation_messages(text: str, info: dict | None) -> list[dict]:
@@ -209,6 +214,26 @@ class ChatTemplate:
         self.end_of_turn_id = probe.end_of_turn_id
         self.probe = dict(probe.results)
         self.prefix_stable = "differs" not in self.probe.values()
+        self.silent_roles = self._silent_roles()
+
+    def _silent_roles(self) -> tuple:
+        """The observation roles (``user``, ``tool``) whose message content the template
+        leaves out of its render (a template without a branch for that role renders it as
+        nothing): an agent would never see such an observation. A role the template refuses
+        outright is not listed (rendering it fails with the template's own message)."""
+        out = []
+        for role in ("user", "tool"):
+            marker = "zq" + role + "7x"
+            msgs = [{"role": "user", "content": _STAND_IN_USER},
+                    {"role": "assistant", "content": "ok"}, {"role": role, "content": marker}]
+            try:
+                text = self.codec.render_chat(self.conversation(msgs),
+                                              add_generation_prompt=True, **self._kwargs)
+            except Exception:  # noqa: BLE001 - refused: reported when it is rendered
+                continue
+            if marker not in text:
+                out.append(role)
+        return tuple(out)
 
     # --------------------------------------------------------------------------- rendering
 

@@ -53,7 +53,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from jaxrl_agent.envs.base import Env, SafeEnv, reset_group
-from jaxrl_agent.rollout.chat import ChatTemplate, observation_messages, warn_if_unstable
+from jaxrl_agent.rollout.chat import (ChatError, ChatTemplate, observation_messages,
+                                      warn_if_unstable)
 from jaxrl_agent.sampling.base import SamplingParams
 
 __all__ = ["TextCodec", "ByteCodec", "RolloutConfig", "collect_groups", "HISTORY_MODES"]
@@ -453,6 +454,13 @@ class _ChatTemplates:
         key = (system if isinstance(system, str) else repr(system), repr(tools))
         if key not in self.made:
             template = ChatTemplate(self.codec, system_prompt=system, tools=tools)
+            if tools and "tool" in template.silent_roles:
+                raise ChatError(
+                    "rollout.chat: the chat template renders 'tool' messages as nothing (their "
+                    "content is not in the prompt), so the agent would never see its tools' "
+                    "results. Use a chat template with a branch for the tool role (e.g. the "
+                    "model family's own), or have the environment send tool results as user "
+                    "messages (info['observation_role'] = 'user')")
             warn_if_unstable(template, stacklevel=4)  # the caller of collect_groups
             self.made[key] = template
         return self.made[key]

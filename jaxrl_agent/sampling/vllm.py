@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_agent.models.hf import hf_tensors
+from jaxrl_agent.models.hf import hf_tensors, peft_tensors, write_peft_folder
 from jaxrl_agent.models.transformer import Transformer, token_logprobs
 from jaxrl_agent.sampling.base import (SampleOutput, SamplingParams, synced_params,
                                        validate_requests)
@@ -101,19 +101,32 @@ def _on_gpu_torch() -> bool:
         return False
 
 
-def hf_tensors_fn(config, dtype):
-    """``params (nested pure dict) -> {hf_name: array}`` for ``config``, jittable: the weight-sync
-    view of the parameters (HF names, ``[out, in]`` linear weights, ``dtype``)."""
-    def fn(params):
-        def get(path):
-            x = params
-            for key in path:
-                x = x[key]
-            return x
+def _getter(params):
+    def get(path):
+        x = params
+        for key in path:
+            x = x[key]
+        return x
+    return get
 
-        return {k: v.astype(dtype) for k, v in hf_tensors(config, get).items()}
+
+def hf_tensors_fn(config, dtype, *, merge: bool = True):
+    """``params (nested pure dict) -> {hf_name: array}`` for ``config``, jittable: the weight-sync
+    view of the parameters (HF names, ``[out, in]`` linear weights, ``dtype``; LoRA adapters
+    merged into their kernels, or left out with ``merge=False``)."""
+    def fn(params):
+        return {k: v.astype(dtype) for k, v in hf_tensors(config, _getter(params),
+                                                          merge=merge).items()}
 
     return fn
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
+    for r in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if r >= rank:
+            return r
+    raise ValueError(f"vLLM serves LoRA ranks up to 512, the model's is {rank}")
 
 
 def _seed63(seed: int) -> int:
@@ -165,7 +178,8 @@ class VllmSampler:
                  gpu_memory_utilization: float = 0.3, enforce_eager: bool = True,
                  seed: int = 0, policy_version: int = 0, probe_tokens: int = 32,
                  probe_tol: float | None = None, probe_every: int = 1, transfer: str = "auto",
-                 sync_chunk_bytes: int = 256 * 2 ** 20, engine_kwargs: dict | None = None):
+                 sync_chunk_bytes: int = 256 * 2 ** 20, engine_kwargs: dict | None = None,
+                 adapter_sync: bool = True):
         if not isinstance(model, Transformer):
             raise ValueError(f"model must be a jaxrl_agent.models.Transformer, got "
                              f"{type(model).__name__}")
@@ -217,7 +231,21 @@ class VllmSampler:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self._abstract = nnx.to_pure_dict(abstract)
-        self._export = jax.jit(hf_tensors_fn(cfg, jnp.dtype(self.dtype)))
+        #: LoRA adapters reach vLLM alone (a PEFT folder per sync, vLLM's own LoRA path) while
+        #: the frozen base is sent once (again only when it changed); otherwise every sync
+        #: sends the whole model, adapters merged
+        self.adapter_sync = bool(adapter_sync and cfg.lora_rank and not cfg.lora_train_norms)
+        self._export = jax.jit(hf_tensors_fn(cfg, jnp.dtype(self.dtype),
+                                             merge=not self.adapter_sync))
+        if self.adapter_sync:
+            self._export_adapter = jax.jit(lambda p: peft_tensors(cfg, _getter(p)))
+            # sum and sum of squares of every base tensor: the base is re-sent when it moved
+            self._fingerprint = jax.jit(lambda p: jnp.stack([
+                f(x.astype(jnp.float32)) for x in hf_tensors(cfg, _getter(p), merge=False).values()
+                for f in (jnp.sum, lambda y: jnp.sum(y * y))]))
+        self._base_sent = None
+        self._lora_request = None
+        self._adapter_dir = None
 
         engine_dtype = jnp.dtype(self.dtype)
 
@@ -251,6 +279,9 @@ class VllmSampler:
             # ("CPU Generator does not use offset"), so prompts are never split on CPU.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(4096, self.max_len)
+        if self.adapter_sync:
+            kwargs.update(enable_lora=True, max_lora_rank=_vllm_lora_rank(cfg.lora_rank),
+                          max_loras=1)
         kwargs.update(engine_kwargs or {})
         t0 = time.time()
         try:
@@ -347,12 +378,23 @@ class VllmSampler:
         pure = self._check_params(model_or_state)
         with self._lock:
             t0 = time.perf_counter()
-            tensors = self._export(pure)
-            jax.block_until_ready(tensors)
+            tensors, sent = {}, 0
+            fingerprint = None
+            if self.adapter_sync:
+                fingerprint = np.asarray(self._fingerprint(pure))
+            if fingerprint is None or self._base_sent is None \
+                    or not np.array_equal(fingerprint, self._base_sent):
+                tensors = self._export(pure)
+                jax.block_until_ready(tensors)
             t1 = time.perf_counter()
             # Until this sync is through (and probed), the engine holds weights of no version.
             self._broken = f"the sync of policy version {version} did not complete"
-            self.push_tensors(tensors)
+            if tensors:
+                self.push_tensors(tensors)
+                sent += int(sum(x.nbytes for x in tensors.values()))
+                self._base_sent = fingerprint
+            if self.adapter_sync:
+                sent += self._push_adapter(pure)
             t2 = time.perf_counter()
             self._syncs += 1
             if probe is None:
@@ -360,8 +402,7 @@ class VllmSampler:
             err = self.probe(pure) if probe else None
             self.last_sync = dict(export=t1 - t0, load=t2 - t1,
                                   probe=time.perf_counter() - t2 if probe else 0.0,
-                                  bytes=int(sum(x.nbytes for x in tensors.values())),
-                                  probe_error=err)
+                                  bytes=sent, base_sent=bool(tensors), probe_error=err)
             if err is not None and err > self.probe_tol:
                 self._broken = (f"the sync of policy version {version} failed its probe "
                                 f"(error {err:.3g})")
@@ -379,6 +420,20 @@ class VllmSampler:
                     "tensor that was sent (the load did not take effect)")
             self._version = int(version)
             self._broken = None
+
+    def _push_adapter(self, pure) -> int:
+        """Writes the adapters as a PEFT folder and points later requests at it (a new LoRA id:
+        vLLM loads it at the next request, the probe's); returns their bytes."""
+        from vllm.lora.request import LoRARequest
+
+        n = self._syncs + 1
+        folder = os.path.join(self._dir, f"adapter_{n}")
+        size = write_peft_folder(folder, self.config, jax.device_get(self._export_adapter(pure)))
+        old, self._adapter_dir = self._adapter_dir, folder
+        self._lora_request = LoRARequest(f"policy_{n}", n, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return size
 
     def readback_mismatch(self, tensors: Mapping[str, Any]) -> str | None:
         """Reads back the engine tensors vLLM keeps as loaded (norm weights, biases, the first
@@ -405,7 +460,8 @@ class VllmSampler:
         sp = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0,
                                        detokenize=False, seed=0)
         ids = [int(i) for i in ids]
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False,
+                                lora_request=self._lora_request)[0]
         return np.array([out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))],
                         np.float64)
 
@@ -445,7 +501,7 @@ class VllmSampler:
                 p, _seed63(p.seed) if p.seed is not None
                 else _derived_seed(self._seed, call_id, i)) for i, p in enumerate(plist)]
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=a.tolist()) for a in arrays],
-                                     vparams, use_tqdm=False)
+                                     vparams, use_tqdm=False, lora_request=self._lora_request)
         results = []
         for a, p, o in zip(arrays, plist, outs):
             c = o.outputs[0]

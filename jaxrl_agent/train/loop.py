@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import math
 import os
 import pathlib
@@ -56,7 +57,8 @@ from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
-                                    make_optimizer, make_train_step, split_trainable,
+                                    lr_schedule, make_optimizer, make_train_step,
+                                    split_trainable,
                                     trainable_of)
 
 __all__ = ["Trainer", "build_sampler", "jax_sampler_args", "sampler_batch_buckets", "StaleBatchError",
@@ -94,6 +96,15 @@ def _existing_outputs(root: str) -> list[str]:
     return [n for n in config_lib.RunPaths.OUTPUTS if os.path.exists(os.path.join(root, n))]
 
 
+def _never_trained(root: str) -> bool:
+    """The run in ``root`` stopped before it saved anything but its config and metrics: no
+    checkpoint, no exported model (a start that failed; nothing in it is work to keep)."""
+    ck = os.path.join(root, "checkpoints")
+    return (not (os.path.isdir(ck) and os.listdir(ck))
+            and not any(os.path.exists(os.path.join(root, n))
+                        for n in ("final_model", "warmup_model")))
+
+
 def _write_config(cfg, path: str) -> None:
     """The resolved config as YAML, written atomically (a temporary file, then a rename)."""
     tmp = f"{path}.tmp"
@@ -103,6 +114,11 @@ def _write_config(cfg, path: str) -> None:
 
 class StaleBatchError(ValueError):
     """Every trajectory of a step was sampled by a policy older than ``max_policy_lag``."""
+
+
+class EnvFailureError(ValueError):
+    """Every trajectory of ``trainer.max_failed_steps`` steps in a row ended in an environment
+    (or reward function) error."""
 
 
 def success_se(success: float, n: int) -> float:
@@ -167,7 +183,7 @@ def builtin_model_config(cfg: config_lib.RunConfig) -> ModelConfig:
                        pad_token_id=codec.pad_token_id, **lora_fields(cfg))
 
 
-def lora_summary(mc: ModelConfig, params, sampler: str = "jax") -> str:
+def lora_summary(mc: ModelConfig, params, sampler=None) -> str:
     """``"LoRA rank r on q_proj, ...: N of M parameters trained (x%), the base frozen; "`` for
     the start-up summary, and how the sampler gets the adapters (empty without LoRA)."""
     if not mc.lora_rank:
@@ -178,8 +194,11 @@ def lora_summary(mc: ModelConfig, params, sampler: str = "jax") -> str:
     return (f"LoRA rank {mc.lora_rank} (alpha {mc.lora_alpha:g}) on "
             f"{', '.join(mc.lora_targets)}: {n:,} of {total:,} parameters trained "
             f"({100 * n / total:.1f}%), the base frozen, "
-            + ("the JAX sampler runs the adapters; " if sampler == "jax" else
-               f"{sampler} gets the merged weights at every sync; "))
+            + ("vLLM receives the adapters alone at each sync (its LoRA path); "
+               if getattr(sampler, "adapter_sync", False) else
+               "vLLM receives the merged weights at each sync; "
+               if type(sampler).__name__ == "VllmSampler" else
+               "the sampler runs the adapters; "))
 
 
 def lora_fields(cfg: config_lib.RunConfig) -> dict:
@@ -295,7 +314,8 @@ def _vllm_sampler(VllmSampler, cfg, model):
                        kv_cache_bytes=s.kv_cache_mb * 2 ** 20 if s.kv_cache_mb else None,
                        gpu_memory_utilization=s.gpu_memory_utilization,
                        enforce_eager=s.enforce_eager, seed=seed, transfer=s.transfer,
-                       probe_every=s.probe_every, probe_tol=s.probe_tol)
+                       probe_every=s.probe_every, probe_tol=s.probe_tol,
+                       adapter_sync=s.lora_sync == "adapters")
 
 
 class Trainer:
@@ -316,6 +336,7 @@ class Trainer:
         config_lib.check_paths(cfg)
         self.cfg, self.resume = cfg, resume
         self.paths = config_lib.run_paths(cfg)
+        envs.first_errors.reset()  # this run's environment errors only
         self.out = stream if stream is not None else sys.stderr
         self.progress = progress
         self.read_only = read_only
@@ -358,6 +379,12 @@ class Trainer:
             if os.path.exists(self.paths.config):
                 saved = config_lib.from_dict(config_lib.read_yaml(self.paths.config))
                 allowed, refused = config_lib.config_changes(saved, self.cfg)
+                if refused and _never_trained(root):  # nothing trained yet: the new settings
+                    for k, a, b in refused:
+                        self._say(f"--resume: {k} {a!r} -> {b!r} (the run has no checkpoint "
+                                  "yet, so it starts with the new value)")
+                    allowed, refused = allowed, []
+                    _write_config(self.cfg, self.paths.config)
                 if refused:
                     return ("--resume: the run in " + root + " was started with other settings; "
                             "resume with the same values, or start a new run (--set name=NEW). "
@@ -373,6 +400,14 @@ class Trainer:
             else:
                 _write_config(self.cfg, self.paths.config)
             return None
+        if found and not overwrite and _never_trained(root):
+            import shutil
+            for n in found:
+                p = os.path.join(root, n)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+            self._say(f"{root}: the run there stopped before its first checkpoint (it holds "
+                      f"only {', '.join(found)}); starting it again with this config")
+            found = []
         if found and not overwrite:
             return (f"{root} already holds a run ({', '.join(found)}); continue it with "
                     f"`jaxrl-agent train --resume {root}`, start another one with "
@@ -424,6 +459,7 @@ class Trainer:
                                             branch_factor=1)
         self.eval_tasks = self.env.sample_tasks(step_seed(t.seed, -1, "eval"), t.eval_tasks,
                                                 "test")
+        self.eval_distinct = max(len({task.id for task in self.eval_tasks}), 1)
         self._n_train = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
         self.optimizer = run_optimizer(cfg)
         self.spec = estimators.spec(cfg.estimator.name)
@@ -515,7 +551,7 @@ class Trainer:
                 f"{self.mesh.size} x {jax.devices()[0].platform} ({jax.process_count()} "
                 f"process{'es' if jax.process_count() > 1 else ''}); parameters "
                 f"{local / 2**20:.1f} of {total / 2**20:.1f} MiB per device; "
-                f"{lora_summary(self.model.config, state.params, self.cfg.sampler.name)}"
+                f"{lora_summary(self.model.config, state.params, self.sampler)}"
                 f"{step_paths(self.step_cfg)}")
 
     # ------------------------------------------------------------------ rollouts & eval
@@ -546,15 +582,38 @@ class Trainer:
         _, stats = self._collect(self.eval_tasks, self.eval_cfg,
                                  step_seed(self.cfg.trainer.seed, step, "eval"))
         n = max(stats["trajectories"], 1)
+        # episodes of one task are not independent draws of the task population: the error
+        # counts distinct tasks
         return {"eval/success": stats["success_rate"],
-                "eval/success_se": success_se(stats["success_rate"], n),
+                "eval/success_se": success_se(stats["success_rate"], min(n, self.eval_distinct)),
+                "eval/distinct_tasks": self.eval_distinct,
                 "eval/reward": stats["mean_reward"],
                 "eval/turns": stats["turns"] / n,
                 "eval/invalid": stats["invalid_actions"] / n}
 
     def _with_se(self, success: float) -> str:
-        n = self.cfg.trainer.eval_tasks
+        n, d = self.cfg.trainer.eval_tasks, self.eval_distinct
+        if d < n:
+            return (f"{success:.2f} +- {success_se(success, d):.2f} (standard error over "
+                    f"{d} distinct held-out tasks, {n} episodes)")
         return f"{success:.2f} +- {success_se(success, n):.2f} (standard error, {n} tasks)"
+
+    def split_summary(self) -> str | None:
+        """How the env's tasks fall into the splits, and what evaluation draws (for envs with a
+        fixed task list, e.g. a task file); None for generated tasks."""
+        tasks = getattr(self.env, "tasks", None)
+        if not isinstance(tasks, list) or not tasks:
+            return None
+        n_train = sum(t.split == "train" for t in tasks)
+        n_test = len(tasks) - n_train
+        line = (f"tasks: {n_train} train, {n_test} held-out (\"split\" fields, or a hash of "
+                f"the id for tasks without one: docs/envs.md)")
+        if n_test and n_test < self.cfg.trainer.eval_tasks:
+            line += (f"; evaluation draws trainer.eval_tasks={self.cfg.trainer.eval_tasks} "
+                     f"episodes from the {n_test} held-out tasks: each about "
+                     f"{self.cfg.trainer.eval_tasks / n_test:.0f} times, and its standard "
+                     f"error counts {n_test} tasks")
+        return line
 
     def _sync(self, state: TrainState):
         params = state.params
@@ -644,6 +703,9 @@ class Trainer:
         wall0 = time.time()
         self._print(config_lib.describe(cfg))
         self._print(f"model: {self.model_from}; {self.layout_summary()}")
+        split = self.split_summary()
+        if split is not None:
+            self._print(split)
         start, eval_before, eval_after_sft = 0, None, None
         restored = self._restore_newest_readable() if self.resume else None
         latest = None
@@ -698,6 +760,7 @@ class Trainer:
                     metrics.update(ev)
                     last_eval = ev["eval/success"]
                 self.logger.log(step, metrics)
+                self._write_samples(step, out)
                 done = (step, state)
                 self._last_out = out
                 self.checkpointer.save(step, state, self._meta(step, extra),
@@ -839,6 +902,7 @@ class Trainer:
             records, stats = self.workers.get(s)
         else:
             records, stats = self._collect_step(s)
+        self._watch_env_errors(s + 1, stats)
         version = int(state.step)
         lags = staleness_metrics(records, version) if t.max_policy_lag else {}
         records, refused = refuse_stale(records, version, t.max_policy_lag)
@@ -879,6 +943,7 @@ class Trainer:
             "train/tokens_per_s": stats["tokens_generated"] / max(
                 stats["wall_time_s"] if self.workers is not None else t2 - t0, 1e-9),
             "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
+            "train/lr": run_lr(self.cfg, version),
             **lags,
             **{f"train/{k}": float(v) for k, v in m.items()},
             "train/skipped_total": int(state.skipped), "train/idle_total": int(state.idle),
@@ -890,10 +955,71 @@ class Trainer:
         if "chat_rerender_differs" in stats:  # chat rollouts (docs/envs.md)
             metrics["train/chat_rerender_differs"] = stats["chat_rerender_differs"] / n
         self._watch_signal(s + 1, m)
+        self._watch_truncation(s + 1, metrics.get("train/response_truncated_frac", 0.0))
         return state, metrics, (records, batch, out["advantages"])
+
+    def _write_samples(self, step: int, out) -> None:
+        """A few of the step's trajectories as text (``sample_conversations``) in
+        ``<run.dir>/rollouts/step_<N>.jsonl`` (``metrics.rollout_samples`` of them; 0: none),
+        read by ``jaxrl-agent show``."""
+        n = self.cfg.metrics.rollout_samples
+        if not n:
+            return
+        records, batch, advantages = out
+        # the credit on every process (a global computation, then its small [N, K] gathered);
+        # the file is process 0's
+        turn = np.asarray(jax.device_get(multihost.host_gather(turn_credit(batch, advantages))))
+        if not multihost.is_main_process():
+            return
+        folder = os.path.join(self.paths.root, "rollouts")
+        os.makedirs(folder, exist_ok=True)
+        rows = sample_conversations(records, turn, self.codec, limit=n)
+        tmp = os.path.join(folder, f".step_{step}.jsonl.tmp")
+        with open(tmp, "w") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        os.replace(tmp, os.path.join(folder, f"step_{step}.jsonl"))
+
+    def _watch_truncation(self, step: int, frac: float) -> None:
+        """Says once when most replies of ``NO_SIGNAL_STEPS`` steps in a row were cut at
+        ``rollout.max_new_tokens`` (a chat task under the grid world's 8 tokens, say)."""
+        self._cut_steps = getattr(self, "_cut_steps", 0) + 1 if frac > 0.5 else 0
+        if self._cut_steps == self.NO_SIGNAL_STEPS and not getattr(self, "_said_cut", False):
+            self._said_cut = True
+            self._print(f"steps {step - self.NO_SIGNAL_STEPS + 1}-{step}: {100 * frac:.0f}% of "
+                        f"the replies were cut at rollout.max_new_tokens "
+                        f"({self.cfg.rollout.max_new_tokens} tokens) before a stop token "
+                        f"(train/response_truncated_frac): raise rollout.max_new_tokens if "
+                        f"the task needs longer replies")
 
     #: consecutive steps without any learning signal before the run says so (once)
     NO_SIGNAL_STEPS = 3
+
+    def _watch_env_errors(self, step: int, stats: dict) -> None:
+        """Shows the first traceback of every new kind of environment / reward exception once
+        (and appends it to ``<run>/env_errors.log``); stops the run with ``EnvFailureError``
+        when every trajectory of ``trainer.max_failed_steps`` steps in a row failed."""
+        new = envs.first_errors.take_new()
+        if new and multihost.is_main_process():
+            log = os.path.join(self.paths.root, "env_errors.log")
+            with open(log, "a") as f:
+                for head, tb in new:
+                    f.write(f"step {step}: {head}\n{tb}\n")
+            for head, tb in new:
+                self._print(f"step {step}: an environment raised {head}; the trajectory ended "
+                            f"there with reward 0; later ones of this kind are only counted "
+                            f"(train/env_errors); traceback (also in {log}):\n{tb.rstrip()}")
+            self._first_env_error = getattr(self, "_first_env_error", None) or new[0][0]
+        n, failed = stats["trajectories"], stats["env_errors"]
+        self._failed_steps = getattr(self, "_failed_steps", 0) + 1 if n and failed >= n else 0
+        limit = self.cfg.trainer.max_failed_steps
+        if limit and self._failed_steps >= limit:
+            raise EnvFailureError(
+                f"steps {step - limit + 1}-{step}: every trajectory ended in an environment "
+                f"error (first: {getattr(self, '_first_env_error', None) or 'see train/env_errors'})"
+                f"; the run "
+                f"stops here (trainer.max_failed_steps: {limit}; 0 never stops). Tracebacks: "
+                f"{os.path.join(self.paths.root, 'env_errors.log')}")
 
     def _watch_signal(self, step: int, m: dict) -> None:
         """Says once when ``NO_SIGNAL_STEPS`` steps in a row had every advantage 0 (every
@@ -1014,6 +1140,14 @@ def step_paths(scfg: StepConfig) -> str:
             "logits)")
 
 
+def run_lr(cfg: config_lib.RunConfig, step: int) -> float:
+    """The learning rate of step ``step``'s first update (``run_optimizer``'s schedule)."""
+    t, o = cfg.trainer, cfg.optimizer
+    updates = t.ppo_epochs * t.mini_batches
+    return float(lr_schedule(o.lr, total_steps=t.steps * updates,
+                             warmup_steps=o.warmup_steps * updates, decay=o.decay)(step * updates))
+
+
 def run_optimizer(cfg: config_lib.RunConfig):
     """The run's optax optimizer: AdamW on the schedule of ``cfg.optimizer``, counted in
     updates (``ppo_epochs x mini_batches`` per step)."""
@@ -1046,7 +1180,9 @@ def _length_stats(records) -> dict:
     trajs = [sum(len(t["action"]) for t in r["turns"]) for r in records]
     if not turns:
         return {}
+    cut = [t.get("finish_reason") == "length" for r in records for t in r["turns"]]
     return {"train/response_len_turn": float(np.mean(turns)),
+            "train/response_truncated_frac": float(np.mean(cut)),
             "train/response_len_turn_max": int(max(turns)),
             "train/response_len_traj": float(np.mean(trajs)),
             "train/response_len_traj_max": int(max(trajs))}
@@ -1056,34 +1192,70 @@ def _printable(text: str) -> str:
     return "".join(c if 32 <= ord(c) < 127 else "?" for c in text) or "''"
 
 
-def credit_trajectories(records, batch, advantages, limit: int = 4) -> list[dict]:
-    """Per-turn credit of the first few trajectories of a step, for ``plots.credit_picture``:
-    the estimator's turn-level credit when it has one, else the token-mean over each turn."""
+#: characters of an observation kept in a rollout sample (its end: the newest text)
+SAMPLE_OBS_CHARS = 2000
+
+
+def turn_credit(batch, advantages):
+    """``[N, K]`` per-turn credit of a step: the estimator's turn-level credit when it has
+    one, else the token-mean over each turn (a device array; jit-safe on every process)."""
     if advantages.turn is not None:
-        turn = np.asarray(jax.device_get(advantages.turn))
-    else:
-        turn = np.asarray(jax.device_get(
-            segments.token_to_turn(jnp.asarray(advantages.token), batch, reduce="mean")))
-    # Show where credit is decided: the best and the worst rollout of a group with mixed
-    # outcomes, then one rollout of each of a few other groups (all-equal groups get 0).
+        return advantages.turn
+    return segments.token_to_turn(jnp.asarray(advantages.token), batch, reduce="mean")
+
+
+def sample_conversations(records, turn, codec, limit: int = 4) -> list[dict]:
+    """The trajectories ``credit_trajectories`` shows (a mixed group's best and worst, then
+    one of each other group), as text: per turn the observation (its last
+    ``SAMPLE_OBS_CHARS`` characters, decoded), the reply as sampled, the reward, the turn's
+    credit (``turn``: ``turn_credit`` on the host) and why the reply ended (``stop`` or
+    ``length``: cut at ``max_new_tokens``)."""
+    out = []
+    for i, credit in _credit_rows(records, np.asarray(turn), limit):
+        rec = records[i]
+        turns = []
+        for k, t in enumerate(rec["turns"]):
+            obs = codec.decode(t["observation"]) if t.get("observation") else ""
+            turns.append({"observation": obs[-SAMPLE_OBS_CHARS:], "reply": t.get("action_text",
+                                                                            codec.decode(t["action"])),
+                          "reward": float(t["reward"]), "credit": float(credit[k]),
+                          "finish_reason": t.get("finish_reason")})
+        out.append({"task": rec.get("task"), "group": rec.get("group"),
+                    "outcome": float(rec.get("outcome", 0.0)),
+                    "success": bool(rec.get("success", False)),
+                    "env_error": rec.get("env_error"), "turns": turns})
+    return out
+
+
+def _credit_rows(records, turn, limit: int) -> list:
+    """``[(record index, per-turn credit)]`` of the trajectories ``credit_trajectories``
+    shows (``turn``: ``turn_credit`` on the host)."""
     groups: dict = {}
     for i, rec in enumerate(records):
         groups.setdefault(rec["group"], []).append(i)
-    score = lambda i: records[i].get("outcome", 0.0)
+    score = lambda i: records[i].get("outcome", 0.0)  # noqa: E731
     mixed = [g for g, idx in groups.items() if len({score(i) for i in idx}) > 1]
     picked = []
     if mixed:
         idx = groups[mixed[0]]
         picked += [max(idx, key=score), min(idx, key=score)]
     picked += [idx[0] for g, idx in groups.items() if not mixed or g != mixed[0]]
-    picked = picked[:limit]
+    return [(i, turn[i]) for i in dict.fromkeys(picked[:limit])]
+
+
+def credit_trajectories(records, batch, advantages, limit: int = 4) -> list[dict]:
+    """Per-turn credit of the first few trajectories of a step, for ``plots.credit_picture``:
+    the estimator's turn-level credit when it has one, else the token-mean over each turn.
+    Shown is where credit is decided: the best and the worst rollout of a group with mixed
+    outcomes, then one rollout of each of a few other groups (all-equal groups get 0)."""
     out = []
-    for i in dict.fromkeys(picked):
+    turn = np.asarray(jax.device_get(turn_credit(batch, advantages)))
+    for i, credit in _credit_rows(records, turn, limit):
         rec = records[i]
         out.append({"title": f"{rec['task'][:40]}  success={rec.get('success', 0):.0f}",
                     "turns": [{"action": _printable(t.get("action_text", "?")),
                                "reward": t["reward"],
-                               "credit": float(turn[i, k])} for k, t in enumerate(rec["turns"])]})
+                               "credit": float(credit[k])} for k, t in enumerate(rec["turns"])]})
     return out
 
 

@@ -43,7 +43,16 @@ DEFAULT_PROGRESS_KEYS = {
     "zero-adv": "train/group_zero_frac",  # groups that teach nothing (all rollouts alike)
     "clip": "train/clip_fraction",      # 0 unless the ratio moves (ppo_epochs, mini_batches)
     "tok/s": "train/tokens_per_s",
+    # shown only while non-zero: what a run should not be doing, and the schedule
+    "env-errors": "train/env_errors",   # trajectories ended by an env / reward exception
+    "invalid": "train/invalid",         # invalid actions per trajectory
+    "truncated": "train/response_truncated_frac",  # replies cut at rollout.max_new_tokens
+    "kl": "train/loss_kl",
+    "lag": "async/lag_mean",
+    "lr": "train/lr",
 }
+#: progress fields left out while their value is 0
+_ONLY_NONZERO = ("env-errors", "invalid", "truncated", "kl", "lag")
 
 _RESERVED = ("step", "time", "nonfinite")
 _BAR_WIDTH = 20
@@ -130,6 +139,8 @@ def _value_str(name: str, v) -> str:
         return f"{text} {name}"
     if isinstance(v, int) or (abs(v) >= 100 and float(v).is_integer()):
         return f"{name} {int(v)}"
+    if 0 < abs(v) < 5e-3:  # a learning rate, a tiny KL: keep its digits
+        return f"{name} {v:.1e}".replace("e-0", "e-")
     return f"{name} {v:.2f}" if abs(v) < 100 else f"{name} {v:.4g}"
 
 
@@ -325,7 +336,8 @@ class MetricsLogger:
             head += f" [{body}]"
         parts = [f"{head} {frac * 100:3.0f}%"]
         parts += [_value_str(name, self._shown[name]) for name in self.progress_keys
-                  if name in self._shown]
+                  if name in self._shown and not (name in _ONLY_NONZERO
+                                                  and not self._shown[name])]
         elapsed = self._clock() - self._start_time
         done = step - self._start_step
         eta = elapsed / done * max(0, total - step) if done > 0 else None

@@ -232,11 +232,17 @@ def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay:
     almost never samples, nudged through the softmax by every negative advantage) move by a
     full ``lr`` per step unless ``eps`` is above their gradient scale.
     """
+    return optax.chain(*_clip(grad_clip), optax.adamw(
+        lr_schedule(lr, total_steps=total_steps, warmup_steps=warmup_steps, decay=decay),
+        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+
+def lr_schedule(lr: float, *, total_steps: int, warmup_steps: int = 0, decay: str = "cosine"):
+    """``make_optimizer``'s learning rate per update (``warmup_schedule`` with the warm-up
+    kept below ``total_steps``)."""
     total_steps = max(int(total_steps), 1)
     warmup_steps = min(max(int(warmup_steps), 0), total_steps - 1) if total_steps > 1 else 0
-    return optax.chain(*_clip(grad_clip), optax.adamw(
-        warmup_schedule(lr, total_steps, warmup_steps, decay), b1=b1, b2=b2, eps=eps,
-        weight_decay=weight_decay))
+    return warmup_schedule(lr, total_steps, warmup_steps, decay)
 
 
 def warmup_schedule(lr: float, total_steps: int, warmup_steps: int, decay: str = "cosine"):

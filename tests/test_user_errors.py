@@ -1,0 +1,117 @@
+"""What a new user trips over (issue 34), done as the user does it: the CLI in a subprocess on
+the tiny built-in model with a task file and a reward function of their own."""
+
+import os
+import subprocess
+import sys
+
+from tests.runs import TINY
+
+TASKS = "\n".join(f'{{"id": "t{i}", "prompt": "What is {i} + 1?", "answer": "{i + 1}", '
+                  f'"split": "{"test" if i == 5 else "train"}"}}' for i in range(6))
+
+
+def _train(tmp_path, *sets, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    cmd = [sys.executable, "-m", "jaxrl_agent.cli", "train", *sum((["--set", s] for s in
+                                                                   [*TINY, *sets]), [])]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_task_file_without_test_tasks_is_one_line(tmp_path):
+    (tmp_path / "tasks.jsonl").write_text(TASKS.replace('"split": "test"', '"split": "train"'))
+    p = _train(tmp_path, "env.name=tasks", "run.dir=run",
+               "env.kwargs={path: tasks.jsonl, reward: 'jaxrl_agent.envs.tasks:answer_reward'}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "tasks.jsonl: no 'test' tasks" in p.stderr
+
+
+def test_a_reward_that_raises_is_shown_once_and_stops_the_run(tmp_path):
+    """A typo'd key in the reward function: the KeyError and the user's line are printed (once)
+    and saved in the run directory; every trajectory failing for trainer.max_failed_steps
+    steps stops the run with a message that names the exception, not the group size."""
+    (tmp_path / "tasks.jsonl").write_text(TASKS + "\n")
+    (tmp_path / "my_reward.py").write_text(
+        "def score(task, messages):\n"
+        "    return float(messages[-1]['content'] == task['answr'])\n")
+    p = _train(tmp_path, "env.name=tasks",
+               "env.kwargs={path: tasks.jsonl, reward: 'my_reward.py:score'}",
+               "rollout.history=full", "trainer.layout=concatenated", "trainer.steps=6",
+               "trainer.max_failed_steps=2", "run.dir=run")
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-3000:]
+    assert "KeyError" in out and "my_reward.py" in out and "task['answr']" in out
+    assert out.count("an environment raised") == 1  # once, not per trajectory
+    assert "steps 1-2: every trajectory ended in an environment error" in out
+    assert "trainer.max_failed_steps" in out and "group_size" not in out.split("error:")[-1]
+    log = (tmp_path / "run" / "env_errors.log").read_text()
+    assert "KeyError" in log and "answr" in log
+
+
+def test_switching_env_estimator_or_loss_starts_their_settings_empty():
+    from jaxrl_agent import config as config_lib
+    load = lambda *s: config_lib.load(None, list(s), validate=False)  # noqa: E731
+    assert load().env.kwargs["action_names"] == "letters"  # the grid world's default
+    cfg = load("env.name=tasks", "env.kwargs.path=examples/tasks.jsonl",
+               "env.kwargs.reward=jaxrl_agent.envs.tasks:answer_reward")
+    assert cfg.env.kwargs == {"path": "examples/tasks.jsonl",
+                              "reward": "jaxrl_agent.envs.tasks:answer_reward"}
+    assert load("env.kwargs.extra_walls=1", "env.name=gridworld").env.kwargs["extra_walls"] == 1
+    assert load("estimator.params.gamma=0.9", "estimator.name=gae").estimator.params == {
+        "gamma": 0.9}  # set before the switch: kept
+    assert load("estimator.name=grpo").estimator.params == {}
+    # a YAML env section without kwargs does not inherit the grid world's either
+    assert config_lib.from_dict({"env": {"name": "chain"}}).env.kwargs == {}
+
+
+def test_an_estimator_hyper_parameter_one_level_too_high_gets_a_did_you_mean(tmp_path):
+    p = _train(tmp_path, "estimator.gamma=0.9")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "did you mean estimator.params.gamma?" in p.stderr
+
+
+def test_a_failed_start_does_not_block_the_corrected_command(tmp_path):
+    """A wrong reward path fails the start after config.yaml was written; the corrected
+    command runs (the run had no checkpoint, nothing to keep), and so does --resume of a run
+    with no checkpoint given a changed value."""
+    (tmp_path / "tasks.jsonl").write_text(TASKS + "\n")
+    bad = _train(tmp_path, "env.name=tasks", "run.dir=run", "trainer.steps=1",
+                 "env.kwargs={path: tasks.jsonl, reward: 'nowhere.py:score'}")
+    assert bad.returncode == 2 and "nowhere" in bad.stderr
+    os.makedirs(tmp_path / "run", exist_ok=True)  # (as if the config had been written)
+    (tmp_path / "run" / "config.yaml").write_text("name: old\n")
+    good = _train(tmp_path, "env.name=tasks", "run.dir=run", "trainer.steps=1",
+                  "trainer.max_failed_steps=0",
+                  "env.kwargs={path: tasks.jsonl, reward: 'jaxrl_agent.envs.tasks:answer_reward'}")
+    assert good.returncode == 0, good.stderr[-2000:]
+    out = good.stdout + good.stderr
+    assert "stopped before its first checkpoint" in out
+    # the split is said at start-up, and the evaluation's error counts distinct tasks
+    assert "tasks: 5 train, 1 held-out" in out and "each about 4 times" in out
+    assert "standard error over 1 distinct held-out tasks, 4 episodes" in out
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+    # the learning rate and the share of replies cut at max_new_tokens are logged
+    import json
+    rows = [json.loads(x) for x in
+            (tmp_path / "run" / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    step = [r for r in rows if r.get("step") == 1][-1]
+    assert step["train/lr"] > 0 and 0 <= step["train/response_truncated_frac"] <= 1
+    # what the model said: samples of the step as text, and `jaxrl-agent show`
+    sample = json.loads((tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text()
+                        .splitlines()[0])
+    assert sample["step"] == 1 and "What is" in sample["turns"][0]["observation"]
+    shown = subprocess.run([sys.executable, "-m", "jaxrl_agent.cli", "show", "run"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert shown.returncode == 0, shown.stderr
+    assert "== step 1  task tasks:t" in shown.stdout and "reply:" in shown.stdout
+    assert "What is" in shown.stdout and "credit" in shown.stdout
+    none = subprocess.run([sys.executable, "-m", "jaxrl_agent.cli", "show", "run", "--step", "9"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert none.returncode == 2 and "no samples of step 9" in none.stderr
+    # a run with a checkpoint is still refused
+    again = _train(tmp_path, "env.name=tasks", "run.dir=run", "trainer.steps=1",
+                   "env.kwargs={path: tasks.jsonl, reward: 'jaxrl_agent.envs.tasks:answer_reward'}")
+    assert again.returncode == 2 and "already holds a run" in again.stderr
