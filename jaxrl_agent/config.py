@@ -499,7 +499,7 @@ class RunPaths:
 
     #: entries of a run directory that mean "a run lives here"
     OUTPUTS = ("config.yaml", "checkpoints", "metrics", "final_model", "warmup_model",
-               "rollouts", "env_errors.log")
+               "rollouts", "env_errors.log", "lora_base")
 
 
 def run_dir(cfg: RunConfig) -> str:

@@ -69,10 +69,13 @@ def _wait(procs, logs, timeout):
 
 
 @pytest.mark.slow
-def test_two_process_training_then_single_process_resume(tmp_path):
+@pytest.mark.parametrize("lora", [[], ["model.lora.rank=4"]], ids=["full", "lora"])
+def test_two_process_training_then_single_process_resume(tmp_path, lora):
+    """Two processes train (data parallel), then one process with another mesh resumes: a
+    full fine-tune, and LoRA adapters (checkpoints without the base, restored whole)."""
     port = _free_port()
     # pure data parallelism (the default mesh): parameters replicated across the two hosts
-    mesh = ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1", "trainer.steps=2"]
+    mesh = ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1", "trainer.steps=2", *lora]
     procs, logs = [], []
     for pid in range(2):
         log = tmp_path / f"p{pid}.log"
@@ -95,7 +98,8 @@ def test_two_process_training_then_single_process_resume(tmp_path):
     # one process, 8 devices, another layout: restore the two-process checkpoint, go on
     log = tmp_path / "resume.log"
     proc = subprocess.Popen(_args(tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                  "trainer.steps=3") + ["--resume"], env=_env(8), cwd=tmp_path,
+                                  "trainer.steps=3", *lora) + ["--resume"], env=_env(8),
+                            cwd=tmp_path,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     (out,) = _wait([proc], [log], timeout=300)
     assert "resumed from" in out and "at step 2" in out and "done: 3 steps" in out

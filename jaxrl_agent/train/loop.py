@@ -112,6 +112,10 @@ def _write_config(cfg, path: str) -> None:
     os.replace(tmp, path)
 
 
+#: a LoRA run's base after its warm-up (checkpoints hold the adapters, not the base)
+LORA_BASE = "lora_base"
+
+
 class StaleBatchError(ValueError):
     """Every trajectory of a step was sampled by a policy older than ``max_policy_lag``."""
 
@@ -530,10 +534,36 @@ class Trainer:
                                                     sharding.replicated(self.mesh)))
 
     def _restore_target(self):
-        """Shapes, dtypes and shardings of the train state (nothing allocated): orbax reads each
-        process's slices straight into this layout."""
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            jax.eval_shape(self._init_state), self.state_shardings)
+        """Shapes, dtypes and shardings of the checkpointed train state (nothing allocated):
+        orbax reads each process's slices straight into this layout (``_saved``'s view)."""
+        return self._saved(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            jax.eval_shape(self._init_state), self.state_shardings))
+
+    def _saved(self, state):
+        """What a checkpoint holds of ``state``: all of it, or with LoRA its trained
+        parameters only (adapters, value head) beside the optimizer state; the frozen base is
+        the run's model source (``_with_frozen``)."""
+        if not self.model.config.lora_rank:
+            return state
+        return state.replace(params=split_trainable(state.params, trainable_of(self.model))[0])
+
+    def _with_frozen(self, state):
+        """A restored ``_saved`` state made whole: the frozen base of a LoRA run from the
+        weights it trained on (``<run.dir>/lora_base`` when a warm-up trained the base, else
+        the run's model source), laid out like the train state."""
+        if not self.model.config.lora_rank:
+            return state
+        filt = trainable_of(self.model)
+        model = self.model
+        folder = os.path.join(self.paths.root, LORA_BASE)
+        if os.path.exists(os.path.join(folder, "config.json")):
+            from jaxrl_agent.models.hf import load_hf
+            model, _ = load_hf(folder, dtype=self.cfg.model.dtype, **lora_fields(self.cfg))
+        frozen = split_trainable(jax.device_get(nnx.state(model, nnx.Param)), filt)[1]
+        placed = multihost.global_tree(frozen, split_trainable(self.state_shardings.params,
+                                                               filt)[1])
+        return state.replace(params=nnx.merge_state(state.params, placed))
 
     def _shard_batch(self, batch):
         return multihost.global_tree(batch, sharding.batch_sharding(self.mesh))
@@ -655,6 +685,10 @@ class Trainer:
         if self.cfg.checkpoint.export_warmup and multihost.is_main_process():
             self._export(self.paths.warmup_model)
             self._print(f"  warmed-up model saved to {self.paths.warmup_model} (HF format)")
+        if self.model.config.lora_rank and multihost.is_main_process():
+            # the base the adapters are trained on (checkpoints hold the adapters only)
+            from jaxrl_agent.models.hf import save_hf
+            save_hf(self.model, None, os.path.join(self.paths.root, LORA_BASE))
         # every process trained its own copy: take process 0's, so replicas can never disagree
         nnx.update(self.model, multihost.broadcast_from_main(
             jax.device_get(nnx.state(self.model, nnx.Param))))
@@ -763,7 +797,7 @@ class Trainer:
                 self._write_samples(step, out)
                 done = (step, state)
                 self._last_out = out
-                self.checkpointer.save(step, state, self._meta(step, extra),
+                self.checkpointer.save(step, self._saved(state), self._meta(step, extra),
                                        force=step == t.steps)
             return self._finish(state, wall0, eval_before, eval_after_sft, last_eval)
         except BaseException as e:
@@ -777,8 +811,8 @@ class Trainer:
                     self._print(f"the state of step {done[0]} went into the interrupted train "
                                 "step (its buffers are reused), so it is not saved again")
                 else:
-                    self.checkpointer.save(done[0], done[1], self._meta(done[0], extra),
-                                           force=True)
+                    self.checkpointer.save(done[0], self._saved(done[1]),
+                                           self._meta(done[0], extra), force=True)
             if isinstance(e, KeyboardInterrupt):
                 newest = self.checkpointer.latest_step()
                 self._print(f"interrupted; newest checkpoint: step {newest} in "
@@ -816,7 +850,7 @@ class Trainer:
             if err is None:
                 if failures and not self.read_only:
                     self._set_aside([f for f, _ in failures])
-                return step, state, meta
+                return step, self._with_frozen(state), meta
             failures.append((step, err))
             self._print(f"--resume: checkpoint step {step} cannot be read ({err}); trying the "
                         f"previous one")
@@ -1315,6 +1349,7 @@ def evaluate_run(run, *, step: int | None = None, num_tasks: int | None = None,
                     f"no complete checkpoint for step {step} in {trainer.paths.checkpoints} "
                     f"(steps: {trainer.checkpointer.all_steps() or 'none'})")
             state, meta = trainer.checkpointer.restore(trainer._restore_target(), step)
+            state = trainer._with_frozen(state)
         trainer._sync(state)
         if num_tasks is not None or split != "test":
             n = num_tasks if num_tasks is not None else cfg.trainer.eval_tasks
