@@ -2,6 +2,7 @@
 
     python benchmarks/sampler.py              # 5 repeats
     python benchmarks/sampler.py --repeats 3
+    python benchmarks/sampler.py --lora 8     # + the sampler on the same model with LoRA adapters
 
 Model: hidden 128, 2 layers, 4 heads / 2 kv heads of head_dim 32, MLP 256, vocab 512, float32.
 
@@ -15,6 +16,11 @@ Model: hidden 128, 2 layers, 4 heads / 2 kv heads of head_dim 32, MLP 256, vocab
 * Train step: ``jax.value_and_grad`` of ``token-mean(-logprob) + 0.5 * mean((value -
   target)^2)`` over the split NNX state, jitted, on a 64 x 64 batch with the value head on.
   Tokens/s counts the 64 x 64 tokens of one forward + backward.
+
+* ``--lora R``: the sampler rows again on the same model with rank-R LoRA adapters on all
+  seven projections (``lora_b`` random, as after training): the JAX sampler runs the adapted
+  module as the trainer does (``lora_matmul``: each layer's kernel merged with its adapter in
+  every call), in the same run as the plain model's rows.
 
 No number here is asserted anywhere: tests never time anything.
 """
@@ -126,6 +132,7 @@ def bench_train_step(repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK")
     args = ap.parse_args()
     model = Transformer(CONFIG, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -133,6 +140,16 @@ def main():
                for n in rng.integers(8, 65, N_PROMPTS)]
 
     rows, counts = bench_sampler(model, prompts, args.repeats)
+    if args.lora:
+        from jaxrl_agent.models import lora_paths
+        lm = Transformer(CONFIG.replace(lora_rank=args.lora), rngs=nnx.Rngs(0))
+        for path in lora_paths(lm.config):
+            lin = lm
+            for key in path:
+                lin = getattr(lin, key)
+            lin.lora_b[...] = jnp.asarray(rng.normal(0, 0.02, lin.lora_b.shape), jnp.float32)
+        lrows, _ = bench_sampler(lm, prompts, args.repeats)
+        rows += [(f"{name} (LoRA r={args.lora})", *rest) for name, *rest in lrows]
     rows += bench_no_cache_baseline(model, prompts, args.repeats)
     rows += bench_train_step(args.repeats)
 

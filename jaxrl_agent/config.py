@@ -663,12 +663,38 @@ def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
     if path is not None and isinstance(raw.get("imports"), list):
         raw = dict(raw, imports=resolve_imports(raw["imports"], os.path.dirname(
             os.path.abspath(path))))
-    cfg = from_dict(apply_overrides(raw, overrides, defaults=to_dict(RunConfig())))
+    d = apply_overrides(raw, overrides, defaults=to_dict(RunConfig()))
+    cfg = _reply_length(from_dict(d), raw, overrides)
     if path is not None:
         cfg = _env_base_dir(cfg, os.path.dirname(os.path.abspath(path)))
     if validate:
         _semantic_check(cfg)
     return cfg
+
+
+#: environments that converse in text (a task file, MCP tools, reasoning tasks): they, and
+#: chat rollouts, get ``CHAT_MAX_NEW_TOKENS`` unless the config sets ``rollout.max_new_tokens``
+#: (the run default, 8, is the grid world's one-letter action)
+TEXT_ENVS = ("tasks", "mcp", "reasoning_gym")
+CHAT_MAX_NEW_TOKENS = 256
+
+
+def _reply_length(cfg: RunConfig, raw: dict, overrides) -> RunConfig:
+    """``cfg`` with chat-sized replies (``CHAT_MAX_NEW_TOKENS``) when its environment is one
+    of ``TEXT_ENVS`` (or a name form of one, ``mcp:<command>``) or it talks through a chat
+    template, and neither the file nor an override sets ``rollout.max_new_tokens``: the grid
+    world's 8 tokens would cut every reply."""
+    if not (cfg.rollout.chat or cfg.env.name.split(":", 1)[0] in TEXT_ENVS):
+        return cfg
+    given = "max_new_tokens" in (raw.get("rollout") or {})
+    for text in overrides or ():
+        parts, value = parse_override(text)
+        given |= parts == ["rollout", "max_new_tokens"] or (
+            parts == ["rollout"] and isinstance(value, dict) and "max_new_tokens" in value)
+    if given:
+        return cfg
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(
+        cfg.rollout, max_new_tokens=CHAT_MAX_NEW_TOKENS))
 
 
 def _env_base_dir(cfg: RunConfig, base_dir: str) -> RunConfig:

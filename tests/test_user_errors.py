@@ -115,3 +115,14 @@ def test_a_failed_start_does_not_block_the_corrected_command(tmp_path):
     again = _train(tmp_path, "env.name=tasks", "run.dir=run", "trainer.steps=1",
                    "env.kwargs={path: tasks.jsonl, reward: 'jaxrl_agent.envs.tasks:answer_reward'}")
     assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_a_task_env_gets_chat_sized_replies_unless_the_config_sets_them():
+    """The run default (8 new tokens) is the grid world's one-letter action: a task file,
+    MCP or chat config that does not set rollout.max_new_tokens gets 256."""
+    from jaxrl_agent import config as config_lib
+    tasks = ["env.name=tasks",
+             "env.kwargs={path: examples/tasks.jsonl, reward: 'jaxrl_agent.envs.tasks:answer_reward'}"]
+    assert config_lib.load(None, tasks).rollout.max_new_tokens == config_lib.CHAT_MAX_NEW_TOKENS
+    assert config_lib.load(None, [*tasks, "rollout.max_new_tokens=12"]).rollout.max_new_tokens == 12
+    assert config_lib.load(None, []).rollout.max_new_tokens == 8  # the grid world keeps 8
