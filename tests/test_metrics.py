@@ -336,3 +336,21 @@ def test_progress_shows_errors_kl_and_lag_only_while_non_zero(tmp_path):
     first, second = [ln for ln in out.getvalue().splitlines() if ln.startswith("step ")]
     assert "env-errors" not in first and "kl" not in first and "lr 5" in first
     assert "env-errors 3" in second and "kl 0.02" in second and "lag 0.50" in second
+
+
+def test_tensorboard_text(tmp_path):
+    from tensorboardX.proto import event_pb2
+
+    with quiet(tmp_path, tensorboard=True) as logger:
+        logger.text(3, "rollouts", "### task: outcome 1.00\n1. reward +1.00 reply: `u`")
+    texts = []
+    for path in sorted((tmp_path / "tb").glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            texts += [(v.tag, event.step, b"".join(v.tensor.string_val).decode())
+                      for v in event.summary.value if v.tensor.string_val]
+    assert len(texts) == 1 and texts[0][0].startswith("rollouts") and texts[0][1] == 3
+    assert "reply: `u`" in texts[0][2]

@@ -1008,6 +1008,8 @@ class Trainer:
         folder = os.path.join(self.paths.root, "rollouts")
         os.makedirs(folder, exist_ok=True)
         rows = sample_conversations(records, turn, self.codec, limit=n)
+        if self.logger is not None:  # TensorBoard's Text tab: the same samples, readable
+            self.logger.text(step, "rollouts", samples_markdown(rows))
         tmp = os.path.join(folder, f".step_{step}.jsonl.tmp")
         with open(tmp, "w") as f:
             for r in rows:
@@ -1259,6 +1261,22 @@ def sample_conversations(records, turn, codec, limit: int = 4) -> list[dict]:
                     "success": bool(rec.get("success", False)),
                     "env_error": rec.get("env_error"), "turns": turns})
     return out
+
+
+def samples_markdown(rows: list[dict], obs_chars: int = 300) -> str:
+    """``sample_conversations``' rows as markdown (TensorBoard's Text tab): per trajectory a
+    heading with the task and outcome, per turn the observation's end, the reply, the reward
+    and the credit."""
+    out = []
+    for r in rows:
+        out.append(f"### {r.get('task')}: outcome {r.get('outcome', 0):.2f}"
+                   + (f" (env error: {r['env_error']})" if r.get("env_error") else ""))
+        for k, t in enumerate(r["turns"]):
+            obs = t["observation"][-obs_chars:].replace("\n", " ")
+            cut = " (cut at max_new_tokens)" if t.get("finish_reason") == "length" else ""
+            out.append(f"{k + 1}. reward {t['reward']:+.2f}, credit {t['credit']:+.3f}{cut}  \n"
+                       f"   observation: `{obs}`  \n   reply: `{t['reply']}`")
+    return "\n\n".join(out)
 
 
 def _credit_rows(records, turn, limit: int) -> list:

@@ -261,6 +261,12 @@ class MetricsLogger:
         if self._stream is not None:
             self._progress(step, row)
 
+    def text(self, step: int, tag: str, text: str) -> None:
+        """A text (markdown) entry for TensorBoard's Text tab at ``step`` (nothing without
+        TensorBoard; the console and metrics.jsonl do not get it)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
     def event(self, text: str) -> None:
         """Print a message line without breaking the progress bar (which is redrawn below)."""
         if self._stream is None:
