@@ -198,11 +198,9 @@ def lora_summary(mc: ModelConfig, params, sampler=None) -> str:
     return (f"LoRA rank {mc.lora_rank} (alpha {mc.lora_alpha:g}) on "
             f"{', '.join(mc.lora_targets)}: {n:,} of {total:,} parameters trained "
             f"({100 * n / total:.1f}%), the base frozen, "
-            + ("vLLM receives the adapters alone at each sync (its LoRA path); "
-               if getattr(sampler, "adapter_sync", False) else
-               "vLLM receives the merged weights at each sync; "
-               if type(sampler).__name__ == "VllmSampler" else
-               "the sampler runs the adapters; "))
+            + ("the sampler runs the adapters; " if not hasattr(sampler, "adapter_sync") else
+               "vLLM receives the adapters alone at each sync (its LoRA path); "
+               if sampler.adapter_sync else "vLLM receives the merged weights at each sync; "))
 
 
 def lora_fields(cfg: config_lib.RunConfig) -> dict:
@@ -466,6 +464,7 @@ class Trainer:
         self.eval_distinct = max(len({task.id for task in self.eval_tasks}), 1)
         self._n_train = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
         self.optimizer = run_optimizer(cfg)
+        self.lr_at = run_lr_schedule(cfg)
         self.spec = estimators.spec(cfg.estimator.name)
         self.step_cfg = step_config(cfg, self.data_shards)
         self.rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
@@ -977,7 +976,7 @@ class Trainer:
             "train/tokens_per_s": stats["tokens_generated"] / max(
                 stats["wall_time_s"] if self.workers is not None else t2 - t0, 1e-9),
             "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
-            "train/lr": run_lr(self.cfg, version),
+            "train/lr": self.lr_at(version),
             **lags,
             **{f"train/{k}": float(v) for k, v in m.items()},
             "train/skipped_total": int(state.skipped), "train/idle_total": int(state.idle),
@@ -1176,23 +1175,28 @@ def step_paths(scfg: StepConfig) -> str:
             "logits)")
 
 
-def run_lr(cfg: config_lib.RunConfig, step: int) -> float:
-    """The learning rate of step ``step``'s first update (``run_optimizer``'s schedule)."""
+def _schedule(cfg: config_lib.RunConfig) -> tuple[int, dict]:
+    """``(updates per step, the schedule's arguments counted in updates)`` of the run."""
     t, o = cfg.trainer, cfg.optimizer
     updates = t.ppo_epochs * t.mini_batches
-    return float(lr_schedule(o.lr, total_steps=t.steps * updates,
-                             warmup_steps=o.warmup_steps * updates, decay=o.decay)(step * updates))
+    return updates, dict(total_steps=t.steps * updates, warmup_steps=o.warmup_steps * updates,
+                         decay=o.decay)
+
+
+def run_lr_schedule(cfg: config_lib.RunConfig):
+    """``step -> learning rate`` of step ``step``'s first update (``run_optimizer``'s
+    schedule)."""
+    updates, args = _schedule(cfg)
+    sched = lr_schedule(cfg.optimizer.lr, **args)
+    return lambda step: float(sched(step * updates))
 
 
 def run_optimizer(cfg: config_lib.RunConfig):
     """The run's optax optimizer: AdamW on the schedule of ``cfg.optimizer``, counted in
     updates (``ppo_epochs x mini_batches`` per step)."""
-    t, o = cfg.trainer, cfg.optimizer
-    updates = t.ppo_epochs * t.mini_batches
-    return make_optimizer(o.lr, total_steps=t.steps * updates,
-                          warmup_steps=o.warmup_steps * updates, decay=o.decay,
-                          weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2,
-                          eps=o.eps)
+    o = cfg.optimizer
+    return make_optimizer(o.lr, **_schedule(cfg)[1], weight_decay=o.weight_decay,
+                          grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, eps=o.eps)
 
 
 def _merge_stats(parts: list) -> dict:
