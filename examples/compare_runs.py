@@ -206,6 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--warm-start", default=None, metavar="HF_DIR",
                    help="start every run from this model (e.g. runs/cpu_default/warmup_model) "
                         "instead of running a warm-up here")
+    p.add_argument("--warmup-only", action="store_true",
+                   help="make the shared warm-up (OUT_DIR/_warmup/warmup_model) and stop")
     a = p.parse_args(argv)
     root = pathlib.Path(a.out).absolute()
     root.mkdir(parents=True, exist_ok=True)
@@ -216,6 +218,8 @@ def main(argv=None) -> int:
     if not (warm / "config.json").exists():
         raise SystemExit(f"--warm-start {warm}: no config.json (not an HF model folder)")
     print(f"warm start: {warm}", flush=True)
+    if a.warmup_only:
+        return 0
     jobs = [(v, vs, s) for s in a.seeds for v, vs in variants]
     with concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as pool:
         futs = {pool.submit(run_one, root, warm, v, vs, s, a.sets, cfg.trainer.steps): (v, s)

@@ -673,28 +673,42 @@ def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
 
 
 #: environments that converse in text (a task file, MCP tools, reasoning tasks): they, and
-#: chat rollouts, get ``CHAT_MAX_NEW_TOKENS`` unless the config sets ``rollout.max_new_tokens``
-#: (the run default, 8, is the grid world's one-letter action)
+#: chat rollouts, get ``TEXT_ENV_DEFAULTS`` for the keys the config does not set (the run
+#: defaults are the grid world's: 8 new tokens for a one-letter action, GiGPO for its
+#: recurring states)
 TEXT_ENVS = ("tasks", "mcp", "reasoning_gym")
 CHAT_MAX_NEW_TOKENS = 256
+#: (section, key) -> value a text environment gets unless the file or an override sets it:
+#: replies of chat length; GRPO, since a conversation's states rarely recur and GiGPO's
+#: step-level groups would then be mostly singletons
+TEXT_ENV_DEFAULTS = {("rollout", "max_new_tokens"): CHAT_MAX_NEW_TOKENS,
+                     ("estimator", "name"): "grpo"}
+
+
+def _sets(raw: dict, overrides, section: str, key: str) -> bool:
+    """Whether the YAML ``raw`` or an override sets ``section.key`` (directly or as a
+    ``section={...}`` mapping; ``estimator=NAME`` / ``sampler=NAME`` shorthands set ``name``)."""
+    given = key in (raw.get(section) or {}) if isinstance(raw.get(section), dict) else (
+        section in raw and key == "name")
+    for text in overrides or ():
+        parts, value = parse_override(text)
+        given |= parts == [section, key] or (parts == [section] and (
+            (isinstance(value, dict) and key in value) or (isinstance(value, str) and key == "name")))
+    return given
 
 
 def _reply_length(cfg: RunConfig, raw: dict, overrides) -> RunConfig:
-    """``cfg`` with chat-sized replies (``CHAT_MAX_NEW_TOKENS``) when its environment is one
-    of ``TEXT_ENVS`` (or a name form of one, ``mcp:<command>``) or it talks through a chat
-    template, and neither the file nor an override sets ``rollout.max_new_tokens``: the grid
-    world's 8 tokens would cut every reply."""
+    """``cfg`` with ``TEXT_ENV_DEFAULTS`` (chat-sized replies, GRPO) when its environment is
+    one of ``TEXT_ENVS`` (or a name form of one, ``mcp:<command>``) or it talks through a chat
+    template, for each key that neither the file nor an override sets: the grid world's 8
+    tokens would cut every reply."""
     if not (cfg.rollout.chat or cfg.env.name.split(":", 1)[0] in TEXT_ENVS):
         return cfg
-    given = "max_new_tokens" in (raw.get("rollout") or {})
-    for text in overrides or ():
-        parts, value = parse_override(text)
-        given |= parts == ["rollout", "max_new_tokens"] or (
-            parts == ["rollout"] and isinstance(value, dict) and "max_new_tokens" in value)
-    if given:
-        return cfg
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(
-        cfg.rollout, max_new_tokens=CHAT_MAX_NEW_TOKENS))
+    for (section, key), value in TEXT_ENV_DEFAULTS.items():
+        if not _sets(raw, overrides, section, key):
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(
+                getattr(cfg, section), **{key: value})})
+    return cfg
 
 
 def _env_base_dir(cfg: RunConfig, base_dir: str) -> RunConfig:

@@ -385,3 +385,52 @@ def test_gridworld_letter_actions_solve_and_parse():
         assert ep.success and set(ep.actions) <= set("udlrpo")
     with pytest.raises(ValueError, match="action_names"):
         make_env("gridworld", action_names="emoji")
+
+
+def test_gridworld_two_doors_open_in_order_and_lengthen_the_horizon():
+    """doors=2: three rooms; the solver opens door 1 then door 2 with the one key; a door cannot be
+    passed (or the second opened) before its turn; plans are longer than with one door."""
+    from jaxrl_agent.envs.base import run_episode, solver_policy
+    from jaxrl_agent.envs.gridworld import GridWorld, transition
+    env = GridWorld(size=7, doors=2, extra_walls=0, max_turns=24)
+    for task in env.sample_tasks(0, 20, "train"):
+        lay = task.data
+        assert len(lay["doors"]) == 2 and task.key.count("D") == 2
+        ep = run_episode(env, solver_policy(env), task)
+        assert ep.success and ep.actions.count("open") == 2
+        stages = []
+        env.reset(task)
+        while not env.done:
+            stages.append(env.subgoal())
+            env.step(env.solver())
+        assert [s for i, s in enumerate(stages) if i == 0 or stages[i - 1] != s] == \
+            ["key", "door1", "door2", "goal"]
+        # standing next to the second door with the key but the first still shut: open fails
+        d2 = lay["doors"][1]
+        for dr, dc in ((0, 1), (0, -1), (1, 0), (-1, 0)):
+            p = (d2[0] + dr, d2[1] + dc)
+            d1 = lay["doors"][0]
+            if abs(p[0] - d1[0]) + abs(p[1] - d1[1]) == 1:
+                continue  # beside both doors: opens the first
+            assert transition(7, lay, (p, True, 0), "open")[2] == 0
+            assert transition(7, lay, (p, True, 1), "open")[2] == 2
+    one = GridWorld(size=7, extra_walls=0, max_turns=24).horizon_stats(200)
+    two = env.horizon_stats(200)
+    assert two["mean"] > one["mean"] + 2 and two["max"] <= 22
+    with pytest.raises(ValueError, match="doors"):
+        GridWorld(doors=3)
+    with pytest.raises(ValueError, match="size >= 6"):
+        GridWorld(size=5, doors=2)
+
+
+def test_gridworld_one_door_state_keys_unchanged():
+    """The default env's state keys and observations keep their form (d0/d1, one D)."""
+    env = make_env("gridworld", max_turns=12, action_names="letters", extra_walls=0)
+    task = env.sample_tasks(0, 1)[0]
+    env.reset(task)
+    keys = []
+    while not env.done:
+        keys.append(env.state_key())
+        env.step(env.solver())
+    assert keys[0].endswith("|k0|d0") and keys[-1].endswith("|k1|d1")
+    assert env.observation().count("/") == 1

@@ -126,3 +126,8 @@ def test_a_task_env_gets_chat_sized_replies_unless_the_config_sets_them():
     assert config_lib.load(None, tasks).rollout.max_new_tokens == config_lib.CHAT_MAX_NEW_TOKENS
     assert config_lib.load(None, [*tasks, "rollout.max_new_tokens=12"]).rollout.max_new_tokens == 12
     assert config_lib.load(None, []).rollout.max_new_tokens == 8  # the grid world keeps 8
+    # and GRPO rather than the grid world's GiGPO, unless the estimator is named
+    assert config_lib.load(None, tasks).estimator.name == "grpo"
+    assert config_lib.load(None, [*tasks, "estimator.name=rloo"]).estimator.name == "rloo"
+    assert config_lib.load(None, [*tasks, "estimator={name: gigpo}"]).estimator.name == "gigpo"
+    assert config_lib.load(None, []).estimator.name == "gigpo"

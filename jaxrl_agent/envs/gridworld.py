@@ -21,7 +21,13 @@ opens the door when holding the key and standing next to it (4-neighbourhood). A
 (a byte-level policy then decides an action in one token instead of spelling a word, which
 keeps trajectory-level credit off the spelling tokens); both forms are always accepted.
 Reward 1.0 when the agent steps on the goal (done, success), 0 otherwise; episodes end at
-``max_turns`` (default 16). ``state_key = "grid:<layout>|<row>,<col>|k<0/1>|d<0/1>"``.
+``max_turns`` (default 16). ``state_key = "grid:<layout>|<row>,<col>|k<0/1>|d<doors open>"``.
+
+Difficulty: ``size`` and ``extra_walls`` lengthen the walk; ``doors=2`` splits the grid in three
+rooms by two parallel wall lines, each with a locked door (agent and key in one outer room, the
+goal in the other): the one key opens both doors, the first (nearer the key) before the second,
+so a plan is key -> door 1 -> door 2 -> goal. ``horizon_stats`` reports the optimal plan length
+of a configuration (the levels of the credit study in docs/training.md).
 """
 
 from __future__ import annotations
@@ -46,21 +52,28 @@ class GridWorld(Env):
 
     def __init__(self, size: int = 5, extra_walls: int = 2, max_turns: int | None = None,
                  invalid_penalty: float = -0.1, invalid_ends: bool = False,
-                 action_names: str = "words", step_latency_s: float = 0.0):
+                 action_names: str = "words", step_latency_s: float = 0.0, doors: int = 1):
         super().__init__(max_turns, invalid_penalty, invalid_ends, step_latency_s)
         if size < 4:
             raise ValueError(f"size must be >= 4, got {size}")
         if action_names not in ACTION_NAMES:
             raise ValueError(f"action_names must be one of {ACTION_NAMES}, got {action_names!r}")
+        if doors not in (1, 2):
+            raise ValueError(f"doors must be 1 or 2, got {doors!r}")
+        if doors == 2 and size < 6:
+            raise ValueError(f"doors=2 needs size >= 6 (three rooms), got size={size}")
         self.size, self.extra_walls = int(size), int(extra_walls)
         self.action_names = action_names
+        self.doors = int(doors)
 
     def _config(self):
         return dict(super()._config(), size=self.size, extra_walls=self.extra_walls,
-                    action_names=self.action_names)
+                    action_names=self.action_names, doors=self.doors)
 
     # --- layouts ---------------------------------------------------------------------------
     def _make_task(self, rng) -> Task:
+        if self.doors == 2:
+            return self._make_two_door_task(rng)
         n = self.size
         for _ in range(1000):
             vertical = rng.random() < 0.5
@@ -86,22 +99,68 @@ class GridWorld(Env):
                 continue
             agent, key = rng.sample(a_cells, 2)
             goal = rng.choice(b_cells)
-            layout = {"walls": frozenset(walls), "door": door, "key": key, "goal": goal,
-                      "start": agent}
-            plan = bfs_plan(n, layout)
-            if plan is None or len(plan) > max(1, self.max_turns - 2):
+            layout = {"walls": frozenset(walls), "door": door, "doors": (door,), "key": key,
+                      "goal": goal, "start": agent}
+            task = self._task_if_solvable(layout)
+            if task is not None:
+                return task
+        raise self._no_layout()
+
+    def _make_two_door_task(self, rng) -> Task:
+        n = self.size
+        for _ in range(1000):
+            vertical = rng.random() < 0.5
+            first = rng.randint(1, n - 4)
+            second = rng.randint(first + 2, n - 2)
+            at = lambda i, line: (i, line) if vertical else (line, i)  # noqa: E731
+            doors = [at(rng.randrange(n), first), at(rng.randrange(n), second)]
+            walls = {at(i, line) for line in (first, second) for i in range(n)} - set(doors)
+            coord = (lambda p: p[1]) if vertical else (lambda p: p[0])
+            cells = [(r, c) for r in range(n) for c in range(n)]
+            near = [p for p in cells if coord(p) < first]
+            far = [p for p in cells if coord(p) > second]
+            if rng.random() < 0.5:  # start on the other side: the doors are met in reverse
+                near, far, doors = far, near, doors[::-1]
+            free = [p for p in cells if p not in walls and p not in doors]
+            walls |= set(rng.sample(free, min(self.extra_walls, len(free))))
+            a_cells = [p for p in near if p not in walls]
+            b_cells = [p for p in far if p not in walls]
+            if len(a_cells) < 2 or not b_cells:
                 continue
-            text = render(n, layout, agent, False, False)
-            key_text = text.replace("\n", "/")
-            return Task(self.family, key_text, split_of(key_text), layout)
-        raise ValueError(f"no solvable {n}x{n} layout with a plan of at most max_turns - 2 = "
-                         f"{self.max_turns - 2} actions; raise max_turns")
+            agent, key = rng.sample(a_cells, 2)
+            layout = {"walls": frozenset(walls), "door": doors[0], "doors": tuple(doors),
+                      "key": key, "goal": rng.choice(b_cells), "start": agent}
+            task = self._task_if_solvable(layout)
+            if task is not None:
+                return task
+        raise self._no_layout()
+
+    def _task_if_solvable(self, layout) -> Task | None:
+        plan = bfs_plan(self.size, layout)
+        if plan is None or len(plan) > max(1, self.max_turns - 2):
+            return None
+        key_text = render(self.size, layout, layout["start"], False, 0).replace("\n", "/")
+        return Task(self.family, key_text, split_of(key_text), layout)
+
+    def _no_layout(self) -> ValueError:
+        n = self.size
+        return ValueError(f"no solvable {n}x{n} layout ({self.doors} door(s), {self.extra_walls} "
+                          f"extra walls) with a plan of at most max_turns - 2 = "
+                          f"{self.max_turns - 2} actions; raise max_turns")
+
+    def horizon_stats(self, num_tasks: int = 500, seed: int = 0) -> dict:
+        """Optimal plan lengths (turns to success) of ``num_tasks`` random layouts."""
+        import random
+        lengths = [len(bfs_plan(self.size, t.data)) for t in
+                   (self._make_task(random.Random(seed * 1_000_003 + i)) for i in range(num_tasks))]
+        return {"mean": sum(lengths) / len(lengths), "min": min(lengths), "max": max(lengths),
+                "max_turns": self.max_turns}
 
     # --- dynamics --------------------------------------------------------------------------
     def _reset(self, task):
         lay = task.data
         self.layout = lay
-        self.pos, self.has_key, self.door_open = lay["start"], False, False
+        self.pos, self.has_key, self.door_open = lay["start"], False, 0
 
     def _parse(self, text):
         word = ALIASES.get(text, text)
@@ -123,10 +182,13 @@ class GridWorld(Env):
                 f"|k{int(self.has_key)}|d{int(self.door_open)}")
 
     def subgoal(self) -> str:
-        """The stage of the task: get the key, open the door, reach the goal."""
+        """The stage of the task: get the key, open the door(s), reach the goal."""
         if not self.has_key:
             return "key"
-        return "goal" if self.door_open else "door"
+        doors = len(self.layout["doors"])
+        if self.door_open >= doors:
+            return "goal"
+        return "door" if doors == 1 else f"door{int(self.door_open) + 1}"
 
     def random_action(self, rng) -> str:
         act = rng.choice(ACTIONS)
@@ -139,27 +201,31 @@ class GridWorld(Env):
 
 
 def transition(n, lay, state, act):
+    """One step of the dynamics. ``state = (pos, has_key, door_open)`` with ``door_open`` the
+    number of doors opened so far (doors open in order; with one door 0/1, or False/True)."""
     pos, has_key, door_open = state
+    doors = lay["doors"]
     if act in MOVES:
         dr, dc = MOVES[act]
         nxt = (pos[0] + dr, pos[1] + dc)
         inside = 0 <= nxt[0] < n and 0 <= nxt[1] < n
-        blocked = (not inside or nxt in lay["walls"] or (nxt == lay["door"] and not door_open))
+        blocked = (not inside or nxt in lay["walls"]
+                   or (nxt in doors and doors.index(nxt) >= door_open))
         if not blocked:
             pos = nxt
     elif act == "pick":
         if pos == lay["key"] and not has_key:
             has_key = True
-    elif act == "open":
-        dr, dc = abs(pos[0] - lay["door"][0]), abs(pos[1] - lay["door"][1])
-        if has_key and dr + dc == 1:
-            door_open = True
+    elif act == "open" and has_key and door_open < len(doors):
+        door = doors[door_open]
+        if abs(pos[0] - door[0]) + abs(pos[1] - door[1]) == 1:
+            door_open = int(door_open) + 1
     return pos, has_key, door_open
 
 
 def bfs_plan(n, lay, state=None):
     """Shortest action list from ``state`` (default: the start) to the goal, or None."""
-    start = state if state is not None else (lay["start"], False, False)
+    start = state if state is not None else (lay["start"], False, 0)
     if start[0] == lay["goal"]:
         return []
     prev = {start: None}
@@ -191,8 +257,8 @@ def render(n, lay, pos, has_key, door_open) -> str:
                 ch = "A"
             elif p in lay["walls"]:
                 ch = "#"
-            elif p == lay["door"]:
-                ch = "/" if door_open else "D"
+            elif p in lay["doors"]:
+                ch = "/" if lay["doors"].index(p) < door_open else "D"
             elif p == lay["key"] and not has_key:
                 ch = "K"
             elif p == lay["goal"]:
