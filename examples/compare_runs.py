@@ -66,18 +66,39 @@ def _parse_variant(text: str) -> tuple[str, list[str]]:
     return name, [s for s in sets.split(",") if s.strip()]
 
 
-def _eval_curve(metrics_path: pathlib.Path) -> dict[int, dict]:
-    out = {}
+def _rows(metrics_path: pathlib.Path) -> list[dict]:
     if not metrics_path.exists():
-        return out
+        return []
+    rows = []
     for line in metrics_path.read_text().splitlines():
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except ValueError:
             continue
-        if row.get("eval/success") is not None:
-            out[int(row["step"])] = {"success": float(row["eval/success"])}
+    return rows
+
+
+def _eval_curve(metrics_path: pathlib.Path) -> dict[int, dict]:
+    return {int(r["step"]): {"success": float(r["eval/success"])}
+            for r in _rows(metrics_path) if r.get("eval/success") is not None}
+
+
+def _train_means(metrics_path: pathlib.Path) -> dict[str, float]:
+    """Means over a run's RL steps of the share of zero-advantage groups and the step time."""
+    rows = [r for r in _rows(metrics_path) if r.get("train/group_zero_frac") is not None]
+    out = {}
+    for name, keys in (("group_zero_frac", ("train/group_zero_frac",)),
+                       ("step_s", ("time/rollout_s", "time/train_s"))):
+        vals = [sum(r[k] for k in keys) for r in rows if all(k in r for k in keys)]
+        out[name] = float(np.mean(vals)) if vals else float("nan")
     return out
+
+
+def _auc(curve: dict[int, dict], steps: list[int]) -> float:
+    """Mean held-out success over the evaluations after step 0 (the area under the curve per
+    evaluation; with evenly spaced evaluations the trapezoid's ranking)."""
+    later = [curve[s]["success"] for s in steps if s > 0 and s in curve]
+    return float(np.mean(later)) if later else float("nan")
 
 
 def _cli(args: list[str], log: pathlib.Path) -> int:
@@ -150,7 +171,16 @@ def summarize(root, variants, seeds, eval_tasks) -> dict:
             se = float(np.mean([math.sqrt(max(x * (1 - x), 0) / eval_tasks) for x in vals]))
             per[st] = {"values": vals, "mean": m, "ci95": h, "lift": lm, "lift_ci95": lh,
                        "diff_vs_" + base: dm, "diff_ci95": dh, "eval_se": se}
-        out["variants"][v] = {"sets": sets, "per_step": per}
+        aucs = {s: _auc(curves[v][s], steps) for s in seeds if curves[v][s]}
+        am, ah = _ci(list(aucs.values()))
+        adiff = [aucs[s] - _auc(curves[base][s], steps) for s in aucs if curves[base][s]]
+        adm, adh = _ci(adiff)
+        means = [_train_means(root / v / f"seed{s}" / "metrics" / "metrics.jsonl") for s in seeds]
+        out["variants"][v] = {
+            "sets": sets, "per_step": per, "auc": am, "auc_ci95": ah,
+            "auc_diff_vs_" + base: adm, "auc_diff_ci95": adh,
+            "group_zero_frac": float(np.nanmean([m["group_zero_frac"] for m in means])),
+            "step_s": float(np.nanmean([m["step_s"] for m in means]))}
     return out
 
 
@@ -162,16 +192,21 @@ def write_report(root: pathlib.Path, summary: dict) -> None:
     base = next(iter(variants))
     last = steps[-1]
     lines = [f"held-out success over seeds {summary['seeds']} ({summary['eval_tasks']} tasks "
-             f"each; mean +- 95% t-interval over seeds; eval SE = binomial standard error of "
-             f"one evaluation)", "",
+             f"each; mean +- 95% t-interval over seeds; AUC = mean success over the evaluations "
+             f"after step 0; eval SE = binomial standard error of one evaluation; zero-adv = "
+             f"mean share of groups whose advantages are all 0)", "",
              f"| variant | step 0 | step {last} | lift (step {last} - step 0) | "
-             f"paired diff vs {base} at step {last} | eval SE |", "|---|---|---|---|---|---|"]
+             f"paired diff vs {base} at step {last} | AUC | paired AUC diff vs {base} | "
+             f"eval SE | zero-adv groups |", "|---|---|---|---|---|---|---|---|---|"]
     for v, d in variants.items():
         p0, pl = d["per_step"][steps[0]], d["per_step"][last]
         diff = "-" if v == base else f"{pl['diff_vs_' + base]:+.3f} +- {pl['diff_ci95']:.3f}"
+        adiff = ("-" if v == base else
+                 f"{d['auc_diff_vs_' + base]:+.3f} +- {d['auc_diff_ci95']:.3f}")
         lines.append(f"| {v} | {p0['mean']:.3f} +- {p0['ci95']:.3f} | "
                      f"{pl['mean']:.3f} +- {pl['ci95']:.3f} | {pl['lift']:+.3f} +- "
-                     f"{pl['lift_ci95']:.3f} | {diff} | {pl['eval_se']:.3f} |")
+                     f"{pl['lift_ci95']:.3f} | {diff} | {d['auc']:.3f} +- {d['auc_ci95']:.3f} | "
+                     f"{adiff} | {pl['eval_se']:.3f} | {d['group_zero_frac']:.2f} |")
     (root / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     from matplotlib.backends.backend_agg import FigureCanvasAgg

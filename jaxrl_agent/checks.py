@@ -10,6 +10,7 @@ bad value without reading the message.
 import numbers
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import TrajectoryBatch
@@ -64,38 +65,91 @@ def shape_error(who, name, what, shape, got):
     return ValueError(f"{who}: {name} must have shape {what} = {shape}, got {tuple(got)}")
 
 
-def token_field(batch: TrajectoryBatch, name: str, who: str, *, override=None,
-                what: str = "log-probs of the sampled tokens"):
-    """A per-token float array [R, T], 0 outside ``action_mask``, NOT stop-gradient.
+#: field names that read the batch's own arrays instead of ``extras``
+BATCH_FIELDS = ("outcome", "turn_rewards", "old_logprobs")
 
-    ``override`` (an array) wins over the field; ``name == "old_logprobs"`` reads
-    ``batch.old_logprobs``; otherwise ``batch.extras[name]`` (ValueError naming the field).
+#: level -> (shape name, the batch array whose shape the field must have)
+FIELD_LEVELS = {"token": ("[R, T]", "action_mask"), "turn": ("[N, K]", "turn_mask"),
+                "traj": ("[N]", "traj_mask")}
+
+
+def field_source(batch: TrajectoryBatch, name: str, who: str, what: str):
+    """The raw array behind a field name: ``batch.outcome`` / ``turn_rewards`` /
+    ``old_logprobs`` for those names (``BATCH_FIELDS``), else ``extras[name]`` (``MissingInput``
+    naming the field and ``what`` it should hold when absent)."""
+    if name in BATCH_FIELDS:
+        return getattr(batch, name)
+    return require(batch, name, who, what)
+
+
+def read_field(batch: TrajectoryBatch, name: str, who: str, *, level: str, stop_gradient: bool,
+               what: str, override=None, default=None, valid_only: bool = False):
+    """The one reader of a named float signal of the batch, as float32.
+
+    ``level``: ``"token"`` ([R, T], 0 outside ``action_mask``; with ``valid_only`` also 0 on
+    the rows of padding trajectories), ``"turn"`` ([N, K], 0 outside the valid turns,
+    ``segments.valid_turns``) or ``"traj"`` ([N], 0 outside ``traj_mask``).
+
+    ``stop_gradient`` has no default, so every method says what a learned signal gets: credit
+    methods read the signals they weigh or reward with (a teacher's or a reward model's
+    log-probs, entropies, probe scores, potentials) with ``True``, so no gradient reaches the
+    model that produced them; a loss reads its own differentiable input with ``False``.
+
+    ``override`` (an array) is read instead of the field; ``default`` (a float) fills the
+    field when the batch does not have it. A wrong shape raises a ValueError naming the field,
+    the method and both shapes.
     """
+    shape_name, like = FIELD_LEVELS[level]
     if override is not None:
         x, label = override, f"the array given for {name!r}"
-    elif name == "old_logprobs":
-        x, label = batch.old_logprobs, "old_logprobs"
+    elif default is not None and name not in BATCH_FIELDS and name not in batch.extras:
+        x, label = jnp.full(getattr(batch, like).shape, default, jnp.float32), name
     else:
-        x, label = require(batch, name, who, f"[R, T] {what}"), f"extras['{name}']"
-    shape = tuple(batch.action_mask.shape)
-    if tuple(jnp.shape(x)) != shape:
-        raise shape_error(who, label, "[R, T]", shape, jnp.shape(x))
-    return jnp.where(batch.action_mask, jnp.asarray(x, jnp.float32), 0.0)
+        x = field_source(batch, name, who,
+                         what if shape_name in what else f"{what} {shape_name}")
+        label = name if name in BATCH_FIELDS else f"extras['{name}']"
+    x = jnp.asarray(x)
+    shape = tuple(getattr(batch, like).shape)
+    if tuple(x.shape) != shape:
+        raise shape_error(who, label, shape_name, shape, x.shape)
+    if level == "token":
+        mask = batch.action_mask
+        if valid_only:
+            mask = mask & batch.traj_mask[jnp.clip(batch.row_traj, 0, batch.num_traj - 1)][:, None]
+    elif level == "turn":
+        mask = segments.valid_turns(batch)
+    else:
+        mask = batch.traj_mask
+    x = jnp.where(mask, x.astype(jnp.float32), 0.0)
+    return lax.stop_gradient(x) if stop_gradient else x
+
+
+def token_field(batch: TrajectoryBatch, name: str, who: str, what: str = "per-token values", *,
+                stop_gradient: bool, override=None, valid_only: bool = False):
+    """``read_field`` at the token level: [R, T], 0 outside ``action_mask``."""
+    return read_field(batch, name, who, level="token", stop_gradient=stop_gradient, what=what,
+                      override=override, valid_only=valid_only)
+
+
+def turn_field(batch: TrajectoryBatch, name: str, who: str, what: str = "per-turn values", *,
+               stop_gradient: bool):
+    """``read_field`` at the turn level: [N, K], 0 outside the valid turns."""
+    return read_field(batch, name, who, level="turn", stop_gradient=stop_gradient, what=what)
+
+
+def traj_field(batch: TrajectoryBatch, name: str, who: str, what: str = "per-trajectory values",
+               *, stop_gradient: bool, default=None):
+    """``read_field`` at the trajectory level: [N], 0 outside ``traj_mask``."""
+    return read_field(batch, name, who, level="traj", stop_gradient=stop_gradient, what=what,
+                      default=default)
 
 
 def spread_field(batch: TrajectoryBatch, name: str, who: str, what: str, *, override=None):
     """A per-token view [R, T] of a signal given per token [R, T], per turn [N, K] (each token
     of turn k gets the turn's value) or per trajectory [N]; 0 outside ``action_mask``.
     ``name == "outcome"`` reads ``batch.outcome``. ``batch`` must be block-local."""
-    if override is not None:
-        x = override
-    elif name == "outcome":
-        x = batch.outcome
-    elif name == "old_logprobs":
-        x = batch.old_logprobs
-    else:
-        x = require(batch, name, who, f"{what}: [R, T], [N, K] or [N]")
-    x = jnp.asarray(x)
+    x = jnp.asarray(override if override is not None else
+                    field_source(batch, name, who, f"{what}: [R, T], [N, K] or [N]"))
     shape = tuple(x.shape)
     m = batch.action_mask
     if shape == tuple(m.shape):

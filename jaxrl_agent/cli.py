@@ -249,7 +249,8 @@ def cmd_estimators(args) -> int:
             notes += ["stateful"] * entry.stateful
             notes += [f"from {entry.origin}"] * (not entry.origin.startswith("jaxrl_agent."))
             extra = f" [{'; '.join(notes)}]" if notes else ""
-            print(f"{entry.name:<22} {doc}\n{'':<22} {hp}{extra}")
+            also = f" (also: {', '.join(entry.aliases)})" if entry.aliases else ""
+            print(f"{entry.name:<22} {doc}\n{'':<22} {hp}{extra}{also}")
     return 0
 
 

@@ -1093,10 +1093,11 @@ def _check_rollout(cfg: RunConfig) -> None:
 
 def _check_estimator(cfg: RunConfig) -> None:
     """The estimator's name and hyper-parameter names (values: ``_check_methods``)."""
-    from jaxrl_agent import estimators
+    from jaxrl_agent import estimators, registry
     est = cfg.estimator
     known = estimators.names()
-    if est.name not in known:
+    entry = registry.find(est.name, "estimator") if isinstance(est.name, str) else None
+    if entry is None or entry.kind != "estimator":
         raise ConfigError(f"estimator.name: unknown estimator {est.name!r} (known: {', '.join(known)})")
     _check_params(est.params, list(estimators.spec(est.name).hyper_params), "estimator.params",
                   f"estimator {est.name!r}")

@@ -150,6 +150,10 @@ def register(name: str, fn: Callable | None = None, *, kind: str = "estimator",
              renamed: dict | None = None):
     """Registers ``fn`` under ``name`` (and ``aliases``); without ``fn``, a decorator.
 
+    A credit method (estimator, shaping or transform) also answers to its function's name when
+    that differs from ``name`` and no other entry holds it: the descriptive name beside the
+    paper's acronym (``grpo`` is ``group_normalized_outcome``).
+
     ``renamed`` maps former hyper-parameter names to current ones, so configs written before a
     rename keep working (``Entry.canonical``).
 
@@ -169,13 +173,19 @@ def register(name: str, fn: Callable | None = None, *, kind: str = "estimator",
                          f"hyper-parameters, got {reads!r}")
 
     def add(f: Callable) -> Callable:
-        entry = Entry(name, f, kind, reads, tuple(aliases), stateful, init_state, check_state,
+        space = _NAMESPACE[kind]
+        names_ = list(aliases)
+        own = getattr(f, "__name__", "")
+        held = _ENTRIES.get((space, own))
+        if (space == "credit" and own.isidentifier() and not own.startswith("_")
+                and own not in (name, *names_) and (held is None or _same_definition(held.fn, f))):
+            names_.append(own)
+        entry = Entry(name, f, kind, reads, tuple(names_), stateful, init_state, check_state,
                       tuple(sorted((renamed or {}).items())))
         for old, new in entry.renamed:
             if new not in entry.hyper_params or old in entry.hyper_params:
                 raise ValueError(f"{kind} {name!r}: renamed {old!r} -> {new!r} must name a "
                                  f"former parameter and a current one of the function")
-        space = _NAMESPACE[kind]
         for n in (name, *entry.aliases):
             old = _ENTRIES.get((space, n))
             if old is not None and not _same_definition(old.fn, f):

@@ -12,7 +12,8 @@ credit method of the package, each in its settings) in one jitted program per ba
   ``axis_name``, the same credit as on one device (per-step layout);
 * degenerate batches (every group a singleton; every group's rollouts scoring alike; rows of
   padding only; a batch of padding only): finite credit, 0 on padding;
-* finite gradients of the credit with respect to every float input.
+* finite gradients of the credit with respect to every float input, and none at all with
+  respect to a learned signal (``GRADIENT_INPUTS`` lists the inputs that may carry one).
 
 Shaping stages run before ``grpo``, transforms after it.
 """
@@ -252,6 +253,15 @@ def test_degenerate_batches_give_finite_credit(base, how):
     assert_padding_zero(out, batch, f"{how} {layout}")
 
 
+#: the float inputs credit may pass gradient to: rewards, the behaviour and reference log-probs
+#: (KL-in-reward) and the critic's values, the data of the formulas (as in rlax, stopping their
+#: gradient is the caller's choice). Every other float extra is a learned signal (a teacher's
+#: or reward model's log-probs, entropies, probe scores, potentials), read with
+#: ``checks.read_field(..., stop_gradient=True)``.
+GRADIENT_INPUTS = {"outcome", "turn_rewards", "old_logprobs", "ref_logprobs", "token_values",
+                   "turn_values", "high_values"}
+
+
 def test_gradients_are_finite(base):
     layout, recs, _, _, _ = base
     if layout != "per_step":
@@ -272,6 +282,10 @@ def test_gradients_are_finite(base):
     # one backward pass through every case (a NaN anywhere makes the sum's gradient NaN);
     # only when it is not finite, one per case to name the culprits
     grad = jax.jit(jax.grad(lambda x: sum(totals(x).values())))(inputs)
+    leaked = sorted(k for k, g in grad["extras"].items()
+                    if k not in GRADIENT_INPUTS and np.any(np.asarray(g) != 0))
+    assert not leaked, f"credit passes gradient to learned signals: {leaked}"
+    assert set(floats) - GRADIENT_INPUTS, "no learned signal among the batch's extras"
     if all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grad)):
         return
     bad = [k for k, _ in CASES if not all(

@@ -2,6 +2,7 @@
 point one way, and no module imports another module's private names."""
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "jaxrl_agent"
@@ -65,3 +66,40 @@ def test_no_module_imports_private_names_of_another():
                 bad += [f"{path.relative_to(PKG.parent)}:{line} imports {module}.{n}"
                         for n in names if n.startswith("_") and not n.startswith("__")]
     assert not bad, "\n".join(bad)
+
+
+def test_estimator_families_import_only_the_shared_modules():
+    """A family file of ``jaxrl_agent/estimators`` imports ``primitives`` (and the package's
+    lower layers), never another family file, so each family can be read on its own."""
+    shared = {"primitives", "registry"}
+    folder = PKG / "estimators"
+    families = {p.stem for p in folder.glob("*.py")} - shared - {"__init__"}
+    bad = []
+    for path in sorted(folder.glob("*.py")):
+        if path.stem not in families:
+            continue
+        for line, module, names in _imports(path):
+            if module == "jaxrl_agent.estimators":
+                hit = set(names) & families
+            elif module.startswith("jaxrl_agent.estimators."):
+                hit = {module.split(".")[2]} & families
+            else:
+                continue
+            bad += [f"estimators/{path.name}:{line} imports the family {h}" for h in hit]
+    assert not bad, "\n".join(bad)
+    assert {"outcome", "step_group", "allocation", "shaping", "routing"} <= families
+
+
+def test_the_estimators_map_names_every_family_and_method():
+    """The map at the top of ``estimators/__init__.py`` lists each family file with the names it
+    registers (kept true by this test)."""
+    import jaxrl_agent.estimators as E
+    from jaxrl_agent import registry
+    doc = E.__doc__
+    for kind in ("estimator", "shaping", "transform"):
+        for e in registry.entries(kind):
+            if not e.origin.startswith("jaxrl_agent.estimators."):
+                continue
+            family = e.origin.rsplit(".", 1)[1]
+            block = doc.split(f"``{family}``", 1)[1].split("\n``", 1)[0]
+            assert e.name in re.findall(r"[a-z0-9_]+", block), (family, e.name)

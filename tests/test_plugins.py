@@ -153,3 +153,46 @@ def test_the_loop_supplies_every_declared_loop_input():
     from jaxrl_agent.train import step
     assert set(step.PROVIDERS) == set(registry.LOOP_INPUTS)
     assert {src for src, _, _ in registry.LOOP_INPUTS.values()} == set(registry.SOURCES)
+
+
+#: registry keys that already say what the method does (no descriptive alias needed)
+DESCRIPTIVE_KEYS = {"lambda_returns", "reward_to_go", "rollout_level", "step_group", "tree_value",
+                    "reallocate", "self_credit", "shuffled_control", "step_gain"}
+
+
+def test_every_acronym_has_a_descriptive_alias(capsys):
+    """Each credit method of the package answers to a descriptive name beside its key (its
+    function's name, or an explicit alias); the alias resolves to the same entry in a config
+    and is listed by `jaxrl-agent estimators`."""
+    from jaxrl_agent import cli, registry
+    from jaxrl_agent import config as config_lib
+    import jaxrl_agent.estimators  # noqa: F401
+    entries = [e for kind in ("estimator", "shaping", "transform") for e in registry.entries(kind)
+               if e.origin.startswith("jaxrl_agent.")]
+    missing = [e.name for e in entries if not e.aliases and e.name not in DESCRIPTIVE_KEYS]
+    assert not missing, f"registry keys without a descriptive alias: {missing}"
+    for e in entries:
+        for alias in e.aliases:
+            assert registry.find(alias, e.kind) is e
+    assert registry.find("group_normalized_outcome", "estimator").name == "grpo"
+    cfg = config_lib.load(None, ["estimator.name=anchor_state_groups"])
+    assert registry.find(cfg.estimator.name, "estimator").name == "gigpo"
+    assert cli.main(["estimators"]) == 0
+    assert "(also: group_normalized_outcome)" in capsys.readouterr().out
+
+
+def test_a_plugin_function_named_like_a_method_gets_no_alias():
+    """The automatic alias (the function's name) is skipped when another entry holds it, so a
+    plugin never collides with the package through its function's name."""
+    from jaxrl_agent import registry
+    import jaxrl_agent.estimators  # noqa: F401
+
+    def gae(batch, *, axis_name=None):  # the name of a package key
+        raise NotImplementedError
+
+    registry.register("plugin_gae_copy", gae)
+    try:
+        assert registry.find("plugin_gae_copy", "estimator").aliases == ()
+        assert registry.find("gae", "estimator").name == "gae"
+    finally:
+        registry.unregister("plugin_gae_copy", "estimator")

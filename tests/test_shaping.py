@@ -631,7 +631,7 @@ def test_missing_extras_are_named(plain, name):
     ("v_rubrics", {"mode": "x"}, "mode must be one of"),
     ("ups", {"center": "x"}, "center must be one of"),
     ("trace", {"potential": "step_verdict", "final_potential": "rubric_scores"},
-     r"must be \[N\]"),
+     r"must have shape \[N\] = "),
 ])
 def test_bad_hyper_parameters_are_named(full, name, hp, needle):
     base = E.compute("grpo", full)

@@ -32,261 +32,10 @@ from jax import lax
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.checks import (check_choice, check_nonneg, check_positive, check_unit,
-                                            require)
+                                require, token_field, traj_field, turn_field)
+from jaxrl_agent.estimators.primitives import (apply_token_weights, shuffle_weights,
+                                               token_weights, traj_advantages)
 from jaxrl_agent.registry import register
-
-LEVELS = ("trajectory", "turn", "group")
-
-
-# ----------------------------------------------------------------------------- the normaliser
-
-
-class _Segments:
-    """Segment reductions over entries with ``ok``. Flat mode: ``seg`` [M] per entry. Row
-    mode (``x`` [R, T], ``seg`` [R]): every entry of a row is in the row's segment, so a
-    reduction is a dense row reduction followed by a segment op over R rows (the scatter
-    over R T entries that dominates the flat mode is avoided)."""
-
-    def __init__(self, seg, ok, num_segments, rows: bool):
-        self.ok, self.n, self.rows = ok, num_segments, rows
-        row_ok = ok.any(axis=1) if rows else ok
-        self.seg = jnp.where(row_ok, seg, num_segments)
-        self.safe = jnp.clip(self.seg, 0, num_segments - 1)
-
-    def sum(self, x):
-        x = jnp.where(self.ok, x, 0.0)
-        return jax.ops.segment_sum(x.sum(axis=1) if self.rows else x, self.seg, self.n)
-
-    def max(self, x):
-        x = jnp.where(self.ok, x, -jnp.inf)
-        return jax.ops.segment_max(x.max(axis=1) if self.rows else x, self.seg, self.n)
-
-    def min(self, x):
-        x = jnp.where(self.ok, x, jnp.inf)
-        return jax.ops.segment_min(x.min(axis=1) if self.rows else x, self.seg, self.n)
-
-    def gather(self, v):
-        """A per-segment value [S] at every entry."""
-        return v[self.safe][:, None] if self.rows else v[self.safe]
-
-
-def normalize_weights(w, seg, valid, num_segments: int, *, measure=None, floor: float = 0.0,
-                      clip_min=None, clip_max=None, max_iters: int = 64):
-    """Rescales non-negative raw weights to measure-weighted mean 1 in every segment.
-
-    With measure mu (default 1 per entry) and segment s:
-
-        w_hat_i = w_i * sum_s mu / sum_s mu w            (mean 1; uniform if sum_s mu w = 0)
-        w'_i    = floor + (1 - floor) w_hat_i            (residual support path, mean still 1)
-
-    then, if ``clip_min``/``clip_max`` are given and a segment has entries outside them, its
-    weights become clip(c w', clip_min, clip_max) with the per-segment scale c that makes the
-    mean exactly 1 (c by bisection, ``max_iters`` steps, then an analytic rescale of the
-    entries strictly inside the bounds): entries past a bound are pinned to it and the others
-    keep their ratios. Feasible when clip_min <= 1 <= clip_max and some weight is positive;
-    zero weights, which no scale can lift, share any mass still missing evenly. With
-    infeasible bounds (clip_min > 1 or clip_max < 1) every entry ends at the violated bound,
-    as close to mean 1 as allowed. Segments inside the bounds are left as they are.
-
-    Args:
-      w: [M] raw weights (negative values are treated as 0), or [R, T] with ``seg`` [R]
-        (every entry of a row in the row's segment: a faster, scatter-free path).
-      seg: [M] (or [R]) int segment ids in [0, num_segments); others are dropped.
-      valid: bool like ``w``, entries that count.
-      measure: like ``w``, non-negative mass per entry (e.g. token counts of turns), default 1.
-
-    Returns:
-      [M] float32 weights; 0 where not ``valid``.
-    """
-    check_unit("floor", floor)
-    ok = valid.astype(bool)
-    mu = (ok.astype(jnp.float32) if measure is None
-          else jnp.where(ok, measure, 0.0).astype(jnp.float32))
-    ok = ok & (mu > 0)
-    segs = _Segments(seg, ok, num_segments, rows=jnp.ndim(w) == 2)
-    w = jnp.where(ok, jnp.maximum(jnp.asarray(w, jnp.float32), 0.0), 0.0)
-
-    total = segs.sum(mu)
-    mass = segs.sum(mu * w)
-    # equal weights give exactly 1 (a division would round): reduction to the base estimator
-    # holds bit for bit
-    uniform = segs.gather((mass <= 0.0) | (segs.max(w) == segs.min(w)))
-    w_hat = w * segs.gather(total / jnp.where(mass > 0, mass, 1.0))
-    out = floor + (1.0 - floor) * w_hat if floor else w_hat
-    out = jnp.where(uniform, 1.0, out)  # exactly 1, whatever the floor
-    if clip_min is not None or clip_max is not None:
-        lo = -jnp.inf if clip_min is None else jnp.float32(clip_min)
-        hi = jnp.inf if clip_max is None else jnp.float32(clip_max)
-        out = _project_mean_one(out, segs, mu, total, lo, hi, max_iters)
-    return jnp.where(ok, out, 0.0)
-
-
-def _project_mean_one(w, segs, mu, total, lo, hi, max_iters):
-    """Mean-1 weights inside [lo, hi] of the form clip(c_s w, lo, hi) per segment s.
-
-    F_s(c) = sum_s mu clip(c w, lo, hi) is non-decreasing in c, so c_s is found by bisection
-    on log c (``max_iters`` halvings of [e^-60, e^60]); then the entries strictly inside the
-    bounds are rescaled analytically so the mass is exact. Zero weights cannot be scaled: if
-    the mass is still short (every positive entry at ``hi``), they share the rest evenly.
-    Segments already inside the bounds are returned unchanged (bit for bit)."""
-    ok, seg_sum, at = segs.ok, segs.sum, segs.gather
-    outside = seg_sum(((w < lo) | (w > hi)).astype(jnp.float32)) > 0
-
-    def body(_, ab):
-        a, b = ab
-        mid = 0.5 * (a + b)
-        low = seg_sum(mu * jnp.clip(at(jnp.exp(mid)) * w, lo, hi)) < total
-        return jnp.where(low, mid, a), jnp.where(low, b, mid)
-
-    # built from the inputs: varies over a mesh axis like them (shard_map's type check)
-    zero = jnp.zeros((segs.n,), jnp.float32) + jnp.sum(jnp.where(ok, 0.0, 0.0))
-    a, b = lax.fori_loop(0, max_iters, body, (zero - 60.0, zero + 60.0))
-    x = at(jnp.exp(0.5 * (a + b))) * w
-    free = (x > lo) & (x < hi)
-    fixed = seg_sum(jnp.where(free, 0.0, mu * jnp.clip(x, lo, hi)))
-    free_w = seg_sum(jnp.where(free, mu * w, 0.0))
-    scale = jnp.where(free_w > 0, (total - fixed) / jnp.where(free_w > 0, free_w, 1.0), 0.0)
-    y = jnp.clip(jnp.where(free, w * at(scale), x), lo, hi)
-    zw = ok & (w <= 0)
-    short = total - seg_sum(mu * y)
-    zmu = seg_sum(jnp.where(zw, mu, 0.0))
-    share = jnp.where((short > 0) & (zmu > 0), short / jnp.where(zmu > 0, zmu, 1.0), 0.0)
-    y = jnp.where(zw, jnp.clip(y + at(share), lo, hi), y)
-    return jnp.where(at(outside), y, w)
-
-
-# ----------------------------------------------------------------------------- shuffled control
-
-
-def _global_offsets(batch: TrajectoryBatch, axis_name):
-    if axis_name is None:
-        return jnp.int32(0), jnp.int32(0)
-    d = lax.axis_index(axis_name)
-    return d * batch.num_traj, d * batch.num_rows
-
-
-def permute_within(x, seg, valid, rand):
-    """Permutes ``x`` [M] inside each segment by the order of the random keys ``rand`` [M]:
-    the multiset of values of every segment is kept, their placement is random. Invalid
-    entries keep their value."""
-    m = x.shape[0]
-    big = jnp.iinfo(jnp.int32).max
-    s = jnp.where(valid, seg, big)
-    natural = jnp.lexsort((jnp.arange(m), s))  # slots of each segment, in position order
-    shuffled = jnp.lexsort((rand, s))  # the same segments, members in random order
-    out = x.at[natural].set(x[shuffled])
-    return jnp.where(valid, out, x)
-
-
-def _turn_rand(batch, seed, axis_name):
-    """uint32 keys [N, K]: a hash of (seed, global trajectory index, turn index), so the
-    permutation does not depend on padding (K, extra trajectories) or sharding."""
-    n_off, _ = _global_offsets(batch, axis_name)
-    n, k = batch.num_traj, batch.num_turns
-    traj = jnp.broadcast_to((jnp.arange(n) + n_off)[:, None], (n, k)).astype(jnp.uint32)
-    turn = jnp.broadcast_to(jnp.arange(k)[None, :], (n, k)).astype(jnp.uint32)
-    return segments.hash_combine(segments.hash_combine(jnp.uint32(seed), traj), turn)
-
-
-def _token_rand(batch, seed, axis_name):
-    """uint32 keys [R, T]: a hash of (seed, global trajectory, turn, position of the token
-    inside its turn's action tokens): the same in both layouts, under any padding and
-    sharded or not."""
-    n_off, _ = _global_offsets(batch, axis_name)
-    m = batch.action_mask
-    rank = jnp.cumsum(m.astype(jnp.int32), axis=1) - 1  # rank among the row's action tokens
-    first, _ = segments.turn_boundary_masks(batch)
-    start = segments.token_to_turn(jnp.where(first, rank, 0), batch)  # rank of each turn's 1st
-    pos = rank - segments.turn_to_token(start, batch)
-    traj = jnp.broadcast_to((batch.row_traj + n_off)[:, None], m.shape).astype(jnp.uint32)
-    turn = jnp.clip(batch.turn_ids, 0, batch.num_turns - 1).astype(jnp.uint32)
-    h = segments.hash_combine(jnp.uint32(seed) ^ jnp.uint32(0x5BD1E995), traj)
-    h = segments.hash_combine(segments.hash_combine(h, turn), pos.astype(jnp.uint32))
-    return jnp.where(m, h, jnp.uint32(0))
-
-
-def shuffle_weights(w, batch: TrajectoryBatch, *, level: str = "trajectory", seed: int = 0,
-                    axis_name=None, per: str | None = None):
-    """The matched-concentration shuffled control of a weight array: the weights of every
-    trajectory (``level="trajectory"``/``"group"``) or turn (``"turn"``) are randomly permuted
-    over its valid turns ([N, K] weights) or action tokens ([R, T] weights). Same multiset
-    (same entropy and Gini), random placement; deterministic for a ``seed`` and the same
-    sharded or not, in both layouts and under any padding. ``per``: ``"turn"`` ([N, K]) or
-    ``"token"`` ([R, T]); ``None`` infers it from the shape."""
-    check_choice("level", level, LEVELS)
-    b = segments.localize(batch, axis_name)
-    if _is_per_turn(w, b, per):
-        n, k = w.shape
-        valid = segments.valid_turns(b)
-        seg = jnp.broadcast_to(jnp.arange(n)[:, None] * (k if level == "turn" else 1)
-                               + (jnp.arange(k)[None, :] if level == "turn" else 0), (n, k))
-        out = permute_within(w.reshape(-1), seg.reshape(-1), valid.reshape(-1),
-                             _turn_rand(b, seed, axis_name).reshape(-1))
-        return out.reshape(n, k)
-    seg = _token_segments(b, "trajectory" if level == "group" else level)
-    out = permute_within(w.reshape(-1), seg.reshape(-1), b.action_mask.reshape(-1),
-                         _token_rand(b, seed, axis_name).reshape(-1))
-    return out.reshape(w.shape)
-
-
-# ----------------------------------------------------------------------------- the primitive
-
-
-def _token_segments(batch: TrajectoryBatch, level: str):
-    traj = jnp.broadcast_to(batch.row_traj[:, None], batch.tokens.shape)
-    if level == "trajectory":
-        return traj
-    if level == "turn":
-        return traj * batch.num_turns + jnp.clip(batch.turn_ids, 0, batch.num_turns - 1)
-    return batch.group_ids[jnp.clip(traj, 0, batch.num_traj - 1)]
-
-
-def _is_per_turn(w, batch, per):
-    """Whether ``w`` holds per-turn [N, K] (True) or per-token [R, T] (False) values."""
-    if per is not None:
-        check_choice("per", per, ("turn", "token"))
-        want = batch.turn_mask.shape if per == "turn" else batch.tokens.shape
-        if w.shape != want:
-            raise ValueError(f"per={per!r} weights must have shape {want}, got {w.shape}")
-        return per == "turn"
-    if w.shape == batch.turn_mask.shape:
-        return True
-    if w.shape != batch.tokens.shape:
-        raise ValueError(f"weights must have shape [N, K] = {batch.turn_mask.shape} or [R, T] = "
-                         f"{batch.tokens.shape}, got {w.shape}")
-    return False
-
-
-def token_weights(raw, batch: TrajectoryBatch, *, level: str = "trajectory", floor: float = 0.0,
-                  clip_min=None, clip_max=None, measure=None, per: str | None = None):
-    """Normalised token weights [R, T] (mean 1 per ``level`` segment over action tokens) from
-    raw non-negative weights given per turn [N, K] (each token of turn k gets w_k) or per
-    token [R, T]. ``measure`` [R, T] (default 1 per action token) is the mass each token
-    carries in the mean. ``batch`` must be block-local (``segments.local_view``). ``per``
-    (``"turn"``/``"token"``) says which one ``raw`` is where N, K = R, T; default: by shape."""
-    check_choice("level", level, LEVELS)
-    raw = jnp.asarray(raw, jnp.float32)
-    if _is_per_turn(raw, batch, per):
-        raw = segments.turn_to_token(raw, batch)
-    valid = batch.action_mask & batch.traj_mask[jnp.clip(batch.row_traj, 0, batch.num_traj - 1)][:, None]
-    nseg = batch.num_traj * (batch.num_turns if level == "turn" else 1)
-    seg = _token_segments(batch, level)
-    if level != "turn":  # constant along each row: row sums, then a segment op over rows
-        return normalize_weights(raw, seg[:, 0], valid, nseg, measure=measure, floor=floor,
-                                 clip_min=clip_min, clip_max=clip_max)
-    w = normalize_weights(raw.reshape(-1), seg.reshape(-1), valid.reshape(-1), nseg,
-                          measure=None if measure is None else measure.reshape(-1),
-                          floor=floor, clip_min=clip_min, clip_max=clip_max)
-    return w.reshape(raw.shape)
-
-
-def apply_token_weights(adv: Advantages, w, batch: TrajectoryBatch) -> Advantages:
-    """A'_t = A_t w_t; the turn-level credit becomes the token mean of A' over each turn.
-    Value targets (``token_returns``/``turn_returns``) pass through unchanged."""
-    tok = jnp.where(batch.action_mask, adv.token * w, 0.0).astype(jnp.float32)
-    turn = jnp.where(segments.valid_turns(batch), segments.token_to_turn(tok, batch, "mean"), 0.0)
-    return adv.replace(token=tok, turn=turn)
-
 
 @register("reallocate", kind="transform")
 def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weights",
@@ -381,39 +130,16 @@ def _check_weight_bounds(w_min, w_max):
                          f"w_max={w_max}")
 
 
-def _field(b: TrajectoryBatch, name: str, who: str, what: str):
-    """``batch.old_logprobs`` / ``batch.outcome`` for those names, else ``extras[name]``."""
-    if name == "old_logprobs":
-        return b.old_logprobs
-    if name == "outcome":
-        return b.outcome
-    return require(b, name, who, what)
-
-
-def _token_field(b, name, who, what):
-    x = jnp.asarray(_field(b, name, who, what))
-    if x.shape != b.tokens.shape:
-        raise ValueError(f"{who}: '{name}' must be per token [R, T] = {b.tokens.shape}, got "
-                         f"{x.shape}")
-    return lax.stop_gradient(jnp.where(_token_valid(b), x.astype(jnp.float32), 0.0))
-
-
-def _turn_field(b, name, who, what):
-    x = jnp.asarray(_field(b, name, who, what))
-    if x.shape != b.turn_mask.shape:
-        raise ValueError(f"{who}: '{name}' must be per turn [N, K] = {b.turn_mask.shape}, got "
-                         f"{x.shape}")
-    return lax.stop_gradient(jnp.where(segments.valid_turns(b), x.astype(jnp.float32), 0.0))
-
-
 def _token_valid(b):
     return b.action_mask & b.traj_mask[jnp.clip(b.row_traj, 0, b.num_traj - 1)][:, None]
 
 
 def _gap(b, teacher, student, who):
     """g_t = lp_teacher - lp_student on valid action tokens (detached), 0 elsewhere."""
-    return (_token_field(b, teacher, who, "teacher log-probs [R, T]")
-            - _token_field(b, student, who, "student log-probs [R, T]"))
+    return (token_field(b, teacher, who, "teacher log-probs [R, T]",
+                        stop_gradient=True, valid_only=True)
+            - token_field(b, student, who, "student log-probs [R, T]",
+                          stop_gradient=True, valid_only=True))
 
 
 def _base_token(adv, b):
@@ -902,7 +628,8 @@ def probe_directed_bonus(adv: Advantages, batch: TrajectoryBatch, *,
     check_positive("temperature", temperature)
     b = segments.local_view(batch, axis_name)
     g = _gap(b, teacher, student, "dcsd")
-    q = _turn_field(b, probe, "dcsd", "probed success probability per turn [N, K]")
+    q = turn_field(b, probe, "dcsd", "probed success probability per turn [N, K]",
+                   stop_gradient=True)
     valid = segments.valid_turns(b)
     prev = jnp.concatenate([jnp.full_like(q[:, :1], q_init), q[:, :-1]], axis=1)
     d = jnp.where(valid, jnp.sign(q - prev), 0.0)
@@ -998,8 +725,10 @@ def tail_risk_damping(adv: Advantages, batch: TrajectoryBatch, *,
         raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
     check_unit("damping", damping)
     b = segments.local_view(batch, axis_name)
-    lp = _token_field(b, logprobs, "taco", "log-probs of the sampled tokens [R, T]")
-    h = _token_field(b, entropy, "taco", "policy entropy at each token [R, T]")
+    lp = token_field(b, logprobs, "taco", "log-probs of the sampled tokens [R, T]",
+                     stop_gradient=True, valid_only=True)
+    h = token_field(b, entropy, "taco", "policy entropy at each token [R, T]",
+                    stop_gradient=True, valid_only=True)
     risk = -lp - h + jnp.log(jnp.float32(alpha))
     w = jnp.where(risk > 0, 1.0 + damping * jnp.expm1(-jnp.where(risk > 0, risk, 0.0)), 1.0)
     a = _base_token(adv, b)
@@ -1039,7 +768,8 @@ def entropy_reweight(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = 
     """
     check_nonneg("a", a)
     b = segments.local_view(batch, axis_name)
-    h = _token_field(b, entropy, "eapo", "policy entropy at each token [R, T]")
+    h = token_field(b, entropy, "eapo", "policy entropy at each token [R, T]",
+                    stop_gradient=True, valid_only=True)
     valid = _token_valid(b)
     seg = _token_traj(b)
     n = b.num_traj
@@ -1098,7 +828,8 @@ def future_kl_reweight(adv: Advantages, batch: TrajectoryBatch, *,
         raise ValueError(f"alpha * clip must be <= 1 (weights >= 0), got {alpha} * {clip}")
     b = segments.local_view(batch, axis_name)
     valid = _token_valid(b)
-    r = _token_field(b, current, "fipo", "current-policy log-probs [R, T]") - lax.stop_gradient(
+    r = token_field(b, current, "fipo", "current-policy log-probs [R, T]",
+                    stop_gradient=True, valid_only=True) - lax.stop_gradient(
         jnp.where(valid, b.old_logprobs, 0.0))
     x = r if kl == "k1" else jnp.expm1(-r) + r
     _, nxt = segments.trajectory_reverse_scan(jnp.where(valid, x, 0.0), gamma, b)
@@ -1280,7 +1011,8 @@ def gated_teacher_reward(batch: TrajectoryBatch, *, teacher: str = "teacher_logp
     check_unit("gamma", gamma)
     b = segments.local_view(batch, axis_name)
     valid = _token_valid(b)
-    lp = _token_field(b, teacher, "adrs", "teacher log-probs [R, T]")
+    lp = token_field(b, teacher, "adrs", "teacher log-probs [R, T]",
+                     stop_gradient=True, valid_only=True)
     n, k = b.num_traj, b.num_turns
     vf = valid.astype(jnp.float32)
     seg = _token_traj(b)
@@ -1316,7 +1048,8 @@ def gated_teacher_reward(batch: TrajectoryBatch, *, teacher: str = "teacher_logp
         shaped = eta * u
     else:
         if tva == "pas":
-            d = jnp.where(valid, lp - _token_field(b, ref, "adrs", "reference log-probs [R, T]"),
+            d = jnp.where(valid, lp - token_field(b, ref, "adrs", "reference log-probs [R, T]",
+                                                  stop_gradient=True, valid_only=True),
                           0.0)
             std, cnt = _masked_std(d, valid, axis_name, ddof=1)
             gate = jax.nn.sigmoid(tau * d / jnp.where(cnt > 1, std + 1e-8, 1.0))
@@ -1403,17 +1136,11 @@ def positive_amplified_outcome(batch: TrajectoryBatch, *, alpha: float = 3.0,
       Advantages: ``token`` [R, T] (A_i on every action token of trajectory i) and ``turn``
       [N, K] (A_i on every valid turn).
     """
-    from jaxrl_agent.estimators.outcome import traj_advantages
-
     check_choice("baseline", baseline, ("mean", "logavgexp"))
     check_nonneg("alpha", alpha)
     check_positive("tau", tau)
     b = segments.local_view(batch, axis_name)
-    r = jnp.asarray(_field(b, score, "r3l", "trajectory score [N]"), jnp.float32)
-    if r.shape != (b.num_traj,):
-        raise ValueError(f"r3l: '{score}' must be per trajectory [N] = ({b.num_traj},), got "
-                         f"{r.shape}")
-    r = lax.stop_gradient(jnp.where(b.traj_mask, r, 0.0))
+    r = traj_field(b, score, "r3l", "trajectory score [N]", stop_gradient=True)
     ok = b.traj_mask
     n = b.num_traj
     mean, _, count = segments.group_stats(r, b.group_ids, ok)

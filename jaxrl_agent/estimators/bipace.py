@@ -27,7 +27,7 @@ from jax import lax
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
-from jaxrl_agent.estimators.step_group import (
+from jaxrl_agent.estimators.primitives import (
     EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine, episode_advantage, step_returns)
 from jaxrl_agent.registry import register
 
@@ -111,7 +111,7 @@ def pace_advantage(b: TrajectoryBatch, g, clusters, valid, *, leave_one_out: boo
     return jnp.where(valid, a, 0.0)
 
 
-@register("bipace", reads=("hidden",),
+@register("bipace", aliases=("clustered_peer_baselines",), reads=("hidden",),
           renamed={"mode": "normalize", "step_mode": "step_normalize"})
 def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
            merge_state_keys: bool = False, leave_one_out: bool = False,
@@ -123,9 +123,9 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
     This is our reading of the papers, whose abstracts describe the idea in words and give no
     formulas:
       A[i, k] = A_ep(i) + w A_PACE(i, k), broadcast onto turn k's action tokens, where
-      A_ep   = GiGPO's / GRPO's episode term (``step_group.episode_advantage`` with
+      A_ep   = GiGPO's / GRPO's episode term (``primitives.episode_advantage`` with
                ``normalize``, ``episode_weighting``, ``eps``, ``singleton``);
-      G[i, k] = sum_{j >= k} gamma^(j - k) r[i, j]   (``step_group.step_returns``);
+      G[i, k] = sum_{j >= k} gamma^(j - k) r[i, j]   (``primitives.step_returns``);
       clusters: turns (i, k), (j, l) of one task group are linked iff
                cos(h_ik, h_jl) >= tau (h = extras['hidden'], detached), and, with
                ``merge_state_keys``, also iff state_keys agree; c(i, k) = its connected
@@ -169,7 +169,7 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
       gamma: per-turn discount of G, in [0, 1].
       normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of the episode
         term. Former name ``mode``.
-      episode_weighting: ``"trajectory"`` or ``"steps"`` (``step_group.episode_advantage``).
+      episode_weighting: ``"trajectory"`` or ``"steps"`` (``primitives.episode_advantage``).
       eps: added to the stds, > 0.
       singleton: ``"zero"`` or ``"raw"``: the episode term of a singleton task group.
       axis_name: the mesh axis under ``shard_map`` (groups are whole on one shard, so

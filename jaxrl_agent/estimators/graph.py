@@ -29,7 +29,7 @@ from jax import lax
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.checks import check_choice, check_positive, check_unit
-from jaxrl_agent.estimators.step_group import (
+from jaxrl_agent.estimators.primitives import (
     EPISODE_WEIGHTINGS, combine, episode_advantage, normalize_in_groups, step_returns)
 from jaxrl_agent.registry import register
 
@@ -122,7 +122,7 @@ def _distances_to_target(src, dst, edge_ok, is_target, max_iters):
 # ----------------------------------------------------------------------------- G2PO
 
 
-@register("g2po")
+@register("g2po", aliases=("group_graph_credit",))
 def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group",
          episode_weight: float = 0.0, episode_weighting: str = "trajectory",
          eps: float = 1e-6, axis_name=None) -> Advantages:
@@ -219,7 +219,7 @@ def graph_distances(b: TrajectoryBatch, success, max_iters=None):
     return jnp.where(valid & has_succ[:, None], d_next, 1.0), has_succ
 
 
-@register("graphgpo")
+@register("graphgpo", aliases=("state_graph_credit",))
 def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: float = 10.0,
              success_threshold: float = 0.5, convention: str = "reference",
              episode_weight: float = 1.0, graph_weight: float = 1.0,
@@ -301,7 +301,7 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
 # ----------------------------------------------------------------------------- GAGPO
 
 
-@register("gagpo")
+@register("gagpo", aliases=("grouped_generalized_advantage",))
 def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
           normalize: str = "group", eps: float = 1e-6, axis_name=None) -> Advantages:
     """GAGPO: Generalized Advantage Grouped Policy Optimization. This is our reading of the

@@ -162,7 +162,8 @@ def _standardise(x, b, tokens, normalize, eps, axis_name):
     return jnp.where(total > 0, (x - mu) / (segments.safe_sqrt(var) + eps), x)
 
 
-@register("hae", reads=("turn_values", "high_values", "switch"),
+@register("hae", aliases=("hierarchical_advantage",),
+          reads=("turn_values", "high_values", "switch"),
           renamed={"norm_adv": "normalize"})
 def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
         lam_seg: float = 0.95, switch_stream: str = "auto", normalize: str = "none",

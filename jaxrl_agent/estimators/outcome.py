@@ -19,16 +19,10 @@ from flax import struct
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.estimators.primitives import traj_advantages
 from jaxrl_agent.registry import register
 
 _SINGLETON = ("zero", "raw")
-
-
-def traj_advantages(a, batch: TrajectoryBatch) -> Advantages:
-    """Wraps a per-trajectory advantage [N] as ``Advantages`` (turn [N, K] and token [R, T])."""
-    a = jnp.where(batch.traj_mask, a, 0.0).astype(jnp.float32)
-    turn = jnp.where(batch.turn_mask, a[:, None], 0.0)
-    return Advantages(token=segments.traj_to_token(a, batch), turn=turn)
 
 
 def _group_centered(batch, *, ddof, singleton, normalize, eps, rloo=False, weights=None):
@@ -114,7 +108,7 @@ def leave_one_out_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
                                            eps=0.0, rloo=True), b)
 
 
-@register("reinforce_pp")
+@register("reinforce_pp", aliases=("whitened_token_returns",))
 def reinforce_pp(batch: TrajectoryBatch, *, gamma: float = 1.0, kl_coef: float = 0.0,
                  eps: float = 1e-8, axis_name=None) -> Advantages:
     """REINFORCE++: token reward-to-go, then token-weighted whitening over the whole batch.
@@ -160,7 +154,7 @@ def _token_whitened_traj(a, b, axis_name, eps):
     return (a - mu) * jax.lax.rsqrt(var + eps)
 
 
-@register("reinforce_pp_baseline")
+@register("reinforce_pp_baseline", aliases=("group_baseline_whitened",))
 def reinforce_pp_baseline(batch: TrajectoryBatch, *, eps: float = 1e-8,
                           axis_name=None) -> Advantages:
     """REINFORCE++-baseline: a_i = R_i - mean_g R, broadcast to action tokens, then whitened

@@ -14,11 +14,11 @@ the action tokens and whose ``turn`` [N, K] is the token mean of ``token`` over 
 Kinds (Python name, with the registry name in parentheses):
 
 * re-allocation transforms ``f(adv, batch, *, ..., axis_name=None) -> Advantages``:
-  A'_t = A_t w'_t with raw weights w >= 0 normalised by ``allocation.token_weights`` to
+  A'_t = A_t w'_t with raw weights w >= 0 normalised by ``primitives.token_weights`` to
   token-weighted mean 1 per trajectory (mass conservation for a trajectory-constant base, sign
   preservation), constant weights giving the base bit for bit (reduction to the base estimator).
   ``shuffle=True`` permutes the raw weights within each trajectory first
-  (``allocation.shuffle_weights``, the matched-concentration control):
+  (``primitives.shuffle_weights``, the matched-concentration control):
   ``supported_citation_reweight`` (``stamp``), ``influence_graph_reweight`` (``iapo``),
   ``self_credit``, ``environment_relevance_reweight`` (``serl``), ``verifier_trace_reweight``
   (``vict``), ``selected_source_boost`` (``echo``), ``progress_aware_reweight`` (``proas``).
@@ -53,7 +53,7 @@ import numpy as np
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.checks import check_choice, check_nonneg, check_unit, require
-from jaxrl_agent.estimators.allocation import (apply_token_weights, shuffle_weights,
+from jaxrl_agent.estimators.primitives import (apply_token_weights, shuffle_weights,
                                                token_weights)
 from jaxrl_agent.registry import register
 

@@ -46,58 +46,17 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators import allocation
+from jaxrl_agent.estimators.primitives import apply_token_weights, token_weights
 from jaxrl_agent.checks import (check_choice, check_nonneg, check_positive, check_unit,
-                                            require)
+                                require, token_field, traj_field, turn_field)
 from jaxrl_agent.registry import register
 
 NORMS = ("cohort", "group", "state", "batch", "none")
 F32 = jnp.float32
 
 
-# ----------------------------------------------------------------------------- field access
-
-
 def _sg(x):
     return lax.stop_gradient(x)
-
-
-def _raw(b, name, who, what):
-    if name == "outcome":
-        return b.outcome
-    if name == "old_logprobs":
-        return b.old_logprobs
-    if name == "turn_rewards":
-        return b.turn_rewards
-    return require(b, name, who, what)
-
-
-def _shaped(x, shape, name, who, level):
-    if x.shape != shape:
-        raise ValueError(f"{who}: extras['{name}'] must be {level} = {shape}, got {x.shape}")
-
-
-def turn_field(b, name, who, what="per-turn values [N, K]"):
-    """extras[name] [N, K] as float32, stop-gradient, 0 off the valid turns."""
-    x = _raw(b, name, who, what)
-    _shaped(x, b.turn_mask.shape, name, who, "[N, K]")
-    return _sg(jnp.where(segments.valid_turns(b), x.astype(F32), 0.0))
-
-
-def traj_field(b, name, who, what="per-trajectory values [N]", default=None):
-    """extras[name] [N] as float32 (``default`` when absent and a default is given)."""
-    if default is not None and name not in b.extras and name != "outcome":
-        return jnp.full(b.traj_mask.shape, default, F32)
-    x = _raw(b, name, who, what)
-    _shaped(x, b.traj_mask.shape, name, who, "[N]")
-    return _sg(jnp.where(b.traj_mask, x.astype(F32), 0.0))
-
-
-def token_field(b, name, who, what="per-token values [R, T]"):
-    """extras[name] [R, T] as float32, stop-gradient, 0 off the action tokens."""
-    x = _raw(b, name, who, what)
-    _shaped(x, b.action_mask.shape, name, who, "[R, T]")
-    return _sg(jnp.where(b.action_mask, x.astype(F32), 0.0))
 
 
 def _valid(b):
@@ -142,9 +101,9 @@ def potential_rewards(batch: TrajectoryBatch, *, potential: str = "potential",
 
 
 def _potential_rewards(b, potential, final_potential, gamma, require_final, who):
-    phi = turn_field(b, potential, who, "Phi(s_k) before action k, [N, K]")
+    phi = turn_field(b, potential, who, "Phi(s_k) before action k, [N, K]", stop_gradient=True)
     final = traj_field(b, final_potential, who, "Phi after the last turn, [N]",
-                       default=None if require_final else 0.0)
+                       default=None if require_final else 0.0, stop_gradient=True)
     return potential_differences(phi, final, _valid(b), gamma)
 
 
@@ -315,7 +274,7 @@ def uniform_reward_redistribution(batch: TrajectoryBatch, *, score: str = "outco
       The batch with ``turn_rewards`` [N, K] shaped; 0 off the valid turns.
     """
     b = segments.local_view(batch, axis_name)
-    s = traj_field(b, score, "uniform", "continuous trajectory score S_i, [N]")
+    s = traj_field(b, score, "uniform", "continuous trajectory score S_i, [N]", stop_gradient=True)
     r = jnp.where(_valid(b), (s / jnp.maximum(_num_turns(b), 1.0))[:, None], 0.0)
     return _set_turn_rewards(batch, b, r, replace)
 
@@ -351,7 +310,8 @@ def reward_to_go(batch: TrajectoryBatch, *, score: str = "outcome", baseline: st
     check_choice("baseline", baseline, ("cohort", "group"))
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
-    s = traj_field(b, score, "reward_to_go", "continuous trajectory score S_i, [N]")
+    s = traj_field(b, score, "reward_to_go", "continuous trajectory score S_i, [N]",
+                   stop_gradient=True)
     kk = _num_turns(b)[:, None]
     frac = jnp.where(_valid(b), (kk - jnp.arange(b.num_turns)[None, :]) / jnp.maximum(kk, 1.0),
                      0.0)
@@ -398,7 +358,7 @@ def trace_rewards(batch: TrajectoryBatch, *, potential: str = "potential",
     b = segments.local_view(batch, axis_name)
     r = _potential_rewards(b, potential, final_potential, 1.0, True, "trace")
     if length is not None:
-        n = traj_field(b, length, "trace", "gold answer length in tokens, [N]")
+        n = traj_field(b, length, "trace", "gold answer length in tokens, [N]", stop_gradient=True)
         r = r / jnp.maximum(n, 1.0)[:, None]
     return r
 
@@ -511,7 +471,8 @@ def pivot_info_gain_advantage(batch: TrajectoryBatch, *, potential: str | None =
     if potential is None:
         ig = jnp.where(inter, _sg(b.turn_rewards.astype(F32)), 0.0)
     else:
-        phi = turn_field(b, potential, "pica", "success-probability potential Phi, [N, K]")
+        phi = turn_field(b, potential, "pica", "success-probability potential Phi, [N, K]",
+                         stop_gradient=True)
         ig = jnp.where(inter, segments.next_turn(phi) - phi, 0.0)
     f1 = _sg(jnp.where(b.traj_mask, b.outcome.astype(F32), 0.0))
     g = jnp.clip(b.group_ids, 0, n - 1)
@@ -586,11 +547,13 @@ def step_potential_advantage(adv: Advantages, batch: TrajectoryBatch, *,
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
     if potential is None:
-        phi = spae_potential(turn_field(b, acc, "spae", "probe accuracy after step k, [N, K]"),
+        phi = spae_potential(turn_field(b, acc, "spae", "probe accuracy after step k, [N, K]",
+                                        stop_gradient=True),
                              turn_field(b, conf, "spae", "probe confidence after step k, "
-                                                         "[N, K]"))
+                                                         "[N, K]", stop_gradient=True))
     else:
-        phi = turn_field(b, potential, "spae", "probe potential Phi after step k, [N, K]")
+        phi = turn_field(b, potential, "spae", "probe potential Phi after step k, [N, K]",
+                         stop_gradient=True)
     phi = jnp.where(valid, phi, 0.0)
     prev = jnp.concatenate([phi[:, :1], phi[:, :-1]], axis=1)
     dphi = jnp.where(valid, phi - prev, 0.0)
@@ -621,7 +584,8 @@ def efca_weights(batch: TrajectoryBatch, *, feedback: str = "feedback", fb_coef:
     if w_min < 0 or w_max < w_min:
         raise ValueError(f"need 0 <= w_min <= w_max, got w_min={w_min}, w_max={w_max}")
     valid = _valid(b)
-    fb = turn_field(b, feedback, "efca", "environment feedback in {-1, 0, 1}, [N, K]")
+    fb = turn_field(b, feedback, "efca", "environment feedback in {-1, 0, 1}, [N, K]",
+                    stop_gradient=True)
     s, a = b.state_keys, b.action_keys
     k = b.num_turns
     rep = jnp.zeros(valid.shape, bool)
@@ -649,7 +613,7 @@ def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
     ``efca_weights`` (short-term feedback and medium-term loop/stall signals). For a
     trajectory-level base A_i = A(R_i) this is the advantage of the reweighted return
     w_k G_k up to the baseline. ``normalize=True`` rescales w to token mean 1 per
-    trajectory first (``allocation.token_weights``): an allocation, so mass conservation and
+    trajectory first (``primitives.token_weights``): an allocation, so mass conservation and
     sign preservation hold.
     fb_coef = loop_coef = 0 gives the base exactly (reduction to the base estimator) when w_min
     <= 1 <= w_max.
@@ -674,7 +638,7 @@ def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
     w = efca_weights(b, feedback=feedback, fb_coef=fb_coef, loop_coef=loop_coef, window=window,
                      w_min=w_min, w_max=w_max)
     if normalize:
-        return allocation.apply_token_weights(adv, allocation.token_weights(w, b), b)
+        return apply_token_weights(adv, token_weights(w, b), b)
     return _scale_turns(adv, b, jnp.where(_valid(b), w, 1.0))
 
 
@@ -801,8 +765,9 @@ def remaining_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
     check_choice("cohort", cohort, ("cohort", "state"))
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
-    p = turn_field(b, progress, "procredit", "progress p_k before action k, [N, K]")
-    fin = traj_field(b, final_progress, "procredit", "final progress p_K, [N]")
+    p = turn_field(b, progress, "procredit", "progress p_k before action k, [N, K]",
+                   stop_gradient=True)
+    fin = traj_field(b, final_progress, "procredit", "final progress p_K, [N]", stop_gradient=True)
     g = jnp.where(_valid(b), fin[:, None] - p, 0.0)
     term = normalize_turns(g, b, by=cohort, scale_std=normalize, eps=eps)
     return add_turn_term(adv, b, weight * term)
@@ -930,7 +895,8 @@ def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
     g = jnp.where(valid, _odd_transform(turn_field(b, oracle, "cast", "solver oracle "
-                                                   "advantage per turn, [N, K]"), transform),
+                                                   "advantage per turn, [N, K]",
+                                                       stop_gradient=True), transform),
                   0.0)
     if normalize == "rms":
         ss = segments.psum(jnp.sum(g * g), axis_name)
@@ -968,8 +934,10 @@ def progress_attribution_rewards(batch: TrajectoryBatch, *, contribution: str = 
       The batch with ``turn_rewards`` [N, K] shaped; 0 off the valid turns.
     """
     b = segments.local_view(batch, axis_name)
-    c = turn_field(b, contribution, "spa", "per-turn progress contributions, [N, K]")
-    gr = turn_field(b, grounded, "spa", "1 where the action is grounded/valid, [N, K]") > 0.5
+    c = turn_field(b, contribution, "spa", "per-turn progress contributions, [N, K]",
+                   stop_gradient=True)
+    gr = turn_field(b, grounded, "spa", "1 where the action is grounded/valid, [N, K]",
+                    stop_gradient=True) > 0.5
     r = c + bonus * gr.astype(F32) + bonus * _last_turn(b).astype(F32)
     return _set_turn_rewards(batch, b, r, replace)
 
@@ -1074,8 +1042,9 @@ def belief_consistency_rewards(batch: TrajectoryBatch, *, state: str = "belief_s
     """
     b = segments.local_view(batch, axis_name)
     what = "component score in [0, 1] per turn, [N, K]"
-    r = rebel_reward(turn_field(b, state, "rebel", what), turn_field(b, task, "rebel", what),
-                     turn_field(b, pred, "rebel", what), turn_field(b, format, "rebel", what),
+    state, task, pred, format = (turn_field(b, f, "rebel", what, stop_gradient=True)
+                                 for f in (state, task, pred, format))
+    r = rebel_reward(state, task, pred, format,
                      (cw_state, cw_task, cw_pred, cw_format),
                      (w_state, w_task, w_pred, w_format))
     return _set_turn_rewards(batch, b, r, replace)
@@ -1091,8 +1060,10 @@ def implicit_step_rewards(batch: TrajectoryBatch, *, prm: str = "prm_logprobs",
     trajectory log-ratio. ``prm``/``ref``: [R, T] log-prob fields (``"old_logprobs"`` =
     the batch's behaviour log-probs)."""
     b = segments.local_view(batch, axis_name)
-    lp = token_field(b, prm, "oprl", "implicit PRM log-probs of the sampled tokens, [R, T]")
-    lr = token_field(b, ref, "oprl", "reference log-probs of the sampled tokens, [R, T]")
+    lp = token_field(b, prm, "oprl", "implicit PRM log-probs of the sampled tokens, [R, T]",
+                     stop_gradient=True)
+    lr = token_field(b, ref, "oprl", "reference log-probs of the sampled tokens, [R, T]",
+                     stop_gradient=True)
     return jnp.where(_valid(b), beta * segments.token_to_turn(lp - lr, b), 0.0)
 
 
@@ -1148,8 +1119,9 @@ def prefix_score_rewards(batch: TrajectoryBatch, *, scores: str = "prefix_scores
     (RM(x, empty); absent -> 0). sum_t r_t = RM(x, y) - RM(x, empty) (telescoping).
     """
     b = segments.local_view(batch, axis_name)
-    s = token_field(b, scores, "red", "reward-model score of each action-token prefix, [R, T]")
-    init = traj_field(b, initial_score, "red", "RM(x, empty), [N]", default=0.0)
+    s = token_field(b, scores, "red", "reward-model score of each action-token prefix, [R, T]",
+                    stop_gradient=True)
+    init = traj_field(b, initial_score, "red", "RM(x, empty), [N]", default=0.0, stop_gradient=True)
     first, last = segments.turn_boundary_masks(b)
     last_s = segments.token_to_turn(jnp.where(last, s, 0.0), b)
     prev_turn = jnp.concatenate([init[:, None], last_s[:, :-1]], axis=1)
@@ -1255,7 +1227,8 @@ def verified_process_rewards(batch: TrajectoryBatch, *, label: str = "verified",
     """
     check_choice("to", to, ("outcome", "turns", "both"))
     b = segments.local_view(batch, axis_name)
-    x = scale * turn_field(b, label, "vpr", "per-turn verification label/score, [N, K]")
+    x = scale * turn_field(b, label, "vpr", "per-turn verification label/score, [N, K]",
+                           stop_gradient=True)
     out = _clean(batch, b)
     if to in ("turns", "both"):
         out = _set_turn_rewards(out, b, x, replace)
@@ -1292,8 +1265,10 @@ def evidence_necessity_rewards(batch: TrajectoryBatch, *, evidence: str = "evide
     """
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
-    u = jnp.maximum(turn_field(b, evidence, "nasa", "evidence contribution >= 0, [N, K]"), 0.0)
-    u = u * jnp.maximum(turn_field(b, necessity, "nasa", "tool necessity >= 0, [N, K]"), 0.0)
+    u = jnp.maximum(turn_field(b, evidence, "nasa", "evidence contribution >= 0, [N, K]",
+                               stop_gradient=True), 0.0)
+    u = u * jnp.maximum(turn_field(b, necessity, "nasa", "tool necessity >= 0, [N, K]",
+                                   stop_gradient=True), 0.0)
     tot = jnp.sum(u, axis=1, keepdims=True)
     share = jnp.where(tot > 0, u / jnp.where(tot > 0, tot, 1.0),
                       1.0 / jnp.maximum(_num_turns(b), 1.0)[:, None])
@@ -1328,7 +1303,7 @@ def centered_alignment_credit(adv: Advantages, batch: TrajectoryBatch, *,
     check_choice("center", center, ("trajectory", "group"))
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
-    x = turn_field(b, align, "ups", "alignment reward per turn, [N, K]")
+    x = turn_field(b, align, "ups", "alignment reward per turn, [N, K]", stop_gradient=True)
     if center == "trajectory":
         m = jnp.sum(x, axis=1, keepdims=True) / jnp.maximum(_num_turns(b), 1.0)[:, None]
         d = x - m
@@ -1365,7 +1340,8 @@ def step_verdict_penalty(adv: Advantages, batch: TrajectoryBatch, *,
     """
     check_nonneg("kappa", kappa)
     b = segments.local_view(batch, axis_name)
-    v = turn_field(b, verdict, "capo", "majority-vote step verdict in {-1, 0, 1}, [N, K]")
+    v = turn_field(b, verdict, "capo", "majority-vote step verdict in {-1, 0, 1}, [N, K]",
+                   stop_gradient=True)
     d = -(v < 0).astype(F32)
     if reward_correct:
         failed = (_sg(b.outcome) < fail_below)[:, None]
@@ -1456,4 +1432,4 @@ __all__ = sorted({
     "verifier_density", "trace_rewards", "spae_potential", "efca_weights", "vtca_credit",
     "variance_rescaled_returns", "a2tgpo_clip_range", "spa_decomposition_loss",
     "decay_weight", "rebel_component_weights", "rebel_reward", "implicit_step_rewards",
-    "prefix_score_rewards", "action_ordinals", "turn_field", "traj_field", "token_field"})
+    "prefix_score_rewards", "action_ordinals"})

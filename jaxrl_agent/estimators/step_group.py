@@ -24,6 +24,9 @@ import jax.numpy as jnp
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.estimators.primitives import (EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine,
+                                               episode_advantage, normalize_in_groups,
+                                               step_returns)
 from jaxrl_agent.registry import register
 
 
@@ -31,82 +34,8 @@ def _gigpo_reads(hp: dict) -> tuple:
     """GiGPO's similarity and bucket anchors group turns by ``extras['state_features']``."""
     return () if hp.get("anchor", "exact") == "exact" else ("state_features",)
 
-MODES = ("mean_std_norm", "mean_norm")
-EPISODE_WEIGHTINGS = ("trajectory", "steps")
 KEYS = ("state", "action", "state_action", "history", "turn", "turn_key")
 TARGETS = ("return", "reward", "outcome")
-SINGLETONS = ("zero", "raw")
-
-
-# ----------------------------------------------------------------------------- shared pieces
-
-
-def episode_advantage(b: TrajectoryBatch, *, normalize: str = "mean_std_norm",
-                      weighting: str = "trajectory", reward: str = "outcome", eps: float = 1e-6,
-                      singleton: str = "zero"):
-    """GRPO's episode term, [N] (0 on padding trajectories).
-
-    A_ep(i) = (R_i - mean_g) / (std_g + eps), or R_i - mean_g with ``normalize="mean_norm"``.
-    ``weighting="trajectory"`` counts each trajectory once in mean_g and std_g (GRPO);
-    ``"steps"`` counts it once per valid turn K_i (verl-agent's default
-    ``compute_mean_std_cross_steps=True``, which normalises over per-step rows: long failed
-    episodes then pull the baseline toward failure). std is unbiased over the counted entries
-    (frequency weights). ``reward``: ``"outcome"`` (R = outcome) or ``"reward_sum"``
-    (R = sum of turn rewards, MatchTIR). A singleton group (one trajectory) gives 0, or
-    ``singleton="raw"`` verl's mean 0, std 1 (A = R).
-    """
-    if reward == "outcome":
-        r = b.outcome.astype(jnp.float32)
-    else:
-        r = jnp.sum(jnp.where(b.turn_mask, b.turn_rewards, 0.0), axis=1).astype(jnp.float32)
-    w = None
-    if weighting == "steps":
-        w = jnp.sum(b.turn_mask, axis=1).astype(jnp.float32)
-    mean, std, _ = segments.group_stats(r, b.group_ids, b.traj_mask, 1, w)
-    count = segments.group_stats(r, b.group_ids, b.traj_mask)[2]
-    a = r - mean
-    if normalize == "mean_std_norm":
-        a = a / (std + eps)
-    lone = r / (1.0 + eps) if (singleton == "raw" and normalize == "mean_std_norm") else r
-    a = jnp.where(count > 1, a, lone if singleton == "raw" else 0.0)
-    return jnp.where(b.traj_mask, a, 0.0)
-
-
-def step_returns(b: TrajectoryBatch, gamma):
-    """G[i, k] = sum_{j >= k} gamma^(j - k) r[i, j] over valid turns, [N, K]."""
-    r = jnp.where(b.turn_mask, b.turn_rewards, 0.0).astype(jnp.float32)
-    return jnp.where(b.turn_mask, segments.reverse_scan(r, gamma, axis=1), 0.0)
-
-
-def normalize_in_groups(x, ids, valid, *, normalize: str = "mean_std_norm",
-                        eps: float = 1e-6, singleton: str = "zero"):
-    """(x - mean_S) / (std_S + eps) (``normalize="mean_norm"``: x - mean_S) over the key group S
-    of every turn, [N, K].
-
-    std unbiased (ddof 1). A singleton group gives 0 (``singleton="raw"``: mean 0, std 1, so
-    x / (1 + eps) or x, the verl convention); equal values give exactly 0; invalid turns 0.
-    """
-    mean, std, count = segments.key_stats(x, ids, valid, ddof=1)
-    a = x - mean
-    if normalize == "mean_std_norm":
-        a = a / (std + eps)
-    if singleton == "raw":
-        lone = x / (1.0 + eps) if normalize == "mean_std_norm" else x
-    else:
-        lone = jnp.zeros_like(x)
-    return jnp.where(valid, jnp.where(count > 1, a, lone), 0.0)
-
-
-def combine(b: TrajectoryBatch, a_ep, a_step, episode_weight=1.0, step_weight=1.0,
-            how: str = "sum") -> Advantages:
-    """A[i, k] = episode_weight A_ep(i) + step_weight A_step(i, k) (``how="sum"``), or their
-    weighted mean ``(we A_ep + ws A_step) / (we + ws)`` (``how="mean"``), on valid turns, and
-    broadcast onto each turn's action tokens."""
-    a = episode_weight * a_ep[:, None] + step_weight * a_step
-    if how == "mean":
-        a = a / (episode_weight + step_weight)
-    a = jnp.where(segments.valid_turns(b), a, 0.0).astype(jnp.float32)
-    return Advantages(token=segments.turn_to_token(a, b), turn=a)
 
 
 def _key_columns(b: TrajectoryBatch, key: str, who: str):
@@ -253,7 +182,8 @@ def anchor_ids(b: TrajectoryBatch, anchor: str, *, bucket_width: float = 0.1,
     return segments.similarity_clusters(feats, b.group_ids, valid, sim_threshold, sim_iters)
 
 
-@register("gigpo", reads=_gigpo_reads, renamed={"mode": "normalize"})
+@register("gigpo", aliases=("anchor_state_groups",), reads=_gigpo_reads,
+          renamed={"mode": "normalize"})
 def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1.0,
           normalize: str = "mean_std_norm", episode_weighting: str = "trajectory",
           anchor: str = "exact", bucket_width: float = 0.1, sim_threshold: float = 0.95,
@@ -319,7 +249,7 @@ def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1
     return combine(b, a_ep, a_st, 1.0, step_weight)
 
 
-@register("matchtir", renamed={"lam": "gamma"})
+@register("matchtir", aliases=("dual_level_tool_credit",), renamed={"lam": "gamma"})
 def matchtir(batch: TrajectoryBatch, *, gamma: float = 0.9, eps: float = 1e-6,
              axis_name=None) -> Advantages:
     """MatchTIR's dual-level advantage (Qu et al. 2026; quchangle1/MatchTIR core_algos).

@@ -60,7 +60,8 @@ def discounted_returns(batch: TrajectoryBatch, *, gamma: float = 1.0,
     return Advantages(token=segments.turn_to_token(g, b), turn=g, turn_returns=g)
 
 
-@register("gae", reads=VALUE_READS, renamed={"whiten": "normalize"})
+@register("gae", aliases=("generalized_advantage",), reads=VALUE_READS,
+          renamed={"whiten": "normalize"})
 def gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
         normalize: bool = True, eps: float = 1e-8, axis_name=None) -> Advantages:
     """Token-level GAE over multi-turn rows (verl's masked GAE, layout-independent).
@@ -117,7 +118,7 @@ def _turn_gae_raw(b, gamma, lam, v):
     return jnp.where(b.turn_mask, segments.reverse_scan(delta, gamma * lam, axis=1), 0.0)
 
 
-@register("turn_gae", reads=VALUE_READS)
+@register("turn_gae", aliases=("turn_generalized_advantage",), reads=VALUE_READS)
 def turn_gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
              normalize: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
     """Turn-level GAE: the same recursion over turns with one value per turn.
@@ -199,7 +200,7 @@ def lambda_returns(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1
     return Advantages(token=adv.token_returns, token_returns=adv.token_returns)
 
 
-@register("sapo", reads=VALUE_READS)
+@register("sapo", aliases=("single_rollout_critic",), reads=VALUE_READS)
 def sapo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
          normalize: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
     """SAPO (Single-rollout Autoregressive Policy Optimization, this project's SAPO; not the

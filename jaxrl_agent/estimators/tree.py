@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.checks import check_choice, check_positive, check_unit
-from jaxrl_agent.estimators.step_group import (
+from jaxrl_agent.estimators.primitives import (
     EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine, episode_advantage, normalize_in_groups,
     step_returns)
 from jaxrl_agent.registry import register
@@ -172,7 +172,7 @@ def _rtmc_terms(b: TrajectoryBatch, *, kappa, signature, target, gamma):
             "q": z(q)}
 
 
-@register("rtmc", renamed={"mode": "normalize"})
+@register("rtmc", aliases=("rollout_tree_monte_carlo",), renamed={"mode": "normalize"})
 def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "history",
          target: str = "return", gamma: float = 1.0, episode_weight: float = 0.0,
          normalize: str = "mean_std_norm", episode_weighting: str = "trajectory", eps: float = 1e-6,
@@ -357,7 +357,8 @@ def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal,
             "phi": phi, "credit": z(credit), "a_pre": a_pre}
 
 
-@register("progpo", renamed={"mode": "normalize", "prefix_mode": "prefix_normalize"})
+@register("progpo", aliases=("progress_reliability_credit",),
+          renamed={"mode": "normalize", "prefix_mode": "prefix_normalize"})
 def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float = 1.0,
            transition_weight: float = 1.0, max_depth: int = 2, prior_std: float = 0.5,
            terminal: str = "outcome", normalize: str = "mean_std_norm",

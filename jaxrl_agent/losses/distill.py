@@ -129,8 +129,8 @@ def ratio_weighted_reverse_kl(logprobs, batch: TrajectoryBatch, *,
     check_mode(agg)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "sdl")
-    lt = sg(token_field(b, teacher, "sdl", override=teacher_logprobs))
-    lold = sg(token_field(b, behavior, "sdl"))
+    lt = token_field(b, teacher, "sdl", override=teacher_logprobs, stop_gradient=True)
+    lold = token_field(b, behavior, "sdl", stop_gradient=True)
     return _finish(sdl_tokens(lp, lt, lold), batch, agg, agg_constant, axis_name)
 
 
@@ -209,7 +209,7 @@ def confidence_gated_distillation(logprobs, batch: TrajectoryBatch, *,
     check_positive("gate_beta", gate_beta)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "sdar")
-    lt = sg(token_field(b, teacher, "sdar", override=teacher_logprobs))
+    lt = token_field(b, teacher, "sdar", override=teacher_logprobs, stop_gradient=True)
     per_token = lt - lp
     if gate == "sigmoid":
         per_token = sdar_gate(sg(lp), lt, gate_beta, _sign_field(b, gate_delta_sign, "sdar")) \
@@ -307,7 +307,7 @@ def gain_gated_experience_distillation(logprobs, batch: TrajectoryBatch, *, view
     check_mode(agg)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "edge")
-    lt = sg(token_field(b, teacher, "edge", override=teacher_logprobs))
+    lt = token_field(b, teacher, "edge", override=teacher_logprobs, stop_gradient=True)
     admit, _ = edge_admitted(batch, view=view, score=score, above_f_mean=above_f_mean,
                              axis_name=axis_name)
     on = b.action_mask & admit[jnp.clip(b.row_traj, 0, b.num_traj - 1)][:, None]
@@ -372,9 +372,8 @@ def return_gap_bidirectional_distillation(logprobs, batch: TrajectoryBatch, *,
     check_positive("gate_beta", gate_beta)
     b = segments.local_view(batch, axis_name)
     lp_a = _student(logprobs, b, "ucob")
-    lp_b = token_field(b, other, "ucob", override=other_logprobs)
-    if other_logprobs is None:
-        lp_b = sg(lp_b)
+    lp_b = token_field(b, other, "ucob", override=other_logprobs,
+                       stop_gradient=other_logprobs is None)
     d = sg(spread_field(b, gap, "ucob", "return gap R_other - R_self"))
     up = d > 0  # the other view is the teacher
     hi = jnp.where(up, sg(lp_b), sg(lp_a))
@@ -415,8 +414,8 @@ def icsd_weights(logprobs, batch: TrajectoryBatch, *, advantages=None,
     b = segments.local_view(batch, axis_name)
     m = b.action_mask
     lp = sg(_student(logprobs, b, "icsd"))
-    lt = sg(token_field(b, teacher, "icsd", override=teacher_logprobs))
-    lold = sg(token_field(b, behavior, "icsd"))
+    lt = token_field(b, teacher, "icsd", override=teacher_logprobs, stop_gradient=True)
+    lold = token_field(b, behavior, "icsd", stop_gradient=True)
     a = _advantage_tokens(b, advantages, advantage_field, "icsd")
     g = lt - lp
     g_bar = segments.turn_to_token(segments.token_to_turn(g, b, "mean"), b)
@@ -484,11 +483,11 @@ def influence_weighted_distillation(logprobs, batch: TrajectoryBatch, *, advanta
                         axis_name=axis_name)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "icsd")
-    lt = sg(token_field(b, teacher, "icsd", override=teacher_logprobs))
+    lt = token_field(b, teacher, "icsd", override=teacher_logprobs, stop_gradient=True)
     if trust == "sdar":
         per_token = lt - lp
     else:
-        per_token = sdl_tokens(lp, lt, sg(token_field(b, behavior, "icsd")))
+        per_token = sdl_tokens(lp, lt, token_field(b, behavior, "icsd", stop_gradient=True))
     return _finish(c * w * per_token, batch, agg, agg_constant, axis_name)
 
 
@@ -557,7 +556,7 @@ def craft_credit(logprobs, batch: TrajectoryBatch, *, advantages=None,
     b = segments.local_view(batch, axis_name)
     m = b.action_mask
     lp = sg(_student(logprobs, b, "craft"))
-    lt = sg(token_field(b, teacher, "craft", override=teacher_logprobs))
+    lt = token_field(b, teacher, "craft", override=teacher_logprobs, stop_gradient=True)
     a = _advantage_tokens(b, advantages, advantage_field, "craft")
     g = jnp.where(m, lt - lp, 0.0)
     n, k = b.num_traj, b.num_turns
@@ -674,7 +673,7 @@ def counterfactual_sign_aware_distillation(logprobs, batch: TrajectoryBatch, *,
                          "craft_init / craft_controller)")
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "craft")
-    lt = sg(token_field(b, teacher, "craft", override=teacher_logprobs))
+    lt = token_field(b, teacher, "craft", override=teacher_logprobs, stop_gradient=True)
     per_token = kl_k3(lp, lt)
     if cti or polarize:
         if cti:
@@ -748,7 +747,7 @@ def tree_credit_log_ratio_regression(logprobs, batch: TrajectoryBatch, *, advant
     check_positive("delta", delta)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "treeopsd")
-    lb = sg(token_field(b, behavior, "treeopsd"))
+    lb = token_field(b, behavior, "treeopsd", stop_gradient=True)
     target = sg(treeopsd_target(_advantage_tokens(b, advantages, credit, "treeopsd"),
                                 beta=beta, delta=delta))
     return _finish(0.5 * jnp.square(lp - lb - target), batch, agg, agg_constant, axis_name)
@@ -821,8 +820,9 @@ def token_reward_regularizer(logprobs, batch: TrajectoryBatch, *,
     check_positive("temperature", temperature)
     b = segments.local_view(batch, axis_name)
     lp = _student(logprobs, b, "t_reg")
-    r = sg(token_field(b, good, "t_reg") - token_field(b, bad, "t_reg"))
-    ref = 0.0 if reference is None else sg(token_field(b, reference, "t_reg"))
+    r = (token_field(b, good, "t_reg", stop_gradient=True)
+         - token_field(b, bad, "t_reg", stop_gradient=True))
+    ref = 0.0 if reference is None else token_field(b, reference, "t_reg", stop_gradient=True)
     s = jnp.sign(sg(spread_field(b, sign, "t_reg", "preference sign")))
     w = sg(t_reg_weights(b, r, s, temperature))
     return _finish(-s * w * (lp - ref), batch, agg, agg_constant, axis_name)
