@@ -155,6 +155,8 @@ def summary_table(rows) -> str:
 
 
 def cmd_credit(args) -> int:
+    import jax
+
     from jaxrl_agent import estimators
     from jaxrl_agent.rollout.records import RecordError, pack_records
 
@@ -203,14 +205,13 @@ def cmd_credit(args) -> int:
     print(f"read {len(records)} rollouts from {args.rollouts}: {len(set(index.task_index))} tasks, "
           f"layout {args.layout}, padded to N={batch.num_traj} K={batch.num_turns} "
           f"R={batch.num_rows} T={batch.row_len}", file=sys.stderr)
-    state = spec.init_state(len(index.task_index)) if spec.stateful else None
+    state = pipe.init(len(index.task_index))
     start = time.perf_counter()
     try:
-        out = estimators.compute(args.estimator, batch, state=state, validate=False,
-                                 shaping=pipe.shaping, then=pipe.then, **params)
+        pipe.check(batch, state)
+        adv, _ = jax.jit(pipe.apply)(batch, state)
     except (ValueError, TypeError) as e:
         raise CliError(str(e)) from None
-    adv = out[0] if spec.stateful else out
     token = np.asarray(adv.token)
     if not np.isfinite(token).all():  # a bug if it ever happens: refuse to write garbage
         raise CliError(f"{args.estimator} produced non-finite credit; nothing was written")

@@ -263,6 +263,8 @@ class MetricsSection:
     tensorboard: bool = True
     plots: bool = True
     rollout_samples: int = 4           # trajectories per step written as text to rollouts/ (0: none)
+    wandb: bool = False                # also log to Weights & Biases (pip install 'jaxrl-agent[wandb]')
+    wandb_project: str = "jaxrl-agent"  # the W&B project; the run is named after `name`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -653,7 +655,35 @@ def read_yaml(path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    return data
+    return expand_env_vars(data, str(path))
+
+
+_ENV_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env_vars(node, where: str, key: str = ""):
+    """``${NAME}`` and ``${NAME:-default}`` in the string values of a config file replaced by
+    the environment variable (or the default): e.g. ``hf_path:
+    ${JAXRL_TINY_CHECKPOINT:-/tmp/tiny-qwen2}``. A run records the expanded value. A variable
+    that is unset and has no default is a ``ConfigError`` naming the key and the variable."""
+    if isinstance(node, dict):
+        return {k: expand_env_vars(v, where, f"{key}.{k}" if key else str(k))
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [expand_env_vars(v, where, f"{key}[{i}]") for i, v in enumerate(node)]
+    if not isinstance(node, str) or "${" not in node:
+        return node
+
+    def value(m):
+        name, default = m.group(1), m.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ConfigError(f"{where}: {key}: environment variable {name} is not set (set it, "
+                              f"or write ${{{name}:-default}})")
+        return default
+
+    return _ENV_VAR.sub(value, node)
 
 
 def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
@@ -852,7 +882,9 @@ def stages(section: "EstimatorSection", which: str) -> tuple:
     return tuple(out)
 
 
-def _pipeline(cfg: "RunConfig"):
+def pipeline(cfg: "RunConfig"):
+    """The run's credit pipeline (``estimators.Pipeline``: shaping -> estimator -> transforms),
+    built once from ``cfg.estimator`` and handed to the trainer, the step and ``plan``."""
     from jaxrl_agent import estimators
     est = cfg.estimator
     return estimators.Pipeline((est.name, tuple(sorted(est.params.items()))),
@@ -882,7 +914,7 @@ def _dry_batch(cfg: "RunConfig", group_size: int = 2):
         "turn": ramp,
         "vector": jnp.linspace(-1.0, 1.0, n * k * 4, dtype=jnp.float32).reshape(n, k, 4),
     }
-    for name in estimators.reads(_pipeline(cfg)):
+    for name in estimators.reads(pipeline(cfg)):
         if name in LOOP_INPUTS:
             source, level, _ = LOOP_INPUTS[name]
             x = stand_in[level]
@@ -896,7 +928,7 @@ def _check_reads(cfg: "RunConfig") -> None:
     from jaxrl_agent import estimators
     from jaxrl_agent.registry import LOOP_INPUTS, SOURCES
 
-    pipe = _pipeline(cfg)
+    pipe = pipeline(cfg)
     for name, params in (*pipe.shaping, pipe.estimator, *pipe.then):
         for field in estimators.spec(name).inputs(dict(params)):
             if field not in LOOP_INPUTS:
@@ -940,14 +972,10 @@ def _check_methods(cfg: "RunConfig") -> None:
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None
     _check_reads(cfg)
-    spec = estimators.spec(est.name)
-    pipe = _pipeline(cfg)
+    pipe = pipeline(cfg)
     batch = _dry_batch(cfg)
     try:
-        if spec.stateful:
-            jax.eval_shape(lambda b, st: pipe(b, state=st), batch, spec.init_state(8))
-        else:
-            jax.eval_shape(pipe, batch)
+        jax.eval_shape(pipe.apply, batch, pipe.init(8))
     except (ValueError, TypeError) as e:
         msg = str(e).splitlines()[0]
         where = "estimator.params" if len(pipe.names) == 1 else f"estimator {list(pipe.names)}"
@@ -981,13 +1009,10 @@ def _check_group_size(cfg: "RunConfig") -> None:
         return
     import numpy as np
 
-    from jaxrl_agent import estimators
     est = cfg.estimator
-    spec = estimators.spec(est.name)
-    pipe = _pipeline(cfg)
+    pipe = pipeline(cfg)
     batch = _dry_batch(cfg, group_size=1)
-    out = pipe(batch, state=spec.init_state(8)) if spec.stateful else pipe(batch)
-    adv = out[0] if spec.stateful else out
+    adv, _ = pipe.apply(batch, pipe.init(8))
     if not np.any(np.asarray(adv.token)[np.asarray(batch.action_mask)]):
         raise ConfigError(
             f"rollout.group_size = 1: estimator {est.name!r} compares the rollouts of a task, "
@@ -1162,6 +1187,14 @@ def _check_trainer(cfg: RunConfig) -> None:
               "max_failed_steps", allow_zero=True)
     _positive(t, "trainer", "rollout_workers", "logits_chunk")
     _positive(cfg.metrics, "metrics", "rollout_samples", allow_zero=True)
+    if cfg.metrics.wandb:
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("metrics.wandb: true needs the wandb package: pip install "
+                              "'jaxrl-agent[wandb]' (or set metrics.wandb: false)")
+        if not (isinstance(cfg.metrics.wandb_project, str) and cfg.metrics.wandb_project):
+            raise ConfigError(f"metrics.wandb_project must be a non-empty string, got "
+                              f"{cfg.metrics.wandb_project!r}")
     if not isinstance(t.remat, bool):
         _choice(t.remat, tuple(REMAT_POLICIES), "trainer.remat")
     _choice(t.attention, tuple(ATTENTION_IMPLS), "trainer.attention")

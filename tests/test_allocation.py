@@ -25,6 +25,7 @@ from jaxrl_agent.estimators import allocation as A
 from tests.reference import allocation_ref as aref
 from tests.registered import defined_in
 from tests.reference import estimators_ref as ref
+from tests.families import shapes_of
 from tests.strategies import MAX_ACT, MAX_OBS, MAX_TURNS, PAD
 
 EX = settings(max_examples=10, deadline=None)
@@ -207,10 +208,6 @@ def pack(records, layout, pad=None, num_shards=1):
             teacher[row, a:b] = t["teacher_logprobs"]
     batch = batch.replace(extras={**batch.extras, "teacher_logprobs": teacher})
     return batch, index
-
-
-def shapes_of(batch):
-    return dict(N=batch.num_traj, K=batch.num_turns, R=batch.num_rows, T=batch.row_len)
 
 
 def base_lists(token, index):

@@ -37,6 +37,7 @@ from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.rollout.records import pack_records
 from tests.reference import estimators_ref as ref
+from tests.families import shapes_of
 from tests.strategies import PAD
 from tests.strategies import records as records_st
 
@@ -166,10 +167,6 @@ def pack(records, layout, pad=None, task_index=None):
             dense[row, s:e] = t["token_rewards"]
     batch = batch.replace(extras={**batch.extras, "token_rewards": dense}).validate()
     return recs, batch, index
-
-
-def shapes_of(batch):
-    return {"N": batch.num_traj, "K": batch.num_turns, "R": batch.num_rows, "T": batch.row_len}
 
 
 _f32 = st.floats(-3, 3, allow_nan=False, width=32)

@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
-from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators.graph import graph_distances
 from tests.reference import estimators_ref as ref
 from tests.reference import graph_ref
 from tests.reference.step_ref import parse_steps
+from tests.families import packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -80,12 +80,7 @@ def run_all(batch):
     return jax.tree.map(np.asarray, _run_all(batch))
 
 
-def pack(recs, layout, pad=None, num_shards=1):
-    return pack_records(recs, layout=layout, pad_to=pad or PAD[layout], num_shards=num_shards)
-
-
-def shapes_of(b):
-    return {"N": b.num_traj, "K": b.num_turns, "R": b.num_rows, "T": b.row_len}
+pack = packer(PAD)
 
 
 def check(cid, adv, recs, index, batch):

@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 
 from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
-from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators.hierarchical import hae_streams
 from tests.reference import estimators_ref as ref
 from tests.reference import hae_ref
+from tests.families import packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -136,12 +136,7 @@ def set_switch(recs, value):
     return recs
 
 
-def pack(recs, layout, pad=None, num_shards=1):
-    return pack_records(recs, layout=layout, pad_to=pad or PAD[layout], num_shards=num_shards)
-
-
-def shapes_of(b):
-    return {"N": b.num_traj, "K": b.num_turns, "R": b.num_rows, "T": b.row_len}
+pack = packer(PAD)
 
 
 def check(cid, adv, recs, index, batch):

@@ -31,11 +31,11 @@ from jax.sharding import PartitionSpec as P
 from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
 from jaxrl_agent.batch import LAYOUTS, Advantages
-from jaxrl_agent.rollout.records import pack_records
 from tests.registered import defined_in
 from jaxrl_agent.estimators import routing
 from tests.reference import estimators_ref as ref
 from tests.reference import routing_ref
+from tests.families import packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=15, deadline=None)
@@ -182,12 +182,7 @@ def seeded_records(seed, num_traj=8, num_groups=3):
     return recs
 
 
-def pack(recs, layout, pad=None, num_shards=1):
-    return pack_records(recs, layout=layout, pad_to=pad or PAD[layout], num_shards=num_shards)
-
-
-def shapes_of(b):
-    return {"N": b.num_traj, "K": b.num_turns, "R": b.num_rows, "T": b.row_len}
+pack = packer(PAD)
 
 
 def per_record_tokens(token, index):

@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.estimators import shaping as S
-from jaxrl_agent.rollout.records import pack_records
 from tests.registered import defined_in
 from tests.reference import estimators_ref as eref
 from tests.reference import shaping_ref as ref
+from tests.families import packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=12, deadline=None)
@@ -202,12 +202,7 @@ def np_records(seed, num_traj=8, groups=3):
     return recs
 
 
-def pack(recs, layout, pad=None, num_shards=1):
-    return pack_records(recs, layout=layout, pad_to=pad or PAD[layout], num_shards=num_shards)
-
-
-def shapes_of(b):
-    return {"N": b.num_traj, "K": b.num_turns, "R": b.num_rows, "T": b.row_len}
+pack = packer(PAD)
 
 
 # ----------------------------------------------------------------------------- vs reference

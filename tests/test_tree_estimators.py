@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
 from jaxrl_agent.batch import LAYOUTS
-from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators import tree as T
 from tests.reference import step_ref
 from tests.reference import tree_ref as ref
 from tests.reference.estimators_ref import place
+from tests.families import packer, shapes_of
 from tests.strategies import PAD, step_records
 
 FIELDS = ("token", "turn")
@@ -131,14 +131,7 @@ def run_all(batch):
     return jax.tree.map(np.asarray, _run_all_jit(batch))
 
 
-def pack(records, layout, pad=None, num_shards=1):
-    batch, index = pack_records(records, layout=layout, pad_to=pad or PAD[layout],
-                                num_shards=num_shards)
-    return batch.validate(num_shards=num_shards), index
-
-
-def shapes_of(batch):
-    return {"N": batch.num_traj, "K": batch.num_turns, "R": batch.num_rows, "T": batch.row_len}
+pack = packer(PAD, validate=True)
 
 
 def reference(cid, records):

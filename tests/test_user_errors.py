@@ -1,9 +1,12 @@
 """What a new user trips over (issue 34), done as the user does it: the CLI in a subprocess on
 the tiny built-in model with a task file and a reward function of their own."""
 
+import importlib.machinery
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.runs import TINY
 
@@ -131,3 +134,63 @@ def test_a_task_env_gets_chat_sized_replies_unless_the_config_sets_them():
     assert config_lib.load(None, [*tasks, "estimator.name=rloo"]).estimator.name == "rloo"
     assert config_lib.load(None, [*tasks, "estimator={name: gigpo}"]).estimator.name == "gigpo"
     assert config_lib.load(None, []).estimator.name == "gigpo"
+
+
+def test_weights_and_biases_logging_is_optional_and_resumable(tmp_path, monkeypatch):
+    """metrics.wandb: true without the package is a config error naming the extra; with it,
+    every metrics row goes to wandb.log at its step, a resumed run reuses the W&B run id, and
+    the run is finished on close (a stand-in wandb module: no network)."""
+    import sys
+    import types
+
+    from jaxrl_agent import config as config_lib
+    from jaxrl_agent.train.metrics import MetricsLogger
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(config_lib.ConfigError, match=r"jaxrl-agent\[wandb\]"):
+        config_lib.load(None, ["metrics.wandb=true"])
+    calls = []
+
+    class Run:
+        def log(self, row, step):
+            calls.append(("log", step, dict(row)))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    assert config_lib.load(None, ["metrics.wandb=true"]).metrics.wandb
+    for resume in (None, 1):
+        with MetricsLogger(tmp_path / "m", total_steps=2, tensorboard=False, progress=False,
+                           wandb={"project": "p", "name": "n"}, resume_from_step=resume) as lg:
+            lg.log(1 if resume is None else 2, {"train/reward": 0.5, "note": "x"})
+    inits = [c[1] for c in calls if c[0] == "init"]
+    assert inits[0]["id"] == inits[1]["id"] and inits[0]["resume"] == "allow"
+    assert inits[0]["project"] == "p" and inits[0]["name"] == "n"
+    logs = [c for c in calls if c[0] == "log"]
+    assert [c[1] for c in logs] == [1, 2] and logs[0][2] == {"train/reward": 0.5}
+    assert calls.count(("finish",)) == 2
+
+
+def test_config_files_expand_environment_variables(tmp_path, monkeypatch):
+    """${NAME:-default} in a config file: the variable when set, else the default; an unset
+    variable without a default names the key and the variable. The tiny configs take their
+    checkpoint path from JAXRL_TINY_CHECKPOINT this way."""
+    from jaxrl_agent import config as config_lib
+    path = tmp_path / "c.yaml"
+    path.write_text("name: ${RUN_NAME:-fallback}\nmodel:\n  hf_path: ${MY_CKPT}\n")
+    monkeypatch.delenv("RUN_NAME", raising=False)
+    monkeypatch.delenv("MY_CKPT", raising=False)
+    with pytest.raises(config_lib.ConfigError, match=r"model\.hf_path: environment variable "
+                                                    r"MY_CKPT is not set"):
+        config_lib.read_yaml(path)
+    monkeypatch.setenv("MY_CKPT", "/somewhere/ckpt")
+    raw = config_lib.read_yaml(path)
+    assert raw["name"] == "fallback" and raw["model"]["hf_path"] == "/somewhere/ckpt"
+    monkeypatch.setenv("JAXRL_TINY_CHECKPOINT", str(tmp_path / "tiny"))
+    raw = config_lib.read_yaml(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                            "tiny_chat_tasks.yaml"))
+    assert raw["model"]["hf_path"] == str(tmp_path / "tiny")

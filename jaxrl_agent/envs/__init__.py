@@ -6,14 +6,15 @@ See docs/envs.md. ``make_env(name, **kwargs)`` builds a registered environment (
 (``resolve_env``).
 """
 
-from jaxrl_agent.envs.base import (ENV_NAME_FORMS, Env, Episode, FirstErrors, SafeEnv,
-                                   StepResult, Task, env_class, first_errors, gymnasium_env, make_env, names, normalize_action,
-                                   register, reset_group, resolve_env, run_episode,
-                                   solver_policy, split_of, stable_hash)
+from jaxrl_agent.envs.base import (Env, Episode, FirstErrors, SafeEnv, StepResult, Task,
+                                   env_class, first_errors, names, normalize_action, register,
+                                   reset_group, run_episode, solver_policy, split_of,
+                                   stable_hash)
 from jaxrl_agent.envs.gridworld import GridWorld
 from jaxrl_agent.envs.calculator import Calculator, ParseError, evaluate
 from jaxrl_agent.envs.chain import Chain
 from jaxrl_agent.envs.adapters import GymnasiumTextAdapter, HTTPEnv
+from jaxrl_agent.envs.resolve import ENV_NAME_FORMS, gymnasium_env, make_env, resolve_env
 from jaxrl_agent.envs.tasks import (ConversationEnv, ReasoningGymEnv, RewardError, TaskEnv,
                                     TaskFileError, answer_reward, load_reward, load_tasks,
                                     make_tasks, run_reward)

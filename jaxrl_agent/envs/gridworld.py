@@ -150,9 +150,8 @@ class GridWorld(Env):
 
     def horizon_stats(self, num_tasks: int = 500, seed: int = 0) -> dict:
         """Optimal plan lengths (turns to success) of ``num_tasks`` random layouts."""
-        import random
-        lengths = [len(bfs_plan(self.size, t.data)) for t in
-                   (self._make_task(random.Random(seed * 1_000_003 + i)) for i in range(num_tasks))]
+        lengths = [len(bfs_plan(self.size, self.make_task(seed * 1_000_003 + i).data))
+                   for i in range(num_tasks)]
         return {"mean": sum(lengths) / len(lengths), "min": min(lengths), "max": max(lengths),
                 "max_turns": self.max_turns}
 

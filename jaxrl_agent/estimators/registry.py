@@ -125,6 +125,12 @@ class Pipeline:
 
     Each stage is ``(name, ((param, value), ...))`` (hashable: use it as a static argument).
     ``Pipeline.build("grpo", then=[("trial", {"weight": 0.5})])`` accepts dicts.
+
+    One interface for every pipeline, as optax's transformations: ``state = pipe.init(num_tasks)``
+    (``()`` unless the estimator keeps state across steps, e.g. SPO's per-task trackers), then
+    ``adv, state = pipe.apply(batch, state)``; callers never ask whether a pipeline is
+    stateful. ``pipe(batch)`` (``pipe(batch, state=...)`` for a stateful one) is the same
+    function with the estimator's own return convention.
     """
 
     estimator: tuple
@@ -147,6 +153,23 @@ class Pipeline:
     @property
     def stateful(self) -> bool:
         return spec(self.estimator[0]).stateful
+
+    def init(self, num_tasks: int):
+        """The estimator's state for ``num_tasks`` task ids: ``()`` for a stateless one."""
+        e = spec(self.estimator[0])
+        return e.init_state(num_tasks) if e.stateful else ()
+
+    def check(self, batch: TrajectoryBatch, state) -> None:
+        """Host-side check of ``state`` against ``batch`` (task ids within the tables)."""
+        e = spec(self.estimator[0])
+        if e.stateful and e.check_state is not None:
+            e.check_state(batch, state)
+
+    def apply(self, batch: TrajectoryBatch, state=(), *, axis_name=None):
+        """``(Advantages, new_state)`` for every pipeline (a stateless one returns ``state``)."""
+        if self.stateful:
+            return self(batch, state=state, axis_name=axis_name)
+        return self(batch, axis_name=axis_name), state
 
     @property
     def names(self) -> tuple:

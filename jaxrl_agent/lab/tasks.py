@@ -93,7 +93,7 @@ def gridworld(*, size: int = 5, extra_walls: int = 2, horizon: int = 12, num_lay
     rng = random.Random(seed)
     index, edges, goals, starts = {}, [], set(), []
     for layout_id in range(num_layouts):
-        lay = env._make_task(rng).data
+        lay = env.make_task(rng).data
         s0 = (layout_id, lay["start"], False, False)
         index.setdefault(s0, len(index))
         starts.append(index[s0])

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_agent import config as config_lib
-from jaxrl_agent import envs, estimators, segments
+from jaxrl_agent import envs, segments
 from jaxrl_agent import sharding
 from jaxrl_agent.sharding import multihost
 from jaxrl_agent.batch import bucket, round_up_to_step
@@ -465,8 +465,8 @@ class Trainer:
         self._n_train = r.tasks_per_step * r.group_size * r.branch_factor ** len(r.branch_turns)
         self.optimizer = run_optimizer(cfg)
         self.lr_at = run_lr_schedule(cfg)
-        self.spec = estimators.spec(cfg.estimator.name)
-        self.step_cfg = step_config(cfg, self.data_shards)
+        self.pipeline = config_lib.pipeline(cfg)
+        self.step_cfg = step_config(cfg, self.data_shards, self.pipeline)
         self.rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
         self.state_shardings = sharding.train_state_shardings(
             jax.eval_shape(self._init_state), self.optimizer, self.mesh, self.rules,
@@ -511,9 +511,7 @@ class Trainer:
                 print(text, file=self.out, flush=True)
 
     def _init_state(self) -> TrainState:
-        est_state = ()
-        if self.spec.stateful:
-            est_state = self.spec.init_state(self.cfg.trainer.task_capacity)
+        est_state = self.pipeline.init(self.cfg.trainer.task_capacity)
         return init_state(self.model, self.optimizer, seed=self.cfg.trainer.seed,
                           est_state=est_state, with_reference=self.cfg.loss.kl_coef > 0)
 
@@ -522,8 +520,7 @@ class Trainer:
         by shard, and the optimizer state (and KL reference) are created already sharded."""
         params = multihost.global_tree(jax.device_get(nnx.state(self.model, nnx.Param)),
                                        self.state_shardings.params)
-        est_state = (self.spec.init_state(self.cfg.trainer.task_capacity)
-                     if self.spec.stateful else ())
+        est_state = self.pipeline.init(self.cfg.trainer.task_capacity)
         init = functools.partial(init_state_from_params, optimizer=self.optimizer,
                                  seed=self.cfg.trainer.seed,
                                  with_reference=self.cfg.loss.kl_coef > 0,
@@ -720,7 +717,7 @@ class Trainer:
             plan = plan.padded(num_traj=n_traj, num_turns=k, num_rows=rows,
                                row_len=16 * math.ceil(plan.need["row_len"] / 16))
         batch, _ = pack(recs, plan, task_index=self.task_index)
-        if len(self.task_index) > t.task_capacity and self.spec.stateful:
+        if len(self.task_index) > t.task_capacity and self.pipeline.stateful:
             raise RuntimeError(f"more than trainer.task_capacity={t.task_capacity} distinct "
                                f"tasks seen; raise it for {self.cfg.estimator.name!r}")
         return batch
@@ -898,8 +895,11 @@ class Trainer:
         if not multihost.is_main_process():
             self.logger = _NullLogger()
             return
+        m = self.cfg.metrics
+        wandb = (dict(project=m.wandb_project, name=self.cfg.name,
+                      config=config_lib.to_dict(self.cfg)) if m.wandb else None)
         self.logger = MetricsLogger(self.paths.metrics, total_steps=self.cfg.trainer.steps,
-                                    tensorboard=self.cfg.metrics.tensorboard,
+                                    tensorboard=self.cfg.metrics.tensorboard, wandb=wandb,
                                     progress=self.progress, stream=self.out,
                                     resume_from_step=resume_from_step)
 
@@ -1141,15 +1141,15 @@ class _NullLogger:
         pass
 
 
-def step_config(cfg: config_lib.RunConfig, data_shards: int) -> StepConfig:
+def step_config(cfg: config_lib.RunConfig, data_shards: int, pipeline=None) -> StepConfig:
     """The train step's static settings of a run (``data_shards``: the batch's split over the
-    mesh's data x fsdp axes); the trainer and ``jaxrl-agent plan`` build the step from it."""
+    mesh's data x fsdp axes; ``pipeline``: the run's ``config.pipeline``, built here when not
+    given); the trainer and ``jaxrl-agent plan`` build the step from it."""
     t, r = cfg.trainer, cfg.rollout
+    pipe = pipeline if pipeline is not None else config_lib.pipeline(cfg)
     return StepConfig(
-        estimator=cfg.estimator.name,
-        estimator_params=tuple(sorted(cfg.estimator.params.items())),
-        shaping=config_lib.stages(cfg.estimator, "shaping"),
-        then=config_lib.stages(cfg.estimator, "then"),
+        estimator=pipe.estimator[0], estimator_params=pipe.estimator[1],
+        shaping=pipe.shaping, then=pipe.then,
         policy_loss=cfg.loss.policy, policy_params=tuple(sorted(cfg.loss.params.items())),
         agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
         entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,

@@ -154,6 +154,9 @@ class MetricsLogger:
       directory: the run's metrics directory (created).
       total_steps: the last step of the run (for the bar, percentage and ETA).
       tensorboard: write TensorBoard event files under ``directory/tb``.
+      wandb: keyword arguments of ``wandb.init`` (project, name, config, ...) to log every row
+        to Weights & Biases as well (the ``[wandb]`` extra); None (default) = no W&B. The run's
+        id is derived from ``directory``, so a resumed run continues the same W&B run.
       progress: print the progress line; ``False`` prints nothing at all (``event`` included).
       stream: where the progress goes (default ``sys.stderr``).
       resume_from_step: continue a run whose last checkpoint is at this step.
@@ -167,6 +170,7 @@ class MetricsLogger:
     """
 
     def __init__(self, directory, *, total_steps: int, tensorboard: bool = True,
+                 wandb: Mapping | None = None,
                  progress: bool = True, stream=None, resume_from_step: int | None = None,
                  print_every_s: float = 10.0, progress_keys: Mapping[str, str] | None = None):
         self.directory = pathlib.Path(directory)
@@ -190,6 +194,7 @@ class MetricsLogger:
         self._tb = None
         if tensorboard:
             self._tb = self._open_tensorboard()
+        self._wandb = None if wandb is None else self._open_wandb(dict(wandb))
 
         self._start_time = self._clock()
         self._start_step = 0 if resume_from_step is None else int(resume_from_step)
@@ -228,6 +233,15 @@ class MetricsLogger:
         return SummaryWriter(logdir=str(tb_dir), purge_step=purge,
                              filename_suffix=f".{time.time_ns()}")
 
+    def _open_wandb(self, kwargs: dict):
+        import hashlib
+
+        import wandb  # the [wandb] extra; config validation says so when it is missing
+
+        run_id = hashlib.sha1(str(self.directory.resolve()).encode()).hexdigest()[:16]
+        return wandb.init(**{"id": run_id, "resume": "allow", "dir": str(self.directory),
+                             **kwargs})
+
     # -- logging
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -257,6 +271,11 @@ class MetricsLogger:
                 if key in _RESERVED or v is None or isinstance(v, str):
                     continue
                 self._tb.add_scalar(key, float(v), step)
+
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items()
+                             if k not in _RESERVED and v is not None and not isinstance(v, str)},
+                            step=step)
 
         if self._stream is not None:
             self._progress(step, row)
@@ -288,6 +307,8 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         if self._stream is not None and self._last_step is not None:
             if self._tty:
                 self._draw(self._line(bar=True))  # the final state, even if throttled

@@ -72,7 +72,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrl_agent import config as config_lib
-from jaxrl_agent import estimators, sharding
+from jaxrl_agent import sharding
 from jaxrl_agent.batch import TrajectoryBatch, bucket
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer, param_dtype, trainable_filter
@@ -1108,11 +1108,11 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
         raise PlanError(f"mesh.tensor={tp} must divide the model's attention heads "
                         f"({mc.num_heads}) and key/value heads ({mc.num_kv_heads})")
     data_shards = sharding.batch_shards(mesh)
-    scfg = step_config(cfg, data_shards)
+    pipe = config_lib.pipeline(cfg)
+    scfg = step_config(cfg, data_shards, pipe)
     opt = run_optimizer(cfg)
     rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
-    spec = estimators.spec(cfg.estimator.name)
-    est_state = spec.init_state(cfg.trainer.task_capacity) if spec.stateful else ()
+    est_state = pipe.init(cfg.trainer.task_capacity)
     with_ref = cfg.loss.kl_coef > 0
     if cfg.trainer.prefix_sharing:
         notes.append("trainer.prefix_sharing: the step is compiled with prefix trees at their "

@@ -525,19 +525,16 @@ def _token_returns(adv: Advantages, batch: TrajectoryBatch):
     return jnp.zeros(batch.tokens.shape, jnp.float32)
 
 
-def _run_estimator(pipe, est_batch, est_state, stateful: bool, mesh):
+def _run_estimator(pipe, est_batch, est_state, mesh):
     """The estimator pipeline on the whole batch; under ``shard_map`` over the batch axes when
     the batch is split (groups are whole per shard, so only batch-wide statistics cross)."""
     if mesh is None or sharding_lib.batch_shards(mesh) == 1:
-        return pipe(est_batch, state=est_state) if stateful else (pipe(est_batch), est_state)
+        return pipe.apply(est_batch, est_state)
     axes = sharding_lib.BATCH_AXES
     rows = sharding_lib.batch_spec()
-    if stateful:
-        f = lambda b, s: pipe(b, state=s, axis_name=axes)  # noqa: E731
-        return jax.shard_map(f, mesh=mesh, in_specs=(rows, P()),
-                             out_specs=(rows, P()))(est_batch, est_state)
-    f = lambda b: pipe(b, axis_name=axes)  # noqa: E731
-    return jax.shard_map(f, mesh=mesh, in_specs=(rows,), out_specs=rows)(est_batch), est_state
+    f = lambda b, s: pipe.apply(b, s, axis_name=axes)  # noqa: E731
+    return jax.shard_map(f, mesh=mesh, in_specs=(rows, P()),
+                         out_specs=(rows, P()))(est_batch, est_state)
 
 
 def _advantages(graphdef, rest, fwd, cfg: StepConfig, state: TrainState, batch, tree, mesh):
@@ -552,8 +549,7 @@ def _advantages(graphdef, rest, fwd, cfg: StepConfig, state: TrainState, batch, 
         hidden = _decision_hidden(graphdef, state.params, rest, batch, tree, cfg.blocks,
                                   cfg.attention)
     est_batch = _provide(batch, cfg.reads, values, hidden)
-    stateful = estimators.spec(cfg.estimator).stateful
-    return _run_estimator(cfg.pipeline, est_batch, state.est_state, stateful, mesh)
+    return _run_estimator(cfg.pipeline, est_batch, state.est_state, mesh)
 
 
 def _step_metrics(cfg: StepConfig, per, dens, n_bad, n_idle, adv_tok, batch) -> dict:
