@@ -3,6 +3,7 @@ horizon grows (docs/training.md, "Credit assignment as the horizon grows").
 
     python examples/horizon_study.py L2 [--out runs/horizon] [--seeds 0 1 2 3 4] [--jobs 2]
     python examples/horizon_study.py --report [--out runs/horizon]
+    python examples/horizon_study.py L3 --time 8 [--out runs/horizon]   # step times, run alone
 
 A level is a grid-world difficulty (``LEVELS``). For each level, ``examples/compare_runs.py``
 makes one shared supervised warm-up (the noisy demonstrator of the default run, seed 0), then
@@ -48,6 +49,9 @@ METHODS = [("grpo", "estimator.name=grpo"),
 BUDGET = ["rollout.tasks_per_step=4", "rollout.group_size=8", "trainer.steps=60",
           "trainer.eval_every=15", "trainer.eval_tasks=128", "metrics.plots=false",
           "metrics.rollout_samples=0"]
+#: per-level changes of the budget: L3's episodes are the longest (up to 24 turns), so its runs
+#: take 40 steps (an evaluation every 10) to keep the study within its time
+LEVEL_BUDGET = {"L3": ["trainer.steps=40", "trainer.eval_every=10"]}
 
 
 def _compare_runs():
@@ -70,9 +74,38 @@ def run_level(level: str, out: pathlib.Path, seeds, jobs: int) -> int:
     argv = [str(out / level), "--seeds", *map(str, seeds), "--jobs", str(jobs)]
     for name, sets in METHODS:
         argv += ["--variant", f"{name}:{sets}"]
-    for s in LEVELS[level][1] + BUDGET:
+    for s in LEVELS[level][1] + BUDGET + LEVEL_BUDGET.get(level, []):
         argv += ["--set", s]
     return _compare_runs().main(argv)
+
+
+def time_level(level: str, out: pathlib.Path, steps: int) -> dict:
+    """Seconds per RL step of each method on the level, from its warm start, one run at a time
+    (run it with nothing else on the machine): the mean of rollout + train time over steps 2..
+    ``steps`` (step 1 compiles). Written to ``OUT/<level>/timing.json``."""
+    cr = _compare_runs()
+    warm = out / level / "_warmup" / "warmup_model"
+    if not (warm / "config.json").exists():
+        raise SystemExit(f"{warm}: no warm start yet; run the level first")
+    times = {}
+    for name, sets in METHODS:
+        run = out / level / "_timing" / name
+        if run.exists():
+            import shutil
+            shutil.rmtree(run)
+        run.mkdir(parents=True)
+        extra = [s for s in BUDGET + LEVEL_BUDGET.get(level, [])
+                 if not s.startswith(("trainer.steps", "trainer.eval_every"))]
+        args = cr._run_args(run, LEVELS[level][1] + extra + sets.split(",") + [
+            f"model.builtin_dir={warm}", "trainer.warmup_sft_steps=0", f"trainer.steps={steps}",
+            "trainer.eval_every=0"])
+        if cr._cli(args, run / "log.txt") != 0:
+            raise SystemExit(f"timing run {name} failed: see {run / 'log.txt'}")
+        rows = [r for r in cr._rows(run / "metrics" / "metrics.jsonl")
+                if r.get("step", 0) >= 2 and "time/train_s" in r]
+        times[name] = float(np.mean([r["time/rollout_s"] + r["time/train_s"] for r in rows]))
+    (out / level / "timing.json").write_text(json.dumps(times, indent=1))
+    return times
 
 
 def report(out: pathlib.Path) -> str:
@@ -81,8 +114,8 @@ def report(out: pathlib.Path) -> str:
         raise SystemExit(f"no {out}/L*/summary.json yet: run a level first")
     base = METHODS[0][0]
     lines = ["| level | optimal turns (mean, max) | method | step 0 | final | paired diff vs "
-             f"{base}, final | AUC | paired AUC diff vs {base} | zero-adv groups |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{base}, final | AUC | paired AUC diff vs {base} | zero-adv groups | s / step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=(4.2 * len(levels), 3.8), dpi=120)
@@ -92,6 +125,8 @@ def report(out: pathlib.Path) -> str:
         steps = summary["steps"]
         first, last = str(steps[0]), str(steps[-1])
         turns = optimal_turns(lv)
+        timing = (json.loads((out / lv / "timing.json").read_text())
+                  if (out / lv / "timing.json").exists() else {})
         ax = fig.add_subplot(1, len(levels), i + 1)
         for name, d in summary["variants"].items():
             per = d["per_step"]
@@ -102,7 +137,8 @@ def report(out: pathlib.Path) -> str:
             lines.append(f"| {lv}: {LEVELS[lv][0]} | {turns['mean']:.1f}, {turns['max']} | {name} | "
                          f"{p0['mean']:.2f} +- {p0['ci95']:.2f} | {pl['mean']:.2f} +- "
                          f"{pl['ci95']:.2f} | {diff} | {d['auc']:.3f} +- {d['auc_ci95']:.3f} | "
-                         f"{adiff} | {d['group_zero_frac']:.2f} |")
+                         f"{adiff} | {d['group_zero_frac']:.2f} | "
+                         + (f"{timing[name]:.2f} |" if name in timing else "- |"))
             m = np.array([per[str(s)]["mean"] for s in steps])
             h = np.nan_to_num(np.array([per[str(s)]["ci95"] for s in steps]))
             ax.plot(steps, m, marker="o", ms=3, label=name)
@@ -129,11 +165,15 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--jobs", type=int, default=2, help="runs at once")
     p.add_argument("--report", action="store_true", help="combine the levels run so far")
+    p.add_argument("--time", type=int, default=0, metavar="STEPS",
+                   help="time STEPS RL steps of each method on LEVEL, one run at a time")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out).absolute()
     if a.level is None and not a.report:
         p.error("give a LEVEL to run, or --report")
-    if a.level is not None:
+    if a.level is not None and a.time:
+        print(json.dumps(time_level(a.level, out, a.time)))
+    elif a.level is not None:
         rc = run_level(a.level, out, a.seeds, a.jobs)
         if rc:
             return rc

@@ -22,6 +22,7 @@ from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators import allocation as A
+from jaxrl_agent.estimators import primitives as P
 from tests.reference import allocation_ref as aref
 from tests.registered import defined_in
 from tests.reference import estimators_ref as ref
@@ -342,7 +343,7 @@ def test_group_level_conserves_group_mass(recs, layout):
     A' equal the token counts (checked with a constant base advantage)."""
     batch, index = pack(recs, layout)
     b = jax.tree.map(jnp.asarray, batch)
-    w = A.token_weights(b.extras["tw"], b, level="group", floor=0.2, clip_min=0.5, clip_max=1.5)
+    w = P.token_weights(b.extras["tw"], b, level="group", floor=0.2, clip_min=0.5, clip_max=1.5)
     w = np.asarray(w)
     sums = _segment_sums(w, batch, index, recs, "group")
     counts = _segment_sums(np.asarray(batch.action_mask, np.float64), batch, index, recs, "group")
@@ -393,7 +394,7 @@ def test_scale_and_shift_invariances(recs, layout):
 
 
 def _norm(w, seg, valid, nseg, **kw):
-    return np.asarray(A.normalize_weights(jnp.asarray(w, jnp.float32), jnp.asarray(seg),
+    return np.asarray(P.normalize_weights(jnp.asarray(w, jnp.float32), jnp.asarray(seg),
                                           jnp.asarray(valid), nseg, **kw))
 
 
@@ -463,8 +464,8 @@ def test_shuffle_keeps_multisets_and_is_layout_free(recs, seed):
             batch, index = pack(recs, layout, pad=pad)
             b = jax.tree.map(jnp.asarray, batch)
             for name, level in (("w", "trajectory"), ("tw", "trajectory"), ("tw", "turn")):
-                x = A.shuffle_weights(b.extras[name], b, level=level, seed=seed)
-                y = A.shuffle_weights(b.extras[name], b, level=level, seed=seed)
+                x = P.shuffle_weights(b.extras[name], b, level=level, seed=seed)
+                y = P.shuffle_weights(b.extras[name], b, level=level, seed=seed)
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
                 per_turn = name == "w"
                 vals = _per_record(np.asarray(x), index, per_turn)
@@ -491,7 +492,7 @@ def test_shuffle_moves_weights_and_seeds_differ():
     batch, index = pack(recs, "concatenated")
     b = jax.tree.map(jnp.asarray, batch)
     x = np.asarray(b.extras["tw"])
-    outs = [np.asarray(A.shuffle_weights(b.extras["tw"], b, seed=s)) for s in range(3)]
+    outs = [np.asarray(P.shuffle_weights(b.extras["tw"], b, seed=s)) for s in range(3)]
     assert any((o != x).any() for o in outs)
     assert (outs[0] != outs[1]).any() or (outs[1] != outs[2]).any()
 
@@ -651,9 +652,9 @@ def test_clear_errors():
         A.probe_directed_bonus(adv, b, probe="nope")
     with pytest.raises(ValueError, match="weights"):
         A.reallocate(adv, b)  # extras['weights'] missing
-    with pytest.raises(ValueError, match="per turn"):
+    with pytest.raises(ValueError, match=r"dcsd: extras\['tw'\] must have shape \[N, K\]"):
         A.probe_directed_bonus(adv, b, probe="tw")  # a token array where a turn array is needed
-    with pytest.raises(ValueError, match="per token"):
+    with pytest.raises(ValueError, match=r"extras\['w'\] must have shape \[R, T\]"):
         A.rubric_token_reweight(adv, b, teacher="w")
     with pytest.raises(ValueError, match="ref_logprobs"):
         A.gated_teacher_reward(
@@ -692,9 +693,9 @@ def test_clear_errors():
         with pytest.raises(ValueError, match=next(iter(hp)) if "score" not in hp else "tw"):
             A.positive_amplified_outcome(b, **hp)
     with pytest.raises(ValueError, match="shape"):
-        A.token_weights(jnp.ones((3, 3)), b)
+        P.token_weights(jnp.ones((3, 3)), b)
     with pytest.raises(ValueError, match="per='token'"):
-        A.token_weights(b.extras["w"], b, per="token")
+        P.token_weights(b.extras["w"], b, per="token")
 
 
 # ----------------------------------------------------------------------------- method specifics

@@ -34,7 +34,7 @@ from jaxrl_agent.batch import LAYOUTS
 from tests.reference import bipace_ref
 from tests.reference import estimators_ref as ref
 from tests.reference import step_ref
-from tests.families import packer, shapes_of
+from tests.families import assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 # (the package re-exports the function ``bipace`` under the module's name)
@@ -135,15 +135,7 @@ pack = packer(PAD)
 
 def check(cid, adv, recs, index, batch):
     placed = ref.place(bipace_ref.bipace(recs, **CONFIGS[cid]), index, shapes_of(batch))
-    for f in ("token", "turn"):
-        exp, tol = placed[f]
-        got = np.asarray(getattr(adv, f), np.float64)
-        assert np.isfinite(got).all(), f"{cid}.{f}: non-finite"
-        err = np.abs(got - exp)
-        if (err > tol).any():
-            p = tuple(int(i) for i in np.argwhere(err > tol)[0])
-            raise AssertionError(f"{cid}.{f} [{batch.layout}] at {p}: got {got[p]}, "
-                                 f"expected {exp[p]} (tol {tol[p]:.3g})")
+    assert_placed(cid, adv, placed, batch.layout)
 
 
 def clusters_of(recs, tau, merge=False):

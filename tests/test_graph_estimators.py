@@ -29,7 +29,7 @@ from jaxrl_agent.estimators.graph import graph_distances
 from tests.reference import estimators_ref as ref
 from tests.reference import graph_ref
 from tests.reference.step_ref import parse_steps
-from tests.families import packer, shapes_of
+from tests.families import assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -86,18 +86,7 @@ pack = packer(PAD)
 def check(cid, adv, recs, index, batch):
     name, hp = CONFIGS[cid]
     placed = ref.place(graph_ref.REFERENCES[name](recs, **hp), index, shapes_of(batch))
-    for f in FIELDS:
-        if placed[f] is None:
-            assert getattr(adv, f) is None, f"{cid}.{f}: unexpected output"
-            continue
-        exp, tol = placed[f]
-        got = np.asarray(getattr(adv, f), np.float64)
-        assert np.isfinite(got).all(), f"{cid}.{f}: non-finite"
-        err = np.abs(got - exp)
-        if (err > tol).any():
-            p = tuple(int(i) for i in np.argwhere(err > tol)[0])
-            raise AssertionError(f"{cid}.{f} [{batch.layout}] at {p}: got {got[p]}, "
-                                 f"expected {exp[p]} (tol {tol[p]:.3g})")
+    assert_placed(cid, adv, placed, batch.layout, FIELDS)
 
 
 def rng_records(seed, num_groups=6, max_size=4):

@@ -28,7 +28,7 @@ from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.estimators.hierarchical import hae_streams
 from tests.reference import estimators_ref as ref
 from tests.reference import hae_ref
-from tests.families import packer, shapes_of
+from tests.families import assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -142,15 +142,7 @@ pack = packer(PAD)
 def check(cid, adv, recs, index, batch):
     hp, drop = CONFIGS[cid]
     placed = ref.place(hae_ref.hae(strip(recs, drop), **hp), index, shapes_of(batch))
-    for f in ("token", "turn", "turn_returns"):
-        exp, tol = placed[f]
-        got = np.asarray(getattr(adv, f), np.float64)
-        assert np.isfinite(got).all(), f"{cid}.{f}: non-finite"
-        err = np.abs(got - exp)
-        if (err > tol).any():
-            p = tuple(int(i) for i in np.argwhere(err > tol)[0])
-            raise AssertionError(f"{cid}.{f} [{batch.layout}] at {p}: got {got[p]}, "
-                                 f"expected {exp[p]} (tol {tol[p]:.3g})")
+    assert_placed(cid, adv, placed, batch.layout, ("token", "turn", "turn_returns"))
 
 
 def check_streams(sid, s, recs, index):

@@ -35,7 +35,7 @@ from tests.registered import defined_in
 from jaxrl_agent.estimators import routing
 from tests.reference import estimators_ref as ref
 from tests.reference import routing_ref
-from tests.families import packer, shapes_of
+from tests.families import assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=15, deadline=None)
@@ -191,15 +191,7 @@ def per_record_tokens(token, index):
 
 
 def _compare(tag, adv, expected, batch):
-    for f in ("token", "turn"):
-        exp, tol = expected[f]
-        got = np.asarray(getattr(adv, f), np.float64)
-        assert np.isfinite(got).all(), f"{tag}.{f}: non-finite"
-        err = np.abs(got - exp)
-        if (err > tol).any():
-            p = tuple(int(i) for i in np.argwhere(err > tol)[0])
-            raise AssertionError(f"{tag}.{f} [{batch.layout}] at {p}: got {got[p]}, "
-                                 f"expected {exp[p]} (tol {tol[p]:.3g})")
+    assert_placed(tag, adv, expected, batch.layout)
 
 
 # ----------------------------------------------------------------------------- vs reference
