@@ -366,11 +366,12 @@ def test_rope_frequencies():
 # ---------------------------------------------------------------- scan, remat, attention
 
 
-@functools.partial(jit, static_argnums=(0, 6, 7))
-def _loss_and_grad(graphdef, state, tokens, positions, segment_ids, key_ends, remat, attention):
+@functools.partial(jit, static_argnums=(0, 6, 7, 8))
+def _loss_and_grad(graphdef, state, tokens, positions, segment_ids, key_ends, remat, attention,
+                   mlp_chunk=0):
     def loss(st):
         out = nnx.merge(graphdef, st)(tokens, positions, segment_ids, key_ends=key_ends,
-                                      remat=remat, attention=attention)
+                                      remat=remat, attention=attention, mlp_chunk=mlp_chunk)
         return jnp.sum(out.logits * jnp.cos(out.logits)) + jnp.sum(out.values), out
 
     return jax.grad(loss, has_aux=True)(state)
@@ -378,9 +379,9 @@ def _loss_and_grad(graphdef, state, tokens, positions, segment_ids, key_ends, re
 
 @pytest.mark.parametrize("masking", ["segments", "tree"])
 def test_blocked_attention_and_remat_policies_change_nothing(model, masking):
-    """The model with flash-style blocked attention and every remat policy gives the dense,
-    remat-free outputs and parameter gradients (packed segments with padding; a preorder
-    prefix tree through key_ends)."""
+    """The model with flash-style blocked attention (or the splash kernel), the MLP in tiles
+    of positions and every remat policy gives the dense, remat-free outputs and parameter
+    gradients (packed segments with padding; a preorder prefix tree through key_ends)."""
     tokens = _tokens(30, (2, T))
     if masking == "segments":
         seg = jnp.asarray(np.stack([np.repeat([1, 2, 0], [7, 9, 4]), np.repeat([3, 3, 0],
@@ -395,14 +396,23 @@ def test_blocked_attention_and_remat_policies_change_nothing(model, masking):
                      jnp.asarray(np.stack([end] * 2), jnp.int32))
     graphdef, state = nnx.split(model)
     want_g, want = _loss_and_grad(graphdef, state, tokens, pos, seg, ends, "none", "dense")
-    for remat, attention in (("none", "blocked"), ("full", "blocked"), ("save_dots", "dense")):
-        got_g, got = _loss_and_grad(graphdef, state, tokens, pos, seg, ends, remat, attention)
+    # (remat, attention, MLP tile: 7 does not divide the 20 positions, the last tile is padded)
+    variants = (("none", "blocked", 0), ("full", "blocked", 7), ("save_dots", "dense", 0))
+    if masking == "segments":  # the Pallas TPU kernel, emulated on this host
+        variants += (("full", "splash", 0),)
+    else:
+        with pytest.raises(ValueError, match="prefix trees"):
+            _loss_and_grad(graphdef, state, tokens, pos, seg, ends, "none", "splash")
+    for remat, attention, tile in variants:
+        got_g, got = _loss_and_grad(graphdef, state, tokens, pos, seg, ends, remat, attention,
+                                    tile)
         for field in ("logits", "hidden", "values"):
             np.testing.assert_allclose(np.asarray(getattr(got, field)),
                                        np.asarray(getattr(want, field)), atol=2e-5, rtol=0,
                                        err_msg=f"{remat} {attention} {field}")
         for (path, a), (_, b) in zip(nnx.to_flat_state(got_g), nnx.to_flat_state(want_g)):
-            np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), atol=2e-5,
+            np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]),
+                                       atol=1e-4 if attention == "splash" else 2e-5,
                                        rtol=1e-4, err_msg=f"{remat} {attention} {path}")
     if masking == "tree":  # branch B's outputs are those of the root + B alone
         alone = fwd(model, jnp.concatenate([tokens[:, :6], tokens[:, 13:]], axis=1))

@@ -10,6 +10,12 @@ recomputes the probabilities block by block from the saved per-query logsumexp.
 
 Plain XLA only (``lax.map`` / ``lax.scan`` / ``lax.cond``; no Pallas, nothing
 device-specific), so it lowers for CPU, GPU and TPU alike.
+
+``splash_attention`` is the TPU kernel for the same mask: JAX's Pallas "splash attention"
+(``jax.experimental.pallas.ops.tpu.splash_attention``, block-sparse flash attention with
+segment ids). It runs the kernel per row and per (tensor-parallel) head shard under
+``jax.shard_map``, since XLA cannot partition a Pallas call; off a TPU it runs in Pallas's
+interpreter (the same kernel, emulated: for tests, slow).
 """
 
 from __future__ import annotations
@@ -285,3 +291,100 @@ def _attention_bwd(bq, bk, residuals, dout):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------- TPU kernel
+
+#: The splash kernel's tile (query and key block); rows are padded to a multiple of it.
+SPLASH_BLOCK = 512
+_LANES = 128  # the kernel's blocks are multiples of the TPU's 128 lanes
+
+
+def splash_attention(q, k, v, *, segment_ids=None, mesh=None, batch_axes=None,
+                     head_axis=None, block=SPLASH_BLOCK, interpret=None):
+    r"""``blocked_attention``'s causal grouped-query attention with the Pallas TPU kernel.
+
+    Same mask and outputs as ``blocked_attention`` without ``key_ends``: query i sees key j
+    iff ``j <= i`` and ``segment_ids[i] == segment_ids[j] != 0``; a padding query (id 0)
+    gets output 0. The kernel (``make_splash_mha`` with a causal mask and ``SegmentIds``)
+    computes ``softmax(q k^T) v`` on unscaled inputs, so q is multiplied by ``1/sqrt(hd)``
+    first; its backward pass is the kernel's own (dq and dk/dv kernels).
+
+    Args:
+      q: ``[B, L, H, hd]``; k, v: ``[B, L, KV, hd]`` with ``H % KV == 0`` (query head h uses
+        key/value head ``h // (H // KV)``).
+      segment_ids: optional ``[B, L]`` integer ids (0 = padding). Default: all ones.
+      mesh, batch_axes, head_axis: when ``mesh`` is given, the kernel runs under
+        ``jax.shard_map`` with rows split over ``batch_axes`` (a mesh axis name, a tuple of
+        them or None) and query and key/value heads over ``head_axis`` (None: replicated;
+        it must divide both head counts: whole query groups stay with their key/value head).
+      block: the kernel's query and key tile (a multiple of 128); ``L`` is padded to a
+        multiple of ``min(block, L rounded up to 128)`` with padding tokens (id 0, never
+        visible to a real query) and the padding is cut off again.
+      interpret: run the kernel in Pallas's interpreter. Default: when the devices (the
+        mesh's, else JAX's default backend) are not TPUs.
+
+    Returns:
+      ``[B, L, H * hd]`` in ``v.dtype``.
+
+    Raises:
+      ValueError: shapes that do not fit, a block that is not a positive multiple of 128, a
+        head axis that does not divide the head counts.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
+
+    q_shape, k_shape = jnp.shape(q), jnp.shape(k)
+    if len(q_shape) != 4:
+        raise ValueError(f"q must be [B, L, H, hd], got shape {q_shape}")
+    B, L, H, hd = q_shape
+    if len(k_shape) != 4 or k_shape[:2] != (B, L) or k_shape[3] != hd:
+        raise ValueError(f"k must be [B, L, KV, hd] = [{B}, {L}, KV, {hd}], got shape {k_shape}")
+    if jnp.shape(v) != k_shape:
+        raise ValueError(f"v must have k's shape {k_shape}, got shape {jnp.shape(v)}")
+    KV = k_shape[2]
+    if H % KV:
+        raise ValueError(f"q's {H} heads are not a multiple of k's {KV} kv heads")
+    if not isinstance(block, int) or block <= 0 or block % _LANES:
+        raise ValueError(f"block must be a positive multiple of {_LANES}, got {block!r}")
+    if segment_ids is None:
+        segment_ids = jnp.ones((B, L), jnp.int32)
+    elif jnp.shape(segment_ids) != (B, L):
+        raise ValueError(f"segment_ids must be [B, L] = [{B}, {L}], got shape "
+                         f"{jnp.shape(segment_ids)}")
+    shards = 1 if mesh is None or head_axis is None else mesh.shape[head_axis]
+    if H % shards or KV % shards:
+        raise ValueError(f"mesh axis {head_axis!r} ({shards}) must divide the {H} query and "
+                         f"{KV} key/value heads")
+    if interpret is None:
+        platform = (mesh.devices.flat[0].platform if mesh is not None
+                    else jax.default_backend())
+        interpret = platform != "tpu"
+    tile = min(block, -(-L // _LANES) * _LANES)
+    padded = -(-L // tile) * tile
+    sizes = kernel_lib.BlockSizes(
+        block_q=tile, block_kv=tile, block_kv_compute=tile, block_q_dkv=tile,
+        block_kv_dkv=tile, block_kv_dkv_compute=tile, block_q_dq=tile, block_kv_dq=tile)
+    causal = mask_lib.MultiHeadMask(
+        [mask_lib.CausalMask((padded, padded)) for _ in range(H // shards)])
+    splash = kernel_lib.make_splash_mha(causal, block_sizes=sizes, head_shards=1,
+                                        q_seq_shards=1, interpret=interpret)
+
+    def local(q, k, v, seg):
+        seg = _pad_to(jnp.asarray(seg, jnp.int32), padded)
+        # [b, L, heads, hd] -> [b, heads, L', hd], q scaled as the dense path scales scores
+        q = jnp.moveaxis(_pad_to(q * jnp.asarray(1.0 / math.sqrt(hd), q.dtype), padded), 2, 1)
+        k, v = (jnp.moveaxis(_pad_to(x, padded), 2, 1) for x in (k, v))
+        out = jax.vmap(lambda q, k, v, s: splash(q, k, v, segment_ids=kernel_lib.SegmentIds(s, s))
+                       )(q, k, v, seg)                                   # [b, heads, L', hd]
+        out = jnp.moveaxis(out, 1, 2)[:, :L]
+        out = jnp.where((seg[:, :L] != 0)[:, :, None, None], out, 0).astype(v.dtype)
+        return out.reshape(out.shape[0], L, -1)
+
+    if mesh is None:
+        return local(q, k, v, segment_ids)
+    P = jax.sharding.PartitionSpec
+    heads = P(batch_axes, None, head_axis, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, P(batch_axes, None)),
+                         out_specs=P(batch_axes, None, head_axis), check_vma=False)(
+        q, k, v, segment_ids)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxrl_agent.models.attention import blocked_attention
+from jaxrl_agent.models.attention import blocked_attention, splash_attention
 from jaxrl_agent.models.config import ModelConfig
 
 # Large negative used for masked attention scores (never -inf: fully masked rows stay finite).
@@ -424,15 +424,22 @@ ATTENTION_IMPLS = {
     "dense": "the [B, L, L] mask and [B, heads, L, L] float32 scores materialised",
     "blocked": "flash-style tiles of 512 x 512 (models.attention.blocked_attention): the mask "
                "is recomputed per tile, no [L, L] array in the forward or the backward pass",
+    "splash": "the Pallas TPU flash kernel (models.attention.splash_attention), TPU only; "
+              "no prefix trees",
 }
 
 
 @struct.dataclass
 class BlockedMask:
-    """The mask of ``blocked_attention``, as the ``[B, L]`` vectors it is computed from."""
+    """The mask of ``blocked_attention`` / ``splash_attention``, as the ``[B, L]`` vectors it
+    is computed from, and which of the two computes it (``kernel``; with the mesh and the
+    rows' mesh axes the splash kernel runs under)."""
 
     segment_ids: Any = None
     key_ends: Any = None
+    kernel: str = struct.field(pytree_node=False, default="blocked")
+    mesh: Any = struct.field(pytree_node=False, default=None)
+    batch_axes: Any = struct.field(pytree_node=False, default=None)
 
 
 class Attention(nnx.Module):
@@ -475,7 +482,13 @@ class Attention(nnx.Module):
             ck, cv = write(ck, slots, k), write(cv, slots, v)
             new_cache = (ck, cv)
             k, v = ck.astype(q.dtype), cv.astype(q.dtype)
-        if isinstance(mask, BlockedMask):
+        if isinstance(mask, BlockedMask) and mask.kernel == "splash":
+            mesh = mask.mesh
+            out = splash_attention(q, k, v, segment_ids=mask.segment_ids, mesh=mesh,
+                                   batch_axes=mask.batch_axes, head_axis=(
+                                       "tensor" if mesh is not None and
+                                       mesh.shape.get("tensor", 1) > 1 else None))
+        elif isinstance(mask, BlockedMask):
             out = blocked_attention(q, k, v, segment_ids=mask.segment_ids,
                                     key_ends=mask.key_ends)
         else:
@@ -492,12 +505,34 @@ class DecoderLayer(nnx.Module):
                                                 dtype=dt)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, h, positions, rope, mask, kv_cache=None, slots=None):
+    def __call__(self, h, positions, rope, mask, kv_cache=None, slots=None, mlp_chunk=0):
         a, new_cache = self.self_attn(self.input_layernorm(h), positions, rope, mask, kv_cache,
                                       slots)
         h = h + a
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        h = h + (tiled_over_tokens(self.mlp, x, mlp_chunk) if mlp_chunk else self.mlp(x))
         return h, new_cache
+
+
+def tiled_over_tokens(fn, x, chunk: int):
+    """``fn(x)`` for a position-wise ``fn`` (the MLP), computed ``chunk`` positions at a time.
+
+    ``x [B, L, D]`` is padded to a multiple of ``chunk`` along L, cut into ``[B, chunk, D]``
+    tiles and mapped with ``jax.lax.map`` under ``jax.checkpoint``: the forward and the
+    backward pass hold one tile's hidden activations (``[B, chunk, F]``) instead of the whole
+    row's, and the backward recomputes them tile by tile (weight gradients are summed over
+    the tiles). Same numbers as ``fn(x)`` (each position is computed alone either way); for
+    long rows, where one layer's ``[B, L, F]`` MLP activations and their gradients outgrow
+    the saved layer inputs. ``L <= chunk`` is one call of ``fn``.
+    """
+    B, L, D = x.shape
+    if L <= chunk:
+        return fn(x)
+    n = -(-L // chunk)
+    tiles = jnp.moveaxis(jnp.pad(x, ((0, 0), (0, n * chunk - L), (0, 0))).reshape(
+        B, n, chunk, D), 1, 0)
+    out = jax.lax.map(jax.checkpoint(fn, prevent_cse=False), tiles)
+    return jnp.moveaxis(out, 0, 1).reshape(B, n * chunk, -1)[:, :L]
 
 
 # Activation checkpointing of the decoder layers in the backward pass (``Transformer(...,
@@ -632,7 +667,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
                  *, key_ends=None, compute_logits: bool = True, remat: bool = False,
                  activation_sharding=None, residual_sharding=None, layer_shardings=None,
-                 attention: str = "dense") -> ModelOutput:
+                 attention: str = "dense", mlp_chunk: int = 0) -> ModelOutput:
         """Runs the model.
 
         Args:
@@ -668,10 +703,17 @@ class Transformer(nnx.Module):
             name (``"full"``: only the layer's input, the rest recomputed; ``"save_dots"``;
             ``"offload"``; ``"none"``), or True (= ``"full"``) / False (= ``"none"``).
             Training memory; ignored with a cache.
-          attention: ``"dense"`` or ``"blocked"`` (``ATTENTION_IMPLS``): how attention without
-            a cache is computed; the same numbers (up to float32 rounding), ``"blocked"``
-            without the ``[L, L]`` mask and scores. Ignored with a cache (the sampler's
-            prefill is chunked instead).
+          attention: ``"dense"``, ``"blocked"`` or ``"splash"`` (``ATTENTION_IMPLS``): how
+            attention without a cache is computed; the same numbers (up to float32
+            rounding), ``"blocked"`` and ``"splash"`` without the ``[L, L]`` mask and
+            scores. ``"splash"`` is the TPU kernel (under ``jax.shard_map`` on
+            ``activation_sharding``'s mesh, rows over its batch axes and heads over
+            ``tensor``; emulated off a TPU) and takes no ``key_ends``. Ignored with a cache
+            (the sampler's prefill is chunked instead).
+          mlp_chunk: > 0 computes each layer's MLP this many positions at a time
+            (``tiled_over_tokens``: one tile's ``[B, chunk, intermediate]`` activations
+            alive, recomputed tile by tile backward); 0 = the whole row at once. The same
+            numbers. Ignored with a cache.
           activation_sharding: a ``Sharding`` the residual stream ``[B, L, D]`` is constrained
             to before every layer (the trainer passes batch rows over the mesh's data axes,
             replicated over ``tensor``: the Megatron layout), so XLA never picks a layout that
@@ -700,12 +742,19 @@ class Transformer(nnx.Module):
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_IMPLS)}, got "
                              f"{attention!r}")
-        if cache is None and attention == "blocked":
+        if cache is None and attention == "splash" and key_ends is not None:
+            raise ValueError("attention='splash' cannot mask packed prefix trees (key_ends); "
+                             "use attention='blocked'")
+        if cache is None and attention in ("blocked", "splash"):
             if positions is None:
                 positions = (jnp.broadcast_to(t, (B, L)) if segment_ids is None
                              else segment_positions(segment_ids))
-            mask = BlockedMask(segment_ids=segment_ids, key_ends=(
-                None if key_ends is None else jnp.asarray(key_ends, jnp.int32)))
+            mesh = getattr(activation_sharding, "mesh", None)
+            mask = BlockedMask(
+                segment_ids=segment_ids,
+                key_ends=None if key_ends is None else jnp.asarray(key_ends, jnp.int32),
+                kernel=attention, mesh=mesh,
+                batch_axes=None if mesh is None else (tuple(activation_sharding.spec) + (None,))[0])
             slots = None
         elif cache is None:
             if positions is None:
@@ -746,12 +795,14 @@ class Transformer(nnx.Module):
 
         gather = layer_shardings if cache is None else None
 
+        tile = int(mlp_chunk or 0) if cache is None else 0
+
         def layer_fn(h, layer_params, kv):
             if gather is not None:
                 layer_params = jax.lax.with_sharding_constraint(layer_params, gather)
             if carry_pin is not None:
                 h = jax.lax.with_sharding_constraint(h, carry_pin)
-            return nnx.merge(graphdef, layer_params)(h, positions, rope, mask, kv, slots)
+            return nnx.merge(graphdef, layer_params)(h, positions, rope, mask, kv, slots, tile)
 
         new_cache = None
         if cache is None:  # one scan over the stacked layers; remat keeps what the policy says

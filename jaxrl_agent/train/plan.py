@@ -355,9 +355,10 @@ def memory_floor(mc: ModelConfig, scfg, dims: dict, mesh_shape: dict, *, state_b
       ``n_layers r T (q + k + v + o + gate + up + down) / tensor`` (``save_dots``, ``none``;
       a lower bound for ``none``, which also keeps norms and softmax);
     * ``one layer's working set``: one decoder layer's weights gathered (FSDP: ``1 / tensor``
-      of a layer), its activations for ``r`` rows, and its attention scores and probabilities
-      ``2 r (H / tensor) T^2 4`` bytes with dense attention (one block of them with
-      ``blocked`` attention);
+      of a layer), its activations for ``r`` rows (the MLP's for ``trainer.mlp_chunk``
+      positions when it is tiled), and its attention scores and probabilities
+      ``2 r (H / tensor) T^2 4`` bytes with dense attention (one block of 512 queries of
+      them with ``blocked`` or ``splash`` attention);
     * ``one chunk of logits``: ``r x logits_chunk x V / tensor`` float32, twice (logits and
       probabilities / their cotangent);
     * ``the LM head gathered``: ``D x V / tensor`` (FSDP gathers the head, the largest
@@ -369,7 +370,9 @@ def memory_floor(mc: ModelConfig, scfg, dims: dict, mesh_shape: dict, *, state_b
     t = dims["row_len"]
     D, F, V, L = mc.hidden_size, mc.intermediate_size, mc.vocab_size, mc.num_layers
     qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
-    dots = r * t * (qkv + mc.num_heads * mc.head_dim + 2 * F) * b // tp + r * t * 2 * D * b
+    mlp_t = min(t, scfg.mlp_chunk) if scfg.mlp_chunk else t  # MLP tiles: one alive
+    dots = (r * t * (qkv + mc.num_heads * mc.head_dim) + r * mlp_t * 2 * F) * b // tp \
+        + r * t * 2 * D * b
     saved = L * r * t * D * b // max(residual_split, 1)
     if scfg.remat in ("save_dots", "none"):
         saved += L * dots
@@ -1171,7 +1174,7 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
         step={"estimator": scfg.estimator, "micro_batches": scfg.micro_batches,
               "mini_batches": scfg.mini_batches, "ppo_epochs": scfg.ppo_epochs,
               "remat": scfg.remat, "logits_chunk": scfg.logits_chunk,
-              "attention": scfg.attention,
+              "attention": scfg.attention, "mlp_chunk": scfg.mlp_chunk,
               "kl_reference": with_ref, "layout": cfg.trainer.layout},
         params_bytes=_local_bytes(state.params, shardings.params),
         params_total_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)),
@@ -1252,6 +1255,7 @@ def format_plan(p: Plan, source: str = "") -> str:
         f"step: {s['estimator']}, {s['layout']} rows, micro_batches={s['micro_batches']} "
         f"mini_batches={s['mini_batches']} ppo_epochs={s['ppo_epochs']} remat={s['remat']} "
         f"attention={s['attention']} logits_chunk={s['logits_chunk']}"
+        + (f" mlp_chunk={s['mlp_chunk']}" if s.get("mlp_chunk") else "")
         + (", KL reference" if s["kl_reference"] else ""),
         f"batch: {b['num_traj']} trajectories x {b['num_turns']} turns, {b['num_rows']} rows x "
         f"{b['row_len']} tokens (the largest the config packs: rows of "
