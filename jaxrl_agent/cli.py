@@ -159,6 +159,7 @@ def cmd_credit(args) -> int:
 
     from jaxrl_agent import estimators
     from jaxrl_agent.rollout.records import RecordError, pack_records
+    from jaxrl_agent.train.inputs import attach_env_inputs
 
     params = _parse_sets(args.set)
     staged = list(args.shaping or []) + list(args.then or [])
@@ -197,7 +198,8 @@ def cmd_credit(args) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnknownFieldWarning)  # said above
-            batch, index = pack_records(records, layout=args.layout)
+            batch, index = pack_records(attach_env_inputs(records, estimators.reads(pipe)),
+                                        layout=args.layout)
     except RecordError as e:
         raise CliError(f"{args.rollouts}:{lines[e.index]}: {e.detail}") from None
     except ValueError as e:

@@ -19,7 +19,7 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
     trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, async_rollouts,
                 rollout_workers, seed, warmup_sft_steps, eval_every, eval_tasks, layout,
-                remat, logits_chunk, attention, prefix_sharing, prefix_tree_len,
+                remat, logits_chunk, attention, mlp_chunk, prefix_sharing, prefix_tree_len,
                 max_failed_steps
     run:        dir                          (null = runs/<name>: everything of the run lives there)
     checkpoint: every, keep, export, export_warmup
@@ -39,7 +39,9 @@ API:
 * ``apply_overrides(d, ["trainer.steps=5", "estimator.params.eps=1e-6"])`` on a raw dict.
 * ``load(path_or_None, overrides=(), *, validate=True)``: YAML (``None`` = the defaults, which equal
   ``configs/cpu_default.yaml``), then overrides, then ``from_dict`` and (by default) ``validate``.
-* ``validate(cfg)``: semantic checks against the registries (estimators, losses, envs, agg modes).
+* ``validate(cfg)``: semantic checks: each section's values here, and what needs the
+  registries, environments or a trace of the run's methods in ``jaxrl_agent.run_checks``
+  (this module is the schema; that one imports the rest of the package).
   It never touches the file system; ``check_paths(cfg)`` does (``model.hf_path`` exists).
 * ``check_mesh(cfg, num_devices)`` -> resolved ``(data, fsdp, tensor)``.
 * ``to_dict(cfg)``, ``dump_yaml(cfg, path)``, ``describe(cfg)``.
@@ -47,8 +49,9 @@ API:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import inspect
+import importlib.util
 import math
 import os
 import re
@@ -58,9 +61,12 @@ from typing import Any, Union
 
 import yaml
 
-from jaxrl_agent.models.config import LORA_TARGETS
+from jaxrl_agent.models.config import DTYPES, LORA_TARGETS
 from jaxrl_agent.models.transformer import ATTENTION_IMPLS, REMAT_POLICIES
+from jaxrl_agent.registry import is_path
 from jaxrl_agent.rollout.collect import RolloutConfig
+from jaxrl_agent.sharding.mesh import resolve_axes
+from jaxrl_agent.sharding.rules import check_rules
 
 
 class _Loader(yaml.SafeLoader):
@@ -233,7 +239,10 @@ class TrainerSection:
     # host memory; TPU/GPU)
     remat: bool | str = False
     logits_chunk: int = 512            # log-probs / entropies from this many positions at a time
-    attention: str = "blocked"         # training attention: blocked (flash-style tiles) | dense
+    mlp_chunk: int = 0                 # > 0: each layer's MLP this many positions at a time
+    #                                    (one tile's activations alive; for long rows)
+    attention: str = "blocked"         # training attention: blocked (flash-style tiles, any
+    #                                    device) | splash (Pallas TPU kernel) | dense
     # Train each packed prefix tree once: one forward/backward per rollout tree, exact
     # per-trajectory results; see docs/training.md.
     prefix_sharing: bool = False
@@ -351,7 +360,6 @@ HISTORY_MODES = ("full", "last")
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "soft_gate", "reinforce")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k1_st", "k3_st")
 # Keyword arguments of a policy loss that the trainer supplies, not the config.
-_TRAINER_SUPPLIED = ("old_logprobs", "is_weights", "agg", "agg_constant", "axis_name")
 
 
 # --- structure: dict -> RunConfig ---------------------------------------------------------------
@@ -476,7 +484,8 @@ def from_dict(d: dict | None) -> RunConfig:
     """A ``RunConfig`` from a nested dict (as read from YAML); missing keys take their defaults
     and former hyper-parameter names their current ones (``canonical_params``). Raises
     ``ConfigError`` naming the key for unknown keys and wrong types. No semantic checks."""
-    return canonical_params(_build(RunConfig, d, ""))
+    from jaxrl_agent import run_checks  # the hand-over to the package (it imports this module)
+    return run_checks.canonical_params(_build(RunConfig, d, ""))
 
 
 def to_dict(cfg: RunConfig) -> dict:
@@ -523,7 +532,7 @@ RESUMABLE_KEYS = ("trainer.steps", "trainer.eval_every", "trainer.eval_tasks",
                   "trainer.async_rollouts", "trainer.rollout_workers", "rollout.env_threads",
                   "trainer.max_policy_lag",
                   "trainer.eval_temperature", "trainer.micro_batches", "trainer.remat",
-                  "trainer.logits_chunk", "trainer.attention",
+                  "trainer.logits_chunk", "trainer.attention", "trainer.mlp_chunk",
                   "trainer.prefix_sharing", "trainer.prefix_tree_len",
                   "trainer.max_failed_steps", "checkpoint.",
                   "metrics.", "sampler.", "mesh.", "distributed.", "name", "run.", "imports")
@@ -583,7 +592,6 @@ def apply_overrides(d: dict | None, overrides, defaults: dict | None = None) -> 
     ``env.name``, ``estimator.name`` or ``loss.policy`` to another value starts its
     ``env.kwargs`` / ``estimator.params`` / ``loss.params`` empty (``_SWITCHES``; the overrides
     after it fill it), unless an earlier override set them."""
-    import copy
     out = copy.deepcopy(d) if d else {}
     overrides = list(overrides or ())
     keys = [parse_override(t)[0] for t in overrides]
@@ -696,7 +704,8 @@ def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
     d = apply_overrides(raw, overrides, defaults=to_dict(RunConfig()))
     cfg = _reply_length(from_dict(d), raw, overrides)
     if path is not None:
-        cfg = _env_base_dir(cfg, os.path.dirname(os.path.abspath(path)))
+        from jaxrl_agent import run_checks
+        cfg = run_checks.with_env_base_dir(cfg, os.path.dirname(os.path.abspath(path)))
     if validate:
         _semantic_check(cfg)
     return cfg
@@ -741,79 +750,14 @@ def _reply_length(cfg: RunConfig, raw: dict, overrides) -> RunConfig:
     return cfg
 
 
-def _env_base_dir(cfg: RunConfig, base_dir: str) -> RunConfig:
-    """An environment whose constructor takes ``base_dir`` (files it reads, such as a task
-    file, relative to it) gets the config file's directory unless the config sets it, so a
-    config finds its files from any working directory (and the run records the path)."""
-    from jaxrl_agent import envs
-
-    if "base_dir" in cfg.env.kwargs:
-        return cfg
-    try:
-        factory, _ = envs.resolve_env(cfg.env.name)
-        takes = "base_dir" in inspect.signature(factory).parameters
-    except (ValueError, ImportError, TypeError):
-        return cfg  # validation names the problem
-    if not takes:
-        return cfg
-    env = dataclasses.replace(cfg.env, kwargs={**cfg.env.kwargs, "base_dir": base_dir})
-    return dataclasses.replace(cfg, env=env)
-
-
-def canonical_params(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with former hyper-parameter names of the estimator, its stages and the policy
-    loss replaced by the current ones (``registry.Entry.renamed``), so configs written before a
-    rename keep working and the run records today's names. Names not registered (yet) and
-    malformed stages pass unchanged (validation reports them)."""
-    from jaxrl_agent import estimators, losses, registry  # noqa: F401  (registers the methods)
-
-    def fix(name, params, kind, key):
-        e = registry.find(name, kind) if isinstance(name, str) else None
-        if e is None or not isinstance(params, dict):
-            return params
-        try:
-            return e.canonical(params)
-        except ValueError as err:
-            raise ConfigError(f"{key}: {err}") from None
-
-    est = cfg.estimator
-    staged = {}
-    for which in ("shaping", "then"):
-        items = []
-        for i, item in enumerate(getattr(est, which)):
-            if isinstance(item, dict) and isinstance(item.get("params"), dict):
-                item = dict(item, params=fix(item.get("name"), item["params"], "estimator",
-                                             f"estimator.{which}[{i}].params"))
-            items.append(item)
-        staged[which] = items
-    est = dataclasses.replace(est, params=fix(est.name, est.params, "estimator",
-                                              "estimator.params"), **staged)
-    loss = dataclasses.replace(cfg.loss, params=fix(cfg.loss.policy, cfg.loss.params, "loss",
-                                                    "loss.params"))
-    return dataclasses.replace(cfg, estimator=est, loss=loss)
-
-
 def resolve_imports(items, base_dir: str) -> list:
     """Plug-in paths (items ending in ``.py`` or holding a ``/``) made absolute against
     ``base_dir``, so the run's recorded config finds them from any working directory; module
     names pass unchanged."""
-    from jaxrl_agent.registry import is_path
 
     return [os.path.normpath(os.path.join(base_dir, item))
             if isinstance(item, str) and is_path(item) and not os.path.isabs(item) else item
             for item in items]
-
-
-def load_imports(cfg: RunConfig) -> None:
-    """Imports the run's plug-in modules (``cfg.imports``); ``ConfigError`` naming the item
-    when one cannot be found or fails to import."""
-    from jaxrl_agent import registry
-
-    for i, item in enumerate(cfg.imports):
-        try:
-            registry.load_imports([item])
-        except ImportError as e:
-            raise ConfigError(f"imports[{i}]: {e}") from None
 
 
 def dump_yaml(cfg: RunConfig, path) -> None:
@@ -824,12 +768,12 @@ def dump_yaml(cfg: RunConfig, path) -> None:
 # --- semantics ----------------------------------------------------------------------------------
 
 
-def _choice(value, choices, key):
+def check_choice(value, choices, key):
     if value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
-def _positive(section, prefix, *names, allow_zero=False):
+def check_positive(section, prefix, *names, allow_zero=False):
     for n in names:
         v = getattr(section, n)
         if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
@@ -849,16 +793,13 @@ def _check_branching(r: "RolloutSection") -> None:
                           f"{r.branch_factor!r}")
 
 
-def _check_params(params: dict, allowed, key: str, what: str):
+def check_params(params: dict, allowed, key: str, what: str):
     bad = sorted(set(params) - set(allowed))
     if bad:
         raise ConfigError(f"unknown key '{key}.{bad[0]}' for {what}; valid keys: "
                           f"{', '.join(allowed) if allowed else '(none)'}")
 
 
-def _kwonly(fn, exclude=()) -> list[str]:
-    return [p.name for p in inspect.signature(fn).parameters.values()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in exclude]
 
 
 def stages(section: "EstimatorSection", which: str) -> tuple:
@@ -891,136 +832,6 @@ def pipeline(cfg: "RunConfig"):
                                stages(est, "shaping"), stages(est, "then"))
 
 
-def _dry_batch(cfg: "RunConfig", group_size: int = 2):
-    """A tiny batch shaped like the loop's (``trainer.layout``; 2 tasks, 2 turns each), with
-    stand-ins for the inputs the training loop supplies to this pipeline
-    (``registry.LOOP_INPUTS``: values, hidden states, subgoal switches)."""
-    import jax.numpy as jnp
-
-    from jaxrl_agent import estimators
-    from jaxrl_agent.rollout.records import pack_records
-    from jaxrl_agent.registry import LOOP_INPUTS
-
-    turn = {"observation": [1, 5], "action": [2, 3], "logprobs": [-1.0, -0.5]}
-    outcomes = [0.0, 1.0, 0.5, 2.0][: 2 * group_size] if group_size > 1 else [0.0, 1.0]
-    recs = [{"group": i // group_size, "outcome": o, "turns": [turn, turn]}
-            for i, o in enumerate(outcomes)]
-    batch, _ = pack_records(recs, layout=cfg.trainer.layout)
-    extras = dict(batch.extras)
-    n, k = batch.turn_mask.shape
-    ramp = jnp.arange(n * k, dtype=jnp.float32).reshape(n, k) / (n * k)
-    stand_in = {
-        "token": jnp.where(batch.action_mask, 0.3, 0.0),
-        "turn": ramp,
-        "vector": jnp.linspace(-1.0, 1.0, n * k * 4, dtype=jnp.float32).reshape(n, k, 4),
-    }
-    for name in estimators.reads(pipeline(cfg)):
-        if name in LOOP_INPUTS:
-            source, level, _ = LOOP_INPUTS[name]
-            x = stand_in[level]
-            extras[name] = jnp.zeros_like(x) if source == "collector" else x
-    return batch.replace(extras=extras)
-
-
-def _check_reads(cfg: "RunConfig") -> None:
-    """Every input the pipeline reads is one the training loop supplies, from a part this run
-    has (a value head for critics); otherwise a ConfigError naming the method and the input."""
-    from jaxrl_agent import estimators
-    from jaxrl_agent.registry import LOOP_INPUTS, SOURCES
-
-    pipe = pipeline(cfg)
-    for name, params in (*pipe.shaping, pipe.estimator, *pipe.then):
-        for field in estimators.spec(name).inputs(dict(params)):
-            if field not in LOOP_INPUTS:
-                raise ConfigError(
-                    f"{name!r} reads extras['{field}'], which the training loop does not "
-                    f"supply (it supplies {', '.join(LOOP_INPUTS)}); use it with "
-                    f"`jaxrl-agent credit` on records that carry it")
-            source = LOOP_INPUTS[field][0]
-            if source == "value_head" and not cfg.model.value_head:
-                raise ConfigError(f"estimator {name!r} reads a critic (extras['{field}'] from "
-                                  f"{SOURCES[source]}): set model.value_head: true")
-
-
-def _check_methods(cfg: "RunConfig") -> None:
-    """The estimator, its shaping and transform stages and the policy loss, checked before
-    anything is compiled: known names of the right kind, hyper-parameter names and value types
-    (``estimators.check_hyper_params``), then one trace (``jax.eval_shape``, seconds) on a tiny
-    batch like the loop's, so the ranges and choices each function checks itself, and the
-    inputs it reads, fail here with the key named instead of inside the first jitted step."""
-    import jax
-
-    from jaxrl_agent import estimators, losses
-    from jaxrl_agent.estimators.registry import type_error
-
-    est = cfg.estimator
-    try:
-        estimators.check_hyper_params(est.name, est.params)
-    except ValueError as e:
-        raise ConfigError(f"estimator.params: {e}") from None
-    for which, kind in (("shaping", "shaping"), ("then", "transform")):
-        for i, (name, params) in enumerate(stages(est, which)):
-            key = f"estimator.{which}[{i}]"
-            try:
-                stage_spec = estimators.spec(name, kind)
-            except ValueError as e:
-                raise ConfigError(f"{key}: {e}") from None
-            _check_params(dict(params), list(stage_spec.hyper_params),
-                          f"{key}.params", f"{kind} {name!r}")
-            try:
-                estimators.check_hyper_params(name, dict(params))
-            except ValueError as e:
-                raise ConfigError(f"{key}: {e}") from None
-    _check_reads(cfg)
-    pipe = pipeline(cfg)
-    batch = _dry_batch(cfg)
-    try:
-        jax.eval_shape(pipe.apply, batch, pipe.init(8))
-    except (ValueError, TypeError) as e:
-        msg = str(e).splitlines()[0]
-        where = "estimator.params" if len(pipe.names) == 1 else f"estimator {list(pipe.names)}"
-        if isinstance(e, estimators.MissingInput):
-            raise ConfigError(f"{where}: {msg}. The training loop supplies no such input; use "
-                              f"it with `jaxrl-agent credit` on records that carry it") from None
-        raise ConfigError(f"{where}: {msg}") from None
-
-    lo = cfg.loss
-    fn = losses.get(lo.policy)
-    sig = inspect.signature(fn).parameters
-    for k, v in lo.params.items():
-        want = type_error(sig[k].default, v) if k in sig else None
-        if want:
-            raise ConfigError(f"loss.params.{k} must be {want} (default {sig[k].default!r}), "
-                              f"got {v!r}")
-    import jax.numpy as jnp
-    try:
-        jax.eval_shape(lambda b: fn(b.old_logprobs, b, jnp.zeros(b.tokens.shape), agg=lo.agg,
-                                    **lo.params), batch)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"loss.params: {str(e).splitlines()[0]}") from None
-
-
-def _check_group_size(cfg: "RunConfig") -> None:
-    """An estimator that compares the rollouts of one task gives every trajectory 0 credit
-    when each task has one rollout: found by running it (eagerly, on a tiny batch of singleton
-    groups with different outcomes), not by a list of names."""
-    r = cfg.rollout
-    if r.group_size > 1 or (r.branch_turns and r.branch_factor > 1):
-        return
-    import numpy as np
-
-    est = cfg.estimator
-    pipe = pipeline(cfg)
-    batch = _dry_batch(cfg, group_size=1)
-    adv, _ = pipe.apply(batch, pipe.init(8))
-    if not np.any(np.asarray(adv.token)[np.asarray(batch.action_mask)]):
-        raise ConfigError(
-            f"rollout.group_size = 1: estimator {est.name!r} compares the rollouts of a task, "
-            f"so with one rollout per task every advantage is 0 and nothing is learned; use "
-            f"rollout.group_size >= 2, or an estimator with its own baseline (a value head: "
-            f"gae, turn_gae; or reinforce_pp)")
-
-
 def _check_name_and_run(cfg: RunConfig) -> None:
     """Cfg.name and run.dir."""
     if not cfg.name or cfg.name in (".", "..") or "/" in cfg.name or "\\" in cfg.name:
@@ -1032,12 +843,11 @@ def _check_name_and_run(cfg: RunConfig) -> None:
 
 def _check_model(cfg: RunConfig) -> None:
     """The model section."""
-    from jaxrl_agent.models.config import DTYPES
     m = cfg.model
-    _choice(m.dtype, DTYPES, "model.dtype")
+    check_choice(m.dtype, DTYPES, "model.dtype")
     if m.hf_path is not None and not m.hf_path.strip():
         raise ConfigError("model.hf_path must be a path or null (null = tiny built-in model)")
-    _positive(m, "model", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+    check_positive(m, "model", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
               "num_heads", "num_kv_heads", "max_position_embeddings")
     if m.hf_path is None:
         if m.num_heads % m.num_kv_heads:
@@ -1047,7 +857,7 @@ def _check_model(cfg: RunConfig) -> None:
             raise ConfigError(f"model.vocab_size must be >= 260 for the built-in byte codec; "
                               f"got {m.vocab_size}")
     if m.head_dim is not None:
-        _positive(m, "model", "head_dim")
+        check_positive(m, "model", "head_dim")
         if m.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even (RoPE rotates pairs); got {m.head_dim}")
     if m.value_stop_gradient and not m.value_head:
@@ -1065,38 +875,12 @@ def _check_model(cfg: RunConfig) -> None:
                               f"{list(LORA_TARGETS)}; got {list(lo.targets)}")
 
 
-def _check_env(cfg: RunConfig) -> None:
-    """The environment: a registered name or a name form (``envs.resolve_env``), and its
-    keyword arguments."""
-    from jaxrl_agent import envs
-    try:
-        env_cls, fixed = envs.resolve_env(cfg.env.name)
-    except (ValueError, ImportError) as e:
-        raise ConfigError(f"env.name: {e}") from None
-    for key in fixed:
-        if key in cfg.env.kwargs:
-            raise ConfigError(f"env.kwargs.{key}: the env name {cfg.env.name!r} already sets "
-                              f"it; leave it out")
-    if inspect.isclass(env_cls) or inspect.isfunction(env_cls):
-        params = [p for p in inspect.signature(env_cls).parameters.values()
-                  if p.name not in fixed and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                        inspect.Parameter.KEYWORD_ONLY)]
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD
-                   for p in inspect.signature(env_cls).parameters.values()):
-            _check_params(cfg.env.kwargs, [p.name for p in params], "env.kwargs",
-                          f"environment {cfg.env.name!r}")
-        for p in params:
-            if p.default is inspect.Parameter.empty and p.name not in cfg.env.kwargs:
-                raise ConfigError(f"env.kwargs.{p.name} is required for environment "
-                                  f"{cfg.env.name!r}")
-
-
 def _check_rollout(cfg: RunConfig) -> None:
     """The rollout section."""
     r = cfg.rollout
-    _positive(r, "rollout", "tasks_per_step", "group_size", "max_turns", "max_new_tokens",
+    check_positive(r, "rollout", "tasks_per_step", "group_size", "max_turns", "max_new_tokens",
               "max_context_tokens")
-    _positive(r, "rollout", "top_k", allow_zero=True)
+    check_positive(r, "rollout", "top_k", allow_zero=True)
     if not (r.temperature >= 0 and math.isfinite(r.temperature)):
         raise ConfigError(f"rollout.temperature must be >= 0; got {r.temperature!r}")
     if not 0 < r.top_p <= 1:
@@ -1104,8 +888,8 @@ def _check_rollout(cfg: RunConfig) -> None:
     if r.max_new_tokens >= r.max_context_tokens:
         raise ConfigError(f"rollout.max_new_tokens ({r.max_new_tokens}) must be < "
                           f"rollout.max_context_tokens ({r.max_context_tokens})")
-    _choice(r.on_invalid, ON_INVALID, "rollout.on_invalid")
-    _choice(r.history, HISTORY_MODES, "rollout.history")
+    check_choice(r.on_invalid, ON_INVALID, "rollout.on_invalid")
+    check_choice(r.history, HISTORY_MODES, "rollout.history")
     _check_branching(r)
     if r.chat and cfg.model.hf_path is None:
         raise ConfigError("rollout.chat: true needs a tokenizer with a chat template: set "
@@ -1116,63 +900,13 @@ def _check_rollout(cfg: RunConfig) -> None:
                           "set trainer.warmup_sft_steps: 0 (or rollout.chat: false)")
 
 
-def _check_estimator(cfg: RunConfig) -> None:
-    """The estimator's name and hyper-parameter names (values: ``_check_methods``)."""
-    from jaxrl_agent import estimators, registry
-    est = cfg.estimator
-    known = estimators.names()
-    entry = registry.find(est.name, "estimator") if isinstance(est.name, str) else None
-    if entry is None or entry.kind != "estimator":
-        raise ConfigError(f"estimator.name: unknown estimator {est.name!r} (known: {', '.join(known)})")
-    _check_params(est.params, list(estimators.spec(est.name).hyper_params), "estimator.params",
-                  f"estimator {est.name!r}")
-
-
-def _check_loss(cfg: RunConfig) -> None:
-    """The loss section."""
-    from jaxrl_agent import losses
-    lo = cfg.loss
-    loss_names = [n for n in POLICY_LOSSES if n in losses.names()]
-    if lo.policy not in loss_names:
-        raise ConfigError(f"loss.policy: unknown policy loss {lo.policy!r}; known: "
-                          f"{', '.join(loss_names)}")
-    _check_params(lo.params, _kwonly(losses.get(lo.policy), _TRAINER_SUPPLIED), "loss.params",
-                  f"loss {lo.policy!r}")
-    _choice(lo.agg, losses.AGG_MODES, "loss.agg")
-    _choice(lo.kl_estimator, [k for k in KL_ESTIMATORS if k in losses.names()], "loss.kl_estimator")
-    _positive(lo, "loss", "kl_coef", "entropy_coef", "value_coef", allow_zero=True)
-    _choice(lo.is_weights, IS_WEIGHTS, "loss.is_weights")
-    _choice(lo.is_level, IS_LEVELS, "loss.is_level")
-    _positive(lo, "loss", "is_cap")
-    _positive(lo, "loss", "is_lower", allow_zero=True)
-    if lo.is_lower > lo.is_cap:
-        raise ConfigError(f"loss.is_lower ({lo.is_lower}) must be <= loss.is_cap ({lo.is_cap})")
-    if lo.decoupled and lo.is_weights == "none":
-        raise ConfigError("loss.decoupled: true takes the PPO ratio against the proximal policy "
-                          "and corrects for the sampler with importance weights, which must be "
-                          "bounded: set loss.is_weights: truncate (or mask)")
-    if lo.is_weights == "truncate" and not lo.decoupled:
-        raise ConfigError("loss.is_weights: truncate multiplies the loss by pi_proximal / "
-                          "pi_behaviour, but without loss.decoupled the PPO ratio already "
-                          "corrects for the sampler (the weight would count twice): set "
-                          "loss.decoupled: true, or use is_weights: mask to drop tokens whose "
-                          "weight is out of range")
-    sig = inspect.signature(losses.get(lo.policy)).parameters
-    needs = (["old_logprobs"] if lo.decoupled else []) + \
-        (["is_weights"] if lo.is_weights != "none" else [])
-    missing = [n for n in needs if n not in sig]
-    if missing:
-        raise ConfigError(f"loss.policy {lo.policy!r} takes no {' / '.join(missing)}, which "
-                          f"loss.decoupled / loss.is_weights need; use ppo")
-
-
 def _check_optimizer(cfg: RunConfig) -> None:
     """The optimizer section."""
     o = cfg.optimizer
-    _positive(o, "optimizer", "lr")
-    _positive(o, "optimizer", "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
-    _positive(o, "optimizer", "eps")
-    _choice(o.decay, DECAYS, "optimizer.decay")
+    check_positive(o, "optimizer", "lr")
+    check_positive(o, "optimizer", "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
+    check_positive(o, "optimizer", "eps")
+    check_choice(o.decay, DECAYS, "optimizer.decay")
     for n in ("b1", "b2"):
         if not 0 <= getattr(o, n) < 1:
             raise ConfigError(f"optimizer.{n} must be in [0, 1); got {getattr(o, n)!r}")
@@ -1182,13 +916,12 @@ def _check_trainer(cfg: RunConfig) -> None:
     """The trainer section, and how it divides the rollouts."""
     r = cfg.rollout
     t = cfg.trainer
-    _positive(t, "trainer", "steps", "ppo_epochs", "mini_batches", "micro_batches", "eval_tasks")
-    _positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
+    check_positive(t, "trainer", "steps", "ppo_epochs", "mini_batches", "micro_batches", "eval_tasks")
+    check_positive(t, "trainer", "max_policy_lag", "seed", "warmup_sft_steps", "eval_every",
               "max_failed_steps", allow_zero=True)
-    _positive(t, "trainer", "rollout_workers", "logits_chunk")
-    _positive(cfg.metrics, "metrics", "rollout_samples", allow_zero=True)
+    check_positive(t, "trainer", "rollout_workers", "logits_chunk")
+    check_positive(cfg.metrics, "metrics", "rollout_samples", allow_zero=True)
     if cfg.metrics.wandb:
-        import importlib.util
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("metrics.wandb: true needs the wandb package: pip install "
                               "'jaxrl-agent[wandb]' (or set metrics.wandb: false)")
@@ -1196,18 +929,23 @@ def _check_trainer(cfg: RunConfig) -> None:
             raise ConfigError(f"metrics.wandb_project must be a non-empty string, got "
                               f"{cfg.metrics.wandb_project!r}")
     if not isinstance(t.remat, bool):
-        _choice(t.remat, tuple(REMAT_POLICIES), "trainer.remat")
-    _choice(t.attention, tuple(ATTENTION_IMPLS), "trainer.attention")
+        check_choice(t.remat, tuple(REMAT_POLICIES), "trainer.remat")
+    check_choice(t.attention, tuple(ATTENTION_IMPLS), "trainer.attention")
+    check_positive(t, "trainer", "mlp_chunk", allow_zero=True)
+    if t.attention == "splash" and t.prefix_sharing:
+        raise ConfigError("trainer.attention: splash cannot mask the packed prefix trees of "
+                          "trainer.prefix_sharing: true; set trainer.attention: blocked (or "
+                          "prefix_sharing: false)")
     if t.async_rollouts and t.max_policy_lag < 1:
         raise ConfigError("trainer.async_rollouts: true samples the next steps while the trainer "
                           "trains, so their tokens are up to trainer.max_policy_lag versions old: "
                           "set trainer.max_policy_lag to 1 or more (it is 0)")
-    _choice(t.layout, LAYOUTS, "trainer.layout")
-    _positive(t, "trainer", "eval_temperature", allow_zero=True)
-    _positive(t, "trainer", "sft_batch_size", "sft_lr", "sft_tasks", "task_capacity")
+    check_choice(t.layout, LAYOUTS, "trainer.layout")
+    check_positive(t, "trainer", "eval_temperature", allow_zero=True)
+    check_positive(t, "trainer", "sft_batch_size", "sft_lr", "sft_tasks", "task_capacity")
     if not 0.0 <= t.sft_noise <= 1.0:
         raise ConfigError(f"trainer.sft_noise must be in [0, 1]; got {t.sft_noise!r}")
-    _positive(t, "trainer", "prefix_tree_len", allow_zero=True)
+    check_positive(t, "trainer", "prefix_tree_len", allow_zero=True)
     if r.history == "last" and t.layout != "per_step":
         raise ConfigError("rollout.history 'last' (prompts hold only the newest observation) "
                           "needs trainer.layout: per_step, whose rows are exactly those prompts; "
@@ -1225,13 +963,12 @@ def _check_trainer(cfg: RunConfig) -> None:
 
 def _check_sampler(cfg: RunConfig) -> None:
     """The sampler section."""
-    from jaxrl_agent.models.config import DTYPES
     s = cfg.sampler
-    _choice(s.name, SAMPLERS, "sampler.name")
+    check_choice(s.name, SAMPLERS, "sampler.name")
     if s.dtype is not None:
-        _choice(s.dtype, DTYPES, "sampler.dtype")
-    _choice(s.transfer, TRANSFERS, "sampler.transfer")
-    _choice(s.lora_sync, ("adapters", "merged"), "sampler.lora_sync")
+        check_choice(s.dtype, DTYPES, "sampler.dtype")
+    check_choice(s.transfer, TRANSFERS, "sampler.transfer")
+    check_choice(s.lora_sync, ("adapters", "merged"), "sampler.lora_sync")
     for key in ("data_parallel", "tensor_parallel"):
         v = getattr(s, key)
         if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1):
@@ -1243,18 +980,18 @@ def _check_sampler(cfg: RunConfig) -> None:
         raise ConfigError(f"sampler.data_parallel / tensor_parallel split the JAX sampler over "
                           f"a host's devices; the {s.name} sampler runs one engine per host "
                           "(set them to 1)")
-    _positive(s, "sampler", "max_num_seqs")
-    _positive(s, "sampler", "kv_cache_mb", "probe_every", "prefill_chunk", allow_zero=True)
+    check_positive(s, "sampler", "max_num_seqs")
+    check_positive(s, "sampler", "kv_cache_mb", "probe_every", "prefill_chunk", allow_zero=True)
     if not 0 < s.gpu_memory_utilization <= 1:
         raise ConfigError("sampler.gpu_memory_utilization must be in (0, 1]; got "
                           f"{s.gpu_memory_utilization!r}")
     if s.probe_tol is not None:
-        _positive(s, "sampler", "probe_tol")
+        check_positive(s, "sampler", "probe_tol")
 
 
 def _check_run_dir(cfg: RunConfig) -> None:
     """Checkpoint cadence and where the run lives."""
-    _positive(cfg.checkpoint, "checkpoint", "every", "keep", allow_zero=True)
+    check_positive(cfg.checkpoint, "checkpoint", "every", "keep", allow_zero=True)
     run_dir = run_paths(cfg).root
     if "://" in run_dir:
         raise ConfigError(f"run.dir {run_dir!r}: URLs (gs://, s3://) are not "
@@ -1278,7 +1015,6 @@ def _check_mesh(cfg: RunConfig) -> None:
     if m.hf_path is None and stp > 0 and (m.num_kv_heads % stp or m.num_heads % stp):
         raise ConfigError(f"sampler.tensor_parallel ({stp}) must divide model.num_heads "
                           f"({m.num_heads}) and model.num_kv_heads ({m.num_kv_heads})")
-    from jaxrl_agent.sharding.rules import check_rules
     try:
         check_rules(cfg.mesh.rules)
     except ValueError as e:
@@ -1300,16 +1036,18 @@ def _check_distributed(cfg: RunConfig) -> None:
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Semantic checks against the registries; raises ``ConfigError`` with a clear message,
-    returns ``cfg`` otherwise. Imports the run's plug-in modules first (``imports``), so the
-    methods they register are known; touches the file system for nothing else (see
-    ``check_paths``). One check per section, in the order of the file; the methods last (they
-    pack a batch in ``trainer.layout``, checked before)."""
-    load_imports(cfg)
-    for check in (_check_name_and_run, _check_model, _check_env, _check_rollout,
-                  _check_estimator, _check_loss, _check_optimizer, _check_trainer,
-                  _check_sampler, _check_run_dir, _check_mesh, _check_distributed,
-                  _check_methods, _check_group_size):
+    """Semantic checks; raises ``ConfigError`` with a clear message, returns ``cfg`` otherwise.
+    Imports the run's plug-in modules first (``imports``), so the methods they register are
+    known; touches the file system for nothing else (see ``check_paths``). One check per
+    section, in the order of the file: this module's for the values of a section on their
+    own, ``run_checks``' where the registries, environments or a trace of the methods are
+    asked; the methods last (they pack a batch in ``trainer.layout``, checked before)."""
+    from jaxrl_agent import run_checks
+    run_checks.load_imports(cfg)
+    for check in (_check_name_and_run, _check_model, run_checks.check_env, _check_rollout,
+                  run_checks.check_estimator, run_checks.check_loss, _check_optimizer,
+                  _check_trainer, _check_sampler, _check_run_dir, _check_mesh,
+                  _check_distributed, run_checks.check_methods, run_checks.check_group_size):
         check(cfg)
     return cfg
 
@@ -1321,7 +1059,6 @@ def check_mesh(cfg: RunConfig, num_devices: int) -> tuple[int, int, int]:
     """Resolved ``(data, fsdp, tensor)`` for ``num_devices`` (``sharding.resolve_axes``: -1 takes
     the remaining devices; a smaller explicit mesh uses the first devices); ``ConfigError`` if
     they don't fit."""
-    from jaxrl_agent.sharding.mesh import resolve_axes
     try:
         return resolve_axes(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor,
                             num_devices=num_devices)

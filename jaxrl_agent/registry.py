@@ -15,10 +15,9 @@ them), other names it answers to (``aliases``) and, for stateful estimators, how
 check the state. The keyword-only parameters of the function with their defaults are its
 hyper-parameters (``Entry.hyper_params``).
 
-Everything else asks the registry instead of naming methods: the train step supplies the
-inputs a pipeline reads from its table of providers (``jaxrl_agent.train.step.PROVIDERS``;
-``LOOP_INPUTS`` here says which inputs the training loop can supply and from what), config
-validation checks that a run provides them, the CLI lists the entries, and the conformance
+Everything else asks the registry instead of naming methods: the training loop supplies the
+inputs a pipeline reads from its one table of them (``jaxrl_agent.train.inputs.LOOP_INPUTS``:
+each input with its source and provider), config validation checks that a run provides them, the CLI lists the entries, and the conformance
 tests iterate over them. User modules register the same way and are loaded with ``--import``
 or a config's ``imports:`` (``load_imports``).
 
@@ -41,27 +40,6 @@ from typing import Callable
 KINDS = ("estimator", "shaping", "transform", "loss", "env")
 _NAMESPACE = {"estimator": "credit", "shaping": "credit", "transform": "credit",
               "loss": "loss", "env": "env"}
-
-# Inputs the training loop supplies to the methods that read them (``Entry.reads``), by the
-# part of the run that provides them. ``jaxrl_agent.train.step.PROVIDERS`` computes them; a
-# test keeps the two tables equal. Any other extras field a method reads must come with the
-# records (``jaxrl-agent credit``) or from the environment.
-LOOP_INPUTS = {  # name: (source, level, what)  level: token [R, T], turn [N, K], vector [N, K, D]
-    "token_values": ("value_head", "token", "the value head's estimate before each action token"),
-    "turn_values": ("value_head", "turn", "the value head's estimate before each turn, V(s_k)"),
-    "high_values": ("value_head", "turn", "the high-level (subgoal) values; the loop uses the "
-                                          "same value head as turn_values"),
-    "switch": ("collector", "turn", "1 where the environment reported a new subgoal "
-                                    "(info['subgoal']); zeros when it reports none"),
-    "hidden": ("hidden_state", "vector", "the policy's last hidden state at each decision "
-                                         "point, detached"),
-    "state_features": ("hidden_state", "vector", "the same hidden state, read as state "
-                                                 "features"),
-}
-SOURCES = {"value_head": "the value head (model.value_head: true)",
-           "hidden_state": "the policy's hidden states",
-           "collector": "the environment's reports"}
-
 
 class MissingInput(ValueError):
     """A method needs an extras field the batch does not carry (``field`` names it)."""

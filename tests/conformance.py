@@ -11,7 +11,7 @@ the records when they are reordered (``order_free``; False only with a reason).
 
 Settings beyond the defaults are few (every one grows the battery's compiled programs): one
 is added where it takes a code path the battery checks that the defaults do not, chiefly
-statistics that become batch-wide (psum over the mesh axis: ``normalize="batch"``, HAE's
+statistics that become batch-wide (psum over the mesh axis: ``normalization="batch"``, HAE's
 normalisations, FIPO's std, ADRS's gates), another extra or key (per-token signals, history
 or state signatures, merged clusters), or where the defaults are the base bit for bit
 (FIPO). The family modules keep only their methods' own invariants and the reference
@@ -55,28 +55,28 @@ ROWS = {
     "turn_gae": Row(E.turn_gae),
     "lambda_returns": Row(E.lambda_returns, ({}, {"level": "token", "gamma": 0.9})),
     "sapo": Row(E.sapo),
-    "hae": Row(hae_ref.hae, ({}, {"normalize": "turn", "gamma": 0.9},
-                              {"normalize": "token", "switch_stream": "high"})),
+    "hae": Row(hae_ref.hae, ({}, {"normalization": "turn", "gamma": 0.9},
+                              {"normalization": "token", "switch_stream": "high"})),
     # step-level groups, graphs and trees
     "gigpo": Row(step_ref.gigpo, ({}, {"anchor": "similar"})),
     "step_group": Row(step_ref.step_group, ({}, {"key": "history", "target": "reward"})),
     "matchtir": Row(step_ref.matchtir),
-    "g2po": Row(graph_ref.g2po, ({}, {"normalize": "batch", "episode_weight": 0.5,
+    "g2po": Row(graph_ref.g2po, ({}, {"normalization": "batch", "episode_weight": 0.5,
                                           "episode_weighting": "steps"})),
     "graphgpo": Row(graph_ref.graphgpo),
-    "gagpo": Row(graph_ref.gagpo, ({}, {"normalize": "batch", "gamma": 0.9})),
+    "gagpo": Row(graph_ref.gagpo, ({}, {"normalization": "batch", "gamma": 0.9})),
     "rtmc": Row(tree_ref.rtmc, ({}, {"signature": "state", "target": "outcome"})),
     "tree_value": Row(tree_ref.tree_value, ({}, {"child": "action", "baseline": "siblings"})),
     "progpo": Row(tree_ref.progpo),
     "bipace": Row(bipace_ref.bipace, ({}, {"tau": 0.6, "merge_state_keys": True,
                                                "leave_one_out": True, "singleton": "raw",
-                                               "step_normalize": "mean_std_norm"})),
+                                               "step_normalization": "mean_std_norm"})),
     # dense shaping (before an estimator) and its estimators
     "pbrs": Row(S.pbrs), "uniform": Row(S.uniform), "spa": Row(S.spa), "rebel": Row(S.rebel),
     "red": Row(S.red), "vpr": Row(S.vpr), "nasa": Row(S.nasa), "v_rubrics": Row(S.v_rubrics),
     "reward_to_go": Row(S.reward_to_go), "pica": Row(S.pica),
     # transforms of the shaping family
-    "trace": Row(S.trace, ({}, {"normalize": "batch", "accumulate": True})),
+    "trace": Row(S.trace, ({}, {"normalization": "batch", "accumulate": True})),
     "spae": Row(S.spae), "efca": Row(S.efca), "vtca": Row(S.vtca),
     "procredit": Row(S.procredit), "a2tgpo": Row(S.a2tgpo), "cast": Row(S.cast),
     "oprl": Row(S.oprl), "step_gain": Row(S.step_gain), "ups": Row(S.ups), "capo": Row(S.capo),
@@ -91,7 +91,7 @@ ROWS = {
     "fipo": Row(A.fipo, ({}, {"current": "contrast_logprobs", "kl": "k3"})),
     "craft_cti": Row(A.craft_cti),
     "adrs": Row(A.adrs, ({}, {"tva": "completion", "gate_normalize": True, "target": "turn"},
-                         {"tva": "pas", "baseline": "global", "normalize": "per_seq"})),
+                         {"tva": "pas", "baseline": "global", "normalization": "per_seq"})),
     "r3l": Row(A.r3l, ({}, {"baseline": "logavgexp", "r_max": None, "normalize": True})),
     "shuffled_control": Row(A.shuffled_control, order_free=False, why_not_order_free=(
         "the control arm permutes credit at random, with the permutation drawn from the "
@@ -115,7 +115,7 @@ NEGATIVES = 2  # M of credit's negative_logprobs [R, T, M]
 
 def conformance_records(seed=0, num_groups=4, group_size=4, **kw):
     """``signals.signal_records`` plus the inputs the training loop supplies
-    (``registry.LOOP_INPUTS``), written into the records so they move with them when records
+    (``train.inputs.LOOP_INPUTS``), written into the records so they move with them when records
     are reordered or padded: a turn value and per-token values (the value head), high-level
     values, subgoal switches, hidden states and state features."""
     recs = signal_records(seed, num_groups=num_groups, group_size=group_size, **kw)

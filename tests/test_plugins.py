@@ -150,9 +150,24 @@ def test_reads_are_checked_against_what_the_loop_supplies(tmp_path, request):
 
 
 def test_the_loop_supplies_every_declared_loop_input():
-    from jaxrl_agent.train import step
-    assert set(step.PROVIDERS) == set(registry.LOOP_INPUTS)
-    assert {src for src, _, _ in registry.LOOP_INPUTS.values()} == set(registry.SOURCES)
+    """Each loop input has a known source, a level and a provider (env inputs also a host-side
+    one), and the train step runs the provider: a batch without the field gets it at its
+    level's shape."""
+    import jax.numpy as jnp
+
+    from jaxrl_agent.rollout.records import pack_records
+    from jaxrl_agent.train import inputs
+    from tests.signals import signal_records
+    batch = pack_records(signal_records(0, num_groups=2, group_size=2), layout="concatenated")[0]
+    n, k = batch.turn_mask.shape
+    values = jnp.ones(batch.tokens.shape, jnp.float32)
+    hidden = jnp.ones((n, k, 3), jnp.float32)
+    shapes = {"token": batch.tokens.shape, "turn": (n, k), "vector": (n, k, 3)}
+    out = inputs.provide(batch, tuple(inputs.LOOP_INPUTS), values, hidden)
+    for name, spec in inputs.LOOP_INPUTS.items():
+        assert spec.source in inputs.SOURCES, name
+        assert (spec.from_turns is not None) == (spec.source == "env"), name
+        assert out.extras[name].shape == shapes[spec.level], name
 
 
 #: registry keys that already say what the method does (no descriptive alias needed)

@@ -12,6 +12,7 @@ from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs import Chain, GridWorld
 from jaxrl_agent.rollout import ByteCodec, RolloutConfig, TextCodec, collect_groups
 from jaxrl_agent.sampling import SampleOutput, Sampler
+from jaxrl_agent.train.inputs import attach_env_inputs
 
 CODEC = ByteCodec()
 EOS = CODEC.eos_token_id
@@ -134,16 +135,22 @@ def test_solver_sampler_succeeds_and_records_are_token_exact():
     assert records[0]["group"] != records[2]["group"]
     for layout in ("concatenated", "per_step"):
         check_tokens(records, layout)
-    # the grid world's stages (key, door, goal) mark HiPER's subgoal boundaries: a solved
-    # episode starts three subgoals, the first turn of each has switch 1
-    for r in records:
+    # the grid world's stages (key, door, goal) are recorded with each turn as the env
+    # reported them; the loop turns them into subgoal boundaries for the methods that read
+    # `switch` (train.inputs): a solved episode starts three subgoals, the first turn of each
+    # has switch 1. The collected records are not changed.
+    assert not any("turn_extras" in t for r in records for t in r["turns"])
+    marked = attach_env_inputs(records, ("switch", "turn_values"))
+    assert not any("turn_extras" in t for r in records for t in r["turns"])
+    for r in marked:
         goals = [t["subgoal"] for t in r["turns"]]
         assert goals[0] == "key" and goals[-1] == "goal"
         switch = [t["turn_extras"]["switch"] for t in r["turns"]]
         assert switch == [1.0] + [float(a != b) for a, b in zip(goals, goals[1:])]
         assert sum(switch) == 3
-    batch = pack_records(records, layout="per_step")[0]
+    batch = pack_records(marked, layout="per_step")[0]
     assert float(np.asarray(batch.extras["switch"]).sum()) == 3 * len(records)
+    assert attach_env_inputs(records, ("turn_values",)) is records  # nothing to attach
 
 
 def test_prompts_are_history_plus_new_observation():

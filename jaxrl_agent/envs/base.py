@@ -161,7 +161,9 @@ class Env(abc.ABC):
     def subgoal(self) -> str | None:
         """The subgoal the current state belongs to (e.g. "get the key"), or None when the
         environment has no subgoal structure. Reported as ``info["subgoal"]``; the rollout
-        collector marks a turn as a subgoal boundary (HiPER's switch) where it changes."""
+        collector records it with each turn, and the training loop marks a turn where it
+        changes as a subgoal boundary for the methods that read one
+        (``jaxrl_agent.train.inputs``)."""
         return None
 
     def _info(self, info: dict) -> dict:

@@ -544,10 +544,8 @@ def _act(tr: _Live, prompt: list, out, text: str, res, codec: TextCodec,
             "reward": float(res.reward), "state_key": tr.state_key,
             "action_text": text, "finish_reason": out.finish_reason,
             "policy_version": int(out.policy_version)}
-    if tr.subgoal is not None:  # HiPER's boundary: the first turn of every subgoal
-        prev = tr.turns[-1]["subgoal"] if tr.turns else None
+    if tr.subgoal is not None:  # recorded as the env reported it (train.inputs reads it)
         turn["subgoal"] = tr.subgoal
-        turn["turn_extras"] = {"switch": float(prev != tr.subgoal)}
     tr.turns.append(turn)
     tr.history = prompt + act if config.history == "full" else []
     if info.get("env_error"):

@@ -55,6 +55,7 @@ from jaxrl_agent.rollout.workers import RolloutWorkers
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
 from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
+from jaxrl_agent.train.inputs import attach_env_inputs
 from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
                                     lr_schedule, make_optimizer, make_train_step,
@@ -436,6 +437,10 @@ class Trainer:
                 "gather every process's records in step; a worker thread cannot join that "
                 "collective): set trainer.async_rollouts: false")
         self.mesh = self._make_mesh()
+        if t.attention == "splash" and self.mesh.devices.flat[0].platform != "tpu":
+            raise config_lib.ConfigError(
+                f"trainer.attention: splash is a TPU kernel and this run's devices are "
+                f"{self.mesh.devices.flat[0].platform}: set trainer.attention: blocked")
         self.data_shards = sharding.batch_shards(self.mesh)
         self.model, self.codec, self.model_from = build_model(cfg, t.seed)
         mc, tp = self.model.config, self.mesh.shape["tensor"]
@@ -704,7 +709,7 @@ class Trainer:
         turns taken need, not one per possible turn: a run whose episodes end early trains
         on fewer padded rows)."""
         t = self.cfg.trainer
-        recs = parse_records(records)
+        recs = parse_records(attach_env_inputs(records, self.step_cfg.reads))
         plan = plan_packing(recs, t.layout, self.step_cfg.blocks)
         if t.layout == "per_step":
             shards = plan.num_shards
@@ -1155,7 +1160,7 @@ def step_config(cfg: config_lib.RunConfig, data_shards: int, pipeline=None) -> S
         entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
         micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
         data_shards=data_shards, remat=t.remat, logits_chunk=t.logits_chunk,
-        attention=t.attention,
+        attention=t.attention, mlp_chunk=t.mlp_chunk,
         temperature=r.temperature,
         top_k=r.top_k, top_p=r.top_p, is_weights=cfg.loss.is_weights,
         is_level=cfg.loss.is_level, is_cap=cfg.loss.is_cap, is_lower=cfg.loss.is_lower,
@@ -1170,7 +1175,8 @@ def _donated(tree) -> bool:
 def step_paths(scfg: StepConfig) -> str:
     """How the train step computes, in words (the start-up summary): layers under one scan
     with the remat policy, the attention path, log-probs chunked over positions."""
-    return (f"layers scanned, remat {scfg.remat}; attention {scfg.attention}; "
+    mlp = f"; MLP in tiles of {scfg.mlp_chunk} positions" if scfg.mlp_chunk else ""
+    return (f"layers scanned, remat {scfg.remat}; attention {scfg.attention}{mlp}; "
             f"log-probs/entropy in chunks of {scfg.logits_chunk} positions (no [rows, T, vocab] "
             "logits)")
 

@@ -69,42 +69,15 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrl_agent import estimators, losses, registry, segments
+from jaxrl_agent import estimators, losses, segments
 from jaxrl_agent import sharding as sharding_lib
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.models.transformer import (ATTENTION_IMPLS, Transformer, remat_policy_name,
                                             trainable_filter)
 from jaxrl_agent.rollout.tree import TREE_KEYS
 from jaxrl_agent.sampling.jax_sampler import process_logits
+from jaxrl_agent.train import inputs
 from jaxrl_agent.train.logprobs import chunked_sampled_logprobs
-
-# What the train step supplies to the methods that read it (``Entry.reads``), by the source
-# ``registry.LOOP_INPUTS`` names: "value_head" inputs come from one forward pass of the value
-# head, "hidden_state" ones from the policy's hidden state at each decision point, and
-# "collector" ones from the environment (a default when it reported nothing). Model outputs
-# replace a field the batch already has; a collector field is only filled in when absent.
-PROVIDERS = {
-    "token_values": lambda b, v, h: jnp.where(b.action_mask, v, 0.0),
-    "turn_values": lambda b, v, h: _turn_values(b, v),
-    # one value head serves both of HiPER's levels (as HiPER does with a single head)
-    "high_values": lambda b, v, h: _turn_values(b, v),
-    # without subgoal reports every episode is one segment
-    "switch": lambda b, v, h: jnp.zeros(b.turn_mask.shape, jnp.float32),
-    "hidden": lambda b, v, h: h,
-    "state_features": lambda b, v, h: h,
-}
-
-
-def _turn_values(batch: TrajectoryBatch, values):
-    """V(s_k) [N, K]: the value before each turn's first action token (``values`` [R, T] is
-    the value before each token, so it is read one position later)."""
-    at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
-    return segments.turn_values_from_tokens(at_token, batch, "before_action")
-
-
-def _sources(reads) -> set:
-    return {registry.LOOP_INPUTS[f][0] for f in reads if f in registry.LOOP_INPUTS}
-
 
 @struct.dataclass
 class TrainState:
@@ -155,7 +128,8 @@ class StepConfig:
     ppo_epochs: int = 1  # passes over the batch
     remat: str = "none"  # what each decoder layer keeps for the backward pass (REMAT_POLICIES)
     logits_chunk: int = 512  # log-probs / entropies computed this many positions at a time
-    attention: str = "blocked"  # training attention: blocked (flash-style tiles) | dense
+    attention: str = "blocked"  # training attention: blocked (flash tiles) | splash (TPU) | dense
+    mlp_chunk: int = 0  # > 0: each layer's MLP this many positions at a time (long rows)
     data_shards: int = 1  # blocks of the batch (data x fsdp)
     temperature: float = 1.0  # the rollouts' sampling parameters (log-probs of that distribution)
     top_k: int = 0
@@ -171,6 +145,8 @@ class StepConfig:
         object.__setattr__(self, "remat", remat_policy_name(self.remat))  # True -> "full"
         if int(self.logits_chunk) < 1:
             raise ValueError(f"logits_chunk must be >= 1, got {self.logits_chunk}")
+        if not isinstance(self.mlp_chunk, int) or self.mlp_chunk < 0:
+            raise ValueError(f"mlp_chunk must be an int >= 0, got {self.mlp_chunk!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_IMPLS)}, got "
                              f"{self.attention!r}")
@@ -210,11 +186,11 @@ class StepConfig:
     def needs_values(self) -> bool:
         """The pipeline reads the value head (a critic estimator): values are computed and the
         value loss is trained."""
-        return "value_head" in _sources(self.reads)
+        return "value_head" in inputs.sources(self.reads)
 
     @property
     def needs_hidden(self) -> bool:
-        return "hidden_state" in _sources(self.reads)
+        return "hidden_state" in inputs.sources(self.reads)
 
 
 def make_optimizer(lr: float, *, total_steps: int, warmup_steps: int = 0, decay: str = "cosine",
@@ -398,7 +374,7 @@ def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_
         out = model(tree["tree_tokens"], positions=tree["tree_positions"],
                     key_ends=tree["tree_ends"], remat=remat, activation_sharding=pin,
                     residual_sharding=residual, layer_shardings=layer_use, compute_logits=False,
-                    attention=cfg.attention)
+                    attention=cfg.attention, mlp_chunk=cfg.mlp_chunk)
         idx = tree["tree_index"]
         hidden = _at_node(out.hidden, idx, blocks)  # row token t's node -> [R, T, D]
         first = (jnp.arange(tokens.shape[1]) == 0)[None, :]
@@ -408,7 +384,7 @@ def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_
         out = model(tokens, positions=extras.get("positions"),
                     segment_ids=extras.get("segment_ids"), remat=remat, activation_sharding=pin,
                     residual_sharding=residual, layer_shardings=layer_use, compute_logits=False,
-                    attention=cfg.attention)
+                    attention=cfg.attention, mlp_chunk=cfg.mlp_chunk)
         hidden, values = out.hidden, out.values
         if values is not None:  # value of the state before token t (head read at t - 1)
             values = jnp.concatenate([jnp.zeros_like(values[:, :1]), values[:, :-1]], axis=1)
@@ -423,19 +399,20 @@ def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_
 
 
 def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch, tree=None, blocks=1,
-                     attention: str = "dense"):
+                     attention: str = "dense", pin=None, mlp_chunk: int = 0):
     """[N, K, D] final hidden state at each turn's decision point (the position before its
-    first action token: the state the action was drawn from), detached."""
+    first action token: the state the action was drawn from), detached. ``pin``: the rows'
+    layout (``_forward``'s; the splash kernel runs per row block under it)."""
     model = nnx.merge(graphdef, params, rest)
+    run = functools.partial(model, compute_logits=False, attention=attention,
+                            activation_sharding=pin, mlp_chunk=mlp_chunk)
     if tree:
-        h = model(tree["tree_tokens"], positions=tree["tree_positions"],
-                  key_ends=tree["tree_ends"], compute_logits=False,
-                  attention=attention).hidden.astype(jnp.float32)
+        h = run(tree["tree_tokens"], positions=tree["tree_positions"],
+                key_ends=tree["tree_ends"]).hidden.astype(jnp.float32)
         h = _at_node(h, tree["tree_index"], blocks, prev=True)
     else:
-        h = model(batch.tokens, positions=batch.extras.get("positions"),
-                  segment_ids=batch.extras.get("segment_ids"), compute_logits=False,
-                  attention=attention).hidden.astype(jnp.float32)
+        h = run(batch.tokens, positions=batch.extras.get("positions"),
+                segment_ids=batch.extras.get("segment_ids")).hidden.astype(jnp.float32)
         h = jnp.concatenate([h[:, :1], h[:, :-1]], axis=1)  # h[t - 1] at position t
     first, _ = segments.turn_boundary_masks(batch)
     n, k = batch.num_traj, batch.num_turns
@@ -448,19 +425,6 @@ def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch, tree=None, 
 
 def _row_extras(extras: dict, num_rows: int) -> dict:
     return {k: v for k, v in extras.items() if v.ndim >= 1 and v.shape[0] == num_rows}
-
-
-def _provide(batch: TrajectoryBatch, reads, values, hidden) -> TrajectoryBatch:
-    """The batch with the loop-supplied inputs the pipeline reads (``PROVIDERS``); ``values``
-    [R, T] (the value before each token) and ``hidden`` [N, K, D] are None when not needed."""
-    extras = dict(batch.extras)
-    values = None if values is None else jax.lax.stop_gradient(values)
-    for name in reads:
-        source = registry.LOOP_INPUTS.get(name, (None,))[0]
-        if source is None or (source == "collector" and name in extras):
-            continue
-        extras[name] = PROVIDERS[name](batch, values, hidden)
-    return batch.replace(extras=extras)
 
 
 def _split_rows(x, cfg: StepConfig):
@@ -538,7 +502,7 @@ def _run_estimator(pipe, est_batch, est_state, mesh):
 
 
 def _advantages(graphdef, rest, fwd, cfg: StepConfig, state: TrainState, batch, tree, mesh):
-    """The first part of a step: the inputs the pipeline reads (``PROVIDERS``: one forward
+    """The first part of a step: the inputs the pipeline reads (``inputs.LOOP_INPUTS``: one forward
     pass for the value head's estimates, one for the hidden states, only when read), then the
     estimator pipeline on the whole batch. Returns ``(Advantages, new estimator state)``."""
     values = hidden = None
@@ -547,8 +511,8 @@ def _advantages(graphdef, rest, fwd, cfg: StepConfig, state: TrainState, batch, 
                               want_entropy=False, blocks=cfg.blocks)
     if cfg.needs_hidden:
         hidden = _decision_hidden(graphdef, state.params, rest, batch, tree, cfg.blocks,
-                                  cfg.attention)
-    est_batch = _provide(batch, cfg.reads, values, hidden)
+                                  cfg.attention, fwd.keywords.get("pin"), cfg.mlp_chunk)
+    est_batch = inputs.provide(batch, cfg.reads, values, hidden)
     return _run_estimator(cfg.pipeline, est_batch, state.est_state, mesh)
 
 
