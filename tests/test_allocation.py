@@ -73,8 +73,8 @@ CONFIGS = {
     "craft_step": ("craft_cti", dict(anchor="step", scale="relative", temperature=2.0, weight=0.5)),
     "adrs": ("adrs", {}),
     "adrs_l2": ("adrs", dict(tva="completion", gate_normalize=True, target="turn")),
-    "adrs_l1": ("adrs", dict(tva="pas", baseline="global", normalize="per_seq")),
-    "adrs_none": ("adrs", dict(tva="none", normalize="none", gate_field="gate")),
+    "adrs_l1": ("adrs", dict(tva="pas", baseline="global", normalization="per_seq")),
+    "adrs_none": ("adrs", dict(tva="none", normalization="none", gate_field="gate")),
     "adrs_gn": ("adrs", dict(gate_normalize=True, gamma=0.9, eta=0.5, update_outcome=False,
                              gate_field="gate")),
     "r3l": ("r3l", {}),
@@ -685,7 +685,7 @@ def test_clear_errors():
         with pytest.raises(ValueError, match=next(iter(hp)) if next(iter(hp)) not in (
                 "w_min", "w_max") else "w_min"):
             fn(adv, b, **hp)
-    for hp in (dict(tva="L3"), dict(baseline="x"), dict(normalize="x"), dict(target="x"),
+    for hp in (dict(tva="L3"), dict(baseline="x"), dict(normalization="x"), dict(target="x"),
                dict(eta=-1.0)):
         with pytest.raises(ValueError, match=next(iter(hp))):
             A.gated_teacher_reward(b, **hp)

@@ -51,21 +51,21 @@ CATALOGUE = [[math.cos(a), math.sin(a), 0.0] for a in _ANGLES] + [[0.0, 0.0, 1.0
                                                                    [0.0, 0.0, 0.0]]
 
 CONFIGS = {
-    "plain": dict(gamma=1.0, normalize="mean_norm"),
-    "loo_std": dict(leave_one_out=True, step_normalize="mean_std_norm", gamma=1.0,
-                    normalize="mean_norm", merge_state_keys=True, singleton="raw"),
+    "plain": dict(gamma=1.0, normalization="mean_norm"),
+    "loo_std": dict(leave_one_out=True, step_normalization="mean_std_norm", gamma=1.0,
+                    normalization="mean_norm", merge_state_keys=True, singleton="raw"),
     "wide_merge": dict(tau=0.6, merge_state_keys=True, step_weight=0.5),
-    "merge_only_std": dict(tau=1.5, merge_state_keys=True, step_normalize="mean_std_norm",
+    "merge_only_std": dict(tau=1.5, merge_state_keys=True, step_normalization="mean_std_norm",
                            episode_weighting="steps"),
-    "merge_only_mean": dict(tau=1.5, merge_state_keys=True, normalize="mean_norm"),
-    "none": dict(tau=1.5, normalize="mean_norm"),
+    "merge_only_mean": dict(tau=1.5, merge_state_keys=True, normalization="mean_norm"),
+    "none": dict(tau=1.5, normalization="mean_norm"),
 }
 PLAIN = ("plain", "wide_merge", "merge_only_std", "merge_only_mean", "none")  # not LOO
 
 
 def _episode(batch, hp):
     b = segments.local_view(batch)
-    a = E.episode_advantage(b, normalize=hp.get("normalize", "mean_std_norm"),
+    a = E.episode_advantage(b, normalization=hp.get("normalization", "mean_std_norm"),
                             weighting=hp.get("episode_weighting", "trajectory"),
                             eps=hp.get("eps", 1e-6), singleton=hp.get("singleton", "zero"))
     return jnp.where(segments.valid_turns(b), a[:, None], 0.0)
@@ -82,7 +82,7 @@ def _estimate(ids, batch, extra=False):
         out[cid] = {"adv": adv,
                     "pace": (adv.turn - _episode(batch, hp)) / hp.get("step_weight", 1.0)}
     if extra:
-        out["gigpo_mean_norm"] = E.gigpo(batch, normalize="mean_norm")
+        out["gigpo_mean_norm"] = E.gigpo(batch, normalization="mean_norm")
         out["gigpo_steps"] = E.gigpo(batch, episode_weighting="steps")
         out["dr_grpo"] = E.get("dr_grpo")(batch)
         b = segments.local_view(batch)
@@ -434,8 +434,8 @@ def with_hidden():
     ({"tau": -0.5}, "tau must be > 0"),
     ({"sim_iters": 0}, "sim_iters must be a positive int"),
     ({"sim_iters": 2.5}, "sim_iters must be a positive int"),
-    ({"step_normalize": "z"}, "step_normalize must be one of"),
-    ({"normalize": "z"}, "normalize must be one of"),
+    ({"step_normalization": "z"}, "step_normalization must be one of"),
+    ({"normalization": "z"}, "normalization must be one of"),
     ({"merge_state_keys": "yes"}, "merge_state_keys must be one of"),
     ({"leave_one_out": None}, "leave_one_out must be one of"),
     ({"gamma": 1.5}, "gamma must lie in"),

@@ -95,17 +95,17 @@ CONFIGS = [
     _c("gae_nw_lam0_turnv", "gae", drop=("token_values",), gamma=0.9, lam=0.0, normalize=False),
     _c("gae_turnv", "gae", drop=("token_values",), gamma=0.95, lam=0.5, eps=1e-4),
     _c("turn_gae", "turn_gae"),
-    _c("turn_gae_turn", "turn_gae", gamma=0.9, lam=0.7, normalize="turn", eps=1e-4),
-    _c("turn_gae_none", "turn_gae", gamma=0.8, lam=0.5, normalize="none"),
-    _c("turn_gae_11", "turn_gae", normalize="none"),
-    _c("turn_gae_lam1", "turn_gae", gamma=0.9, lam=1.0, normalize="none"),
-    _c("turn_gae_lam0", "turn_gae", gamma=0.9, lam=0.0, normalize="none"),
+    _c("turn_gae_turn", "turn_gae", gamma=0.9, lam=0.7, normalization="turn", eps=1e-4),
+    _c("turn_gae_none", "turn_gae", gamma=0.8, lam=0.5, normalization="none"),
+    _c("turn_gae_11", "turn_gae", normalization="none"),
+    _c("turn_gae_lam1", "turn_gae", gamma=0.9, lam=1.0, normalization="none"),
+    _c("turn_gae_lam0", "turn_gae", gamma=0.9, lam=0.0, normalization="none"),
     _c("lambda_returns", "lambda_returns"),
     _c("lambda_returns_g", "lambda_returns", gamma=0.9, lam=0.7),
     _c("lambda_returns_tok", "lambda_returns", level="token"),
     _c("lambda_returns_tok_g", "lambda_returns", level="token", gamma=0.9, lam=0.6),
     _c("sapo", "sapo"),
-    _c("sapo_turn", "sapo", gamma=0.9, lam=0.7, normalize="turn", eps=1e-4),
+    _c("sapo_turn", "sapo", gamma=0.9, lam=0.7, normalization="turn", eps=1e-4),
 ]
 CFG = {c.id: c for c in CONFIGS}
 # Designed to depend on the layout (counts a rollout once per row): excluded from the
@@ -1281,7 +1281,7 @@ def test_unknown_hyper_parameter_lists_the_valid_ones(plain_batch, name):
     ("gae", {"lam": 1.5}, "lam"),
     ("turn_gae", {"gamma": 1.5}, "gamma"),
     ("turn_gae", {"lam": -1.0}, "lam"),
-    ("turn_gae", {"normalize": "batch"}, "normalize"),
+    ("turn_gae", {"normalization": "batch"}, "normalization"),
     ("lambda_returns", {"gamma": 1.5}, "gamma"),
     ("lambda_returns", {"level": "step"}, "level"),
     ("spo", {"rho": 1.5}, "rho"),
@@ -1313,11 +1313,15 @@ def test_former_hyper_parameter_names_keep_working(name, former, current):
 
 
 @pytest.mark.parametrize("name,former,current", [
-    ("hae", "norm_adv", "normalize"), ("matchtir", "lam", "gamma"),
-    ("step_group", "mode", "normalize"), ("gigpo", "mode", "normalize"),
-    ("bipace", "mode", "normalize"), ("bipace", "step_mode", "step_normalize"),
-    ("rtmc", "mode", "normalize"), ("tree_value", "mode", "normalize"),
-    ("progpo", "mode", "normalize"), ("progpo", "prefix_mode", "prefix_normalize"),
+    ("hae", "norm_adv", "normalization"), ("matchtir", "lam", "gamma"),
+    ("step_group", "mode", "normalization"), ("gigpo", "mode", "normalization"),
+    ("bipace", "mode", "normalization"), ("bipace", "step_mode", "step_normalization"),
+    ("rtmc", "mode", "normalization"), ("tree_value", "mode", "normalization"),
+    ("progpo", "mode", "normalization"), ("progpo", "prefix_mode", "prefix_normalization"),
+    # the string switches were called `normalize` before it became boolean-only
+    ("gigpo", "normalize", "normalization"), ("turn_gae", "normalize", "normalization"),
+    ("bipace", "step_normalize", "step_normalization"),
+    ("progpo", "prefix_normalize", "prefix_normalization"),
 ])
 def test_former_names_of_the_step_level_estimators(name, former, current):
     """The renamed hyper-parameters of the step-level, tree and hierarchical estimators map to
@@ -1325,3 +1329,19 @@ def test_former_names_of_the_step_level_estimators(name, former, current):
     assert E.spec(name).canonical({former: 0.5}) == {current: 0.5}
     with pytest.raises(ValueError, match=current):
         E.spec(name).canonical({former: 0.5, current: 0.5})
+
+
+def test_one_type_per_switch_name():
+    """Across every registered method a hyper-parameter called ``normalize`` (or ``*_normalize``)
+    is a boolean, and one called ``normalization`` (or ``*_normalization``) a string: the same
+    name never means a flag in one method and a mode in another."""
+    seen = {}
+    for kind in ("estimator", "shaping", "transform"):
+        for name in E.names(kind):
+            for hp, default in E.spec(name).hyper_params.items():
+                if hp == "normalize" or hp.endswith("_normalize"):
+                    seen[(name, hp)] = isinstance(default, bool)
+                elif hp == "normalization" or hp.endswith("_normalization"):
+                    seen[(name, hp)] = isinstance(default, str)
+    assert len(seen) > 20
+    assert [k for k, ok in seen.items() if not ok] == []

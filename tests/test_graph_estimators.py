@@ -36,8 +36,8 @@ EX = settings(max_examples=20, deadline=None)
 
 CONFIGS = {
     "g2po": ("g2po", {}),
-    "g2po_none": ("g2po", dict(normalize="none")),
-    "g2po_batch_ep": ("g2po", dict(normalize="batch", episode_weight=0.5, gamma=0.8,
+    "g2po_none": ("g2po", dict(normalization="none")),
+    "g2po_batch_ep": ("g2po", dict(normalization="batch", episode_weight=0.5, gamma=0.8,
                                    episode_weighting="steps", eps=1e-4)),
     "graphgpo": ("graphgpo", {}),
     "graphgpo_half": ("graphgpo", dict(omega=0.5, success_reward=1.0)),
@@ -49,13 +49,13 @@ CONFIGS = {
     "graphgpo_iters1": ("graphgpo", dict(max_iters=1, graph_weight=2.0,
                                          episode_weighting="steps")),
     "gagpo": ("gagpo", {}),
-    "gagpo_half_none": ("gagpo", dict(normalize="none", lam=0.5)),
+    "gagpo_half_none": ("gagpo", dict(normalization="none", lam=0.5)),
     "gagpo_half": ("gagpo", dict(lam=0.5)),
-    "gagpo_lam1": ("gagpo", dict(normalize="none", lam=1.0)),
-    "gagpo_lam0": ("gagpo", dict(normalize="none", lam=0.0)),
-    "gagpo_batch": ("gagpo", dict(normalize="batch", gamma=0.9, lam=0.7, eps=1e-3)),
+    "gagpo_lam1": ("gagpo", dict(normalization="none", lam=1.0)),
+    "gagpo_lam0": ("gagpo", dict(normalization="none", lam=0.0)),
+    "gagpo_batch": ("gagpo", dict(normalization="batch", gamma=0.9, lam=0.7, eps=1e-3)),
     # cross-checks against other estimators of the library (same batch, same program)
-    "gigpo_residual": ("step_group", dict(key="state", normalize="mean_norm", episode_weight=0.0)),
+    "gigpo_residual": ("step_group", dict(key="state", normalization="mean_norm", episode_weight=0.0)),
     "grpo": ("grpo", {}),
 }
 OWN = [c for c, (name, _) in CONFIGS.items() if name in graph_ref.REFERENCES]
@@ -439,7 +439,7 @@ def plain():
 
 
 @pytest.mark.parametrize("name,hp,needle", [
-    ("g2po", {"normalize": "task"}, "normalize must be one of"),
+    ("g2po", {"normalization": "task"}, "normalization must be one of"),
     ("g2po", {"gamma": 1.5}, "gamma must lie in"),
     ("g2po", {"episode_weighting": "turns"}, "episode_weighting must be one of"),
     ("g2po", {"eps": 0.0}, "eps must be > 0"),
@@ -450,7 +450,7 @@ def plain():
     ("graphgpo", {"max_iters": 2.5}, "max_iters must be None or a positive int"),
     ("graphgpo", {"episode_weighting": "x"}, "episode_weighting must be one of"),
     ("gagpo", {"lam": -0.1}, "lam must lie in"),
-    ("gagpo", {"normalize": "token"}, "normalize must be one of"),
+    ("gagpo", {"normalization": "token"}, "normalization must be one of"),
     ("gagpo", {"eps": -1.0}, "eps must be > 0"),
 ])
 def test_errors_name_the_problem(plain, name, hp, needle):

@@ -40,10 +40,10 @@ STREAM_HP = dict(gamma=0.9, lam_turn=0.8, lam_seg=0.6)
 CONFIGS = {
     "default": ({}, ()),
     "g": (STREAM_HP, ()),
-    "norm_turn": (dict(gamma=0.95, lam_turn=0.9, lam_seg=0.9, normalize="turn", eps=1e-6), ()),
-    "norm_token_high": (dict(gamma=0.9, switch_stream="high", normalize="token"), ()),
+    "norm_turn": (dict(gamma=0.95, lam_turn=0.9, lam_seg=0.9, normalization="turn", eps=1e-6), ()),
+    "norm_token_high": (dict(gamma=0.9, switch_stream="high", normalization="token"), ()),
     "no_high_values": (dict(gamma=0.9, lam_turn=0.7, lam_seg=0.6), ("high_values",)),
-    "no_masks_no_term": (dict(gamma=0.9, normalize="turn"), MASKS + ("term_values",)),
+    "no_masks_no_term": (dict(gamma=0.9, normalization="turn"), MASKS + ("term_values",)),
     "no_masks": (STREAM_HP, MASKS),  # every action token low level
     "half": (dict(gamma=0.5, lam_turn=0.5, lam_seg=0.5), ()),
 }
@@ -71,7 +71,7 @@ def _estimate(ids, sids, batch, axis_name=None, flat=True):
     if not flat:
         return out
     out["turn_gae"] = E.get("turn_gae")(batch, gamma=STREAM_HP["gamma"],
-                                        lam=STREAM_HP["lam_turn"], normalize="none",
+                                        lam=STREAM_HP["lam_turn"], normalization="none",
                                         axis_name=axis_name)
     return out
 
@@ -437,7 +437,7 @@ def plain():
     ({"gamma": 1.5}, (), "gamma must lie in"),
     ({"lam_turn": -0.1}, (), "lam_turn must lie in"),
     ({"lam_seg": 2.0}, (), "lam_seg must lie in"),
-    ({"normalize": "batch"}, (), "normalize must be one of"),
+    ({"normalization": "batch"}, (), "normalization must be one of"),
     ({"switch_stream": "low"}, (), "switch_stream must be one of"),
     ({"eps": 0.0}, (), "eps must be > 0"),
     ({}, ("turn_values",), r"extras\['turn_values'\]"),

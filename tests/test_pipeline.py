@@ -80,14 +80,14 @@ def test_former_hyper_parameter_names_map_in_configs_and_pipelines():
     d["estimator"] = {"name": "gigpo", "params": {"mode": "mean_norm"},
                       "then": [{"name": "trial", "params": {"lam": 0.5}}]}
     cfg = config_lib.from_dict(d)
-    assert cfg.estimator.params == {"normalize": "mean_norm"}
+    assert cfg.estimator.params == {"normalization": "mean_norm"}
     assert cfg.estimator.then == [{"name": "trial", "params": {"weight": 0.5}}]
-    d["estimator"]["params"] = {"mode": "mean_norm", "normalize": "mean_std_norm"}
+    d["estimator"]["params"] = {"mode": "mean_norm", "normalization": "mean_std_norm"}
     with pytest.raises(config_lib.ConfigError,
                        match=r"^estimator.params: .*give 'normalize' only \('mode' is its"):
         config_lib.from_dict(d)
     assert E.Pipeline.build("gigpo", {"mode": "mean_norm"}) == \
-        E.Pipeline.build("gigpo", {"normalize": "mean_norm"})
+        E.Pipeline.build("gigpo", {"normalization": "mean_norm"})
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -62,7 +62,7 @@ CONFIGS = {
     "echo": ("echo", {}),
     "echo_n": ("echo", {"normalize": True, "eta": 2.0}),
     "skillgate": ("skillgate", {}),
-    "skillgate_raw": ("skillgate", {"normalize": "raw"}),
+    "skillgate_raw": ("skillgate", {"normalization": "raw"}),
     "proas": ("proas", {}),
     "proas_b1": ("proas", {"alpha": 2.0, "beta": 1.0}),
     "neos": ("neos", {}),
@@ -461,9 +461,9 @@ def test_skillgate_channels_are_disjoint():
     exe, skill = np.asarray(exe), np.asarray(skill)
     assert not (exe & skill).any() and ((exe | skill) == am).all() and skill.any()
     base = E.get("grpo")(batch)
-    out = np.asarray(routing.skill_channel_credit(base, batch, normalize="raw").token)
+    out = np.asarray(routing.skill_channel_credit(base, batch, normalization="raw").token)
     zero_base = routing.skill_channel_credit(base.replace(token=jnp.zeros_like(base.token)),
-                                             batch, normalize="raw")
+                                             batch, normalization="raw")
     zb = np.asarray(zero_base.token)
     assert (zb[exe] == 0).all()  # outcome channel only on execution tokens
     np.testing.assert_array_equal(out[exe], np.asarray(base.token)[exe])
@@ -665,7 +665,7 @@ def _drop(batch, name):
     ("vict", {}, "atoms", r"extras\['atoms'\]"),
     ("echo", {"eta": -1.0}, None, "eta must be >= 0"),
     ("skillgate", {}, "skill_mask", r"extras\['skill_mask'\]"),
-    ("skillgate", {"normalize": "batch"}, None, "normalize must be one of"),
+    ("skillgate", {"normalization": "batch"}, None, "normalization must be one of"),
     ("skillgate", {"eps": 0.0}, None, "eps must be > 0"),
     ("proas", {"beta": 1.5}, None, "beta must lie in"),
     ("proas", {}, "deviation", r"extras\['deviation'\]"),

@@ -26,7 +26,7 @@ def _pack(recs, layout):
 
 @functools.lru_cache(maxsize=None)
 def _sapo_jit(gamma, lam, normalize):
-    return jax.jit(functools.partial(sapo, gamma=gamma, lam=lam, normalize=normalize))
+    return jax.jit(functools.partial(sapo, gamma=gamma, lam=lam, normalization=normalize))
 
 
 @settings(max_examples=15)
@@ -81,8 +81,8 @@ def test_sapo_token_weighted_mean_is_zero_and_limits():
 
 def test_sapo_rejects_no_normalisation():
     batch, _ = _pack(random_records(np.random.default_rng(1), values=True), "concatenated")
-    with pytest.raises(ValueError, match="normalize"):
-        sapo(batch, normalize="none")
+    with pytest.raises(ValueError, match="normalization"):
+        sapo(batch, normalization="none")
 
 
 def test_sapo_needs_turn_values():

@@ -57,27 +57,27 @@ CONFIGS = {
     "rtg_group": ("reward_to_go", dict(baseline="group", normalize=True)),
     "rtg_score": ("reward_to_go", dict(score="score", normalize=True)),
     "pica": ("pica", {}),
-    "pica_joint": ("pica", dict(normalize="joint", gamma=0.9)),
+    "pica_joint": ("pica", dict(normalization="joint", gamma=0.9)),
     "pica_weighted": ("pica", dict(f1_weight=0.5, ig_weight=2.0)),
     "pica_rewards": ("pica", dict(potential=None, std_normalize=False, f1_weight=0.5,
                                   ig_weight=2.0)),
     "trace": ("trace", {}),
-    "trace_group_acc": ("trace", dict(normalize="group", accumulate=True)),
-    "trace_raw_len": ("trace", dict(normalize="none", length="answer_len")),
+    "trace_group_acc": ("trace", dict(normalization="group", accumulate=True)),
+    "trace_raw_len": ("trace", dict(normalization="none", length="answer_len")),
     "spae": ("spae", {}),
     "spae_accconf": ("spae", dict(potential=None, alpha=0.5, c_sat=0.5, saturation=0.3)),
     "efca": ("efca", {}),
     "efca_renorm": ("efca", dict(normalize=True, window=1)),
     "efca_clip": ("efca", dict(fb_coef=1.0, w_min=0.2, w_max=1.5)),
     "vtca": ("vtca", {}),
-    "vtca_cohort": ("vtca", dict(normalize="cohort", rho=0.5, eta=0.5)),
+    "vtca_cohort": ("vtca", dict(normalization="cohort", rho=0.5, eta=0.5)),
     "procredit": ("procredit", {}),
     "procredit_state": ("procredit", dict(cohort="state", normalize=False)),
     "a2tgpo": ("a2tgpo", {}),
     "a2tgpo_g": ("a2tgpo", dict(gamma=0.8, weight=0.5)),
     "cast": ("cast", {}),
     "cast_slog": ("cast", dict(transform="signed_log")),
-    "cast_id": ("cast", dict(transform="identity", normalize="none")),
+    "cast_id": ("cast", dict(transform="identity", normalization="none")),
     "oprl": ("oprl", {}),
     "oprl_state_old": ("oprl", dict(cohort="state", ref="old_logprobs")),
     "step_gain": ("step_gain", {}),
@@ -338,8 +338,8 @@ def test_trace_rewards_telescope_and_ignore_shifts_and_duplicates():
         len(rec["turns"]) > 1 else rec["traj_extras"]["final_potential"]
     rec2 = copy.deepcopy(rec)
     rec2["turns"].insert(1, dup)
-    r1 = ref.trace([rec], [[0.0] * len(rec["turns"])], normalize="none", beta=1.0).turn[0]
-    r2 = ref.trace([rec2], [[0.0] * len(rec2["turns"])], normalize="none", beta=1.0).turn[0]
+    r1 = ref.trace([rec], [[0.0] * len(rec["turns"])], normalization="none", beta=1.0).turn[0]
+    r2 = ref.trace([rec2], [[0.0] * len(rec2["turns"])], normalization="none", beta=1.0).turn[0]
     assert r2[1] == 0.0 and abs(sum(r1) - sum(r2)) < 1e-9
     b2 = pack([rec2], "concatenated")[0]
     np.testing.assert_allclose(np.asarray(f(b2))[0, :len(r2)], r2, atol=1e-6)
@@ -613,9 +613,9 @@ def test_missing_extras_are_named(plain, name):
 
 @pytest.mark.parametrize("name,hp,needle", [
     ("pbrs", {"gamma": 1.5}, "gamma must lie in"),
-    ("trace", {"normalize": "z"}, "normalize must be one of"),
+    ("trace", {"normalization": "z"}, "normalization must be one of"),
     ("trace", {"eps": 0.0}, "eps must be > 0"),
-    ("pica", {"normalize": "both"}, "normalize must be one of"),
+    ("pica", {"normalization": "both"}, "normalization must be one of"),
     ("reward_to_go", {"baseline": "x"}, "baseline must be one of"),
     ("vtca", {"rho": 1.5}, "rho must lie in"),
     ("efca", {"window": -1}, "window must be"),

@@ -28,7 +28,7 @@ HP = {"reinforce_pp": {"gamma": 0.9, "kl_coef": 0.05}, "returns": {"gamma": 0.9}
       "gae": {"gamma": 0.95, "lam": 0.9}, "turn_gae": {"gamma": 0.9, "lam": 0.8},
       "lambda_returns": {"gamma": 0.9, "lam": 0.7}, "spo": {"rho": 0.9},
       "spo_pp": {"rho": 0.9}}
-VARIANTS = [("rollout_level", {"row_weighted": True}), ("turn_gae", {"normalize": "turn"}),
+VARIANTS = [("rollout_level", {"row_weighted": True}), ("turn_gae", {"normalization": "turn"}),
             ("lambda_returns", {"level": "token", "gamma": 0.9, "lam": 0.7})]
 
 

@@ -32,7 +32,7 @@ DIRECTIONS = np.eye(3, dtype=np.float32)  # feature vectors far from any cosine 
 
 CONFIGS = {
     "gigpo": ("gigpo", {}),
-    "gigpo_mean_steps": ("gigpo", dict(normalize="mean_norm", episode_weighting="steps",
+    "gigpo_mean_steps": ("gigpo", dict(normalization="mean_norm", episode_weighting="steps",
                                        gamma=0.9, step_weight=0.5)),
     "gigpo_raw": ("gigpo", dict(singleton="raw", gamma=1.0, eps=1e-3)),
     "gigpo_bucket": ("gigpo", dict(anchor="bucket", bucket_width=0.5)),
@@ -41,7 +41,7 @@ CONFIGS = {
                                              episode_weight=0.0)),
     "sg_state_action": ("step_group", dict(key="state_action", step_weight=0.5, gamma=0.8)),
     "sg_action_outcome": ("step_group", dict(key="action", target="outcome",
-                                             normalize="mean_norm")),
+                                             normalization="mean_norm")),
     "sg_turn_key": ("step_group", dict(key="turn_key", episode_weighting="steps")),
     "sg_turn_mean": ("step_group", dict(key="turn", combine_as="mean", singleton="raw",
                                         step_singleton="raw", episode_reward="reward_sum")),
@@ -168,7 +168,7 @@ def test_all_anchors_distinct_or_w0_equals_grpo(layout, recs):
     dr = np.asarray(est("dr_grpo", batch).token)
     np.testing.assert_allclose(est("gigpo", dist).token, grpo, atol=1e-6)
     np.testing.assert_allclose(est("gigpo", batch, step_weight=0.0).token, grpo, atol=1e-6)
-    np.testing.assert_allclose(est("gigpo", dist, normalize="mean_norm").token, dr, atol=1e-6)
+    np.testing.assert_allclose(est("gigpo", dist, normalization="mean_norm").token, dr, atol=1e-6)
     np.testing.assert_allclose(est("step_group", dist, key="state").token, grpo, atol=1e-6)
 
 
@@ -177,7 +177,7 @@ def test_all_anchors_distinct_or_w0_equals_grpo(layout, recs):
 @given(recs=records())
 def test_step_term_sums_to_zero_in_each_anchor_group(layout, recs):
     batch, index = pack(recs, layout)
-    a = np.asarray(est("gigpo", batch, normalize="mean_norm").turn)
+    a = np.asarray(est("gigpo", batch, normalization="mean_norm").turn)
     a_ep = np.asarray(est("dr_grpo", batch).turn)
     step = a - a_ep
     sums = {}
@@ -204,15 +204,15 @@ def test_step_term_is_not_shift_invariant_with_unequal_remaining_lengths():
     base = [rec(0, [0.0, 1.0], 1.0), rec(1, [0.0, 0.0, 0.0], 0.0)]
     shifted = [rec(0, [0.5, 1.5], 1.0), rec(1, [0.5, 0.5, 0.5], 0.0)]
     a = np.asarray(est("gigpo", pack(base, "concatenated")[0], gamma=1.0,
-                                  normalize="mean_norm").turn)
+                                  normalization="mean_norm").turn)
     b = np.asarray(est("gigpo", pack(shifted, "concatenated")[0], gamma=1.0,
-                                  normalize="mean_norm").turn)
+                                  normalization="mean_norm").turn)
     assert not np.allclose(a[:2, 0], b[:2, 0])  # the shared first state: 2 vs 3 steps left
     # equal remaining lengths: the shift cancels
     eq = [rec(0, [0.0, 1.0], 1.0), rec(1, [0.0, 0.0], 0.0)]
     eq_s = [rec(0, [0.5, 1.5], 1.0), rec(1, [0.5, 0.5], 0.0)]
-    a = np.asarray(est("gigpo", pack(eq, "concatenated")[0], normalize="mean_norm").turn)
-    b = np.asarray(est("gigpo", pack(eq_s, "concatenated")[0], normalize="mean_norm").turn)
+    a = np.asarray(est("gigpo", pack(eq, "concatenated")[0], normalization="mean_norm").turn)
+    b = np.asarray(est("gigpo", pack(eq_s, "concatenated")[0], normalization="mean_norm").turn)
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
@@ -233,7 +233,7 @@ def test_hand_built_gigpo_example():
                 {"observation": [1], "action": [8], "reward": 0.0}]}]
     for layout in LAYOUTS:
         turn = np.asarray(est("gigpo", pack(recs, layout)[0], gamma=0.5,
-                                         normalize="mean_norm").turn)
+                                         normalization="mean_norm").turn)
         np.testing.assert_allclose(turn[:2, :2], [[0.5 + 1 / 3, 0.5], [-2 / 3, -2 / 3]],
                                    atol=1e-6)
 
@@ -245,9 +245,9 @@ def test_episode_weighting_by_steps_leans_toward_long_episodes():
             {"group": 0, "outcome": 0.0, "turns": [{"observation": [k + 2], "action": [1]}
                                                    for k in range(3)]}]
     b = pack(recs, "per_step")[0]
-    t = np.asarray(est("gigpo", b, normalize="mean_norm").turn)
+    t = np.asarray(est("gigpo", b, normalization="mean_norm").turn)
     np.testing.assert_allclose(t[:2, 0], [0.5, -0.5], atol=1e-6)
-    t = np.asarray(est("gigpo", b, normalize="mean_norm", episode_weighting="steps").turn)
+    t = np.asarray(est("gigpo", b, normalization="mean_norm", episode_weighting="steps").turn)
     np.testing.assert_allclose(t[:2, 0], [0.75, -0.25], atol=1e-6)
 
 
@@ -333,7 +333,7 @@ def plain():
 
 
 @pytest.mark.parametrize("name,hp,needle", [
-    ("gigpo", {"normalize": "z"}, "normalize must be one of"),
+    ("gigpo", {"normalization": "z"}, "normalization must be one of"),
     ("gigpo", {"anchor": "fuzzy"}, "anchor must be one of"),
     ("gigpo", {"gamma": 1.5}, "gamma must lie in"),
     ("gigpo", {"anchor": "similar"}, r"extras\['state_features'\]"),

@@ -13,9 +13,10 @@ Where is what (family file: registered names by kind; family files import only
 ==================  =========================================================================
 ``primitives``      shared kernels: ``traj_advantages``, ``episode_advantage``,
                     ``step_returns``, ``normalize_in_groups``, ``combine``, ``token_weights``,
-                    ``apply_token_weights``, ``normalize_weights``, ``shuffle_weights``
+                    ``apply_token_weights``, ``normalize_weights``, ``shuffle_weights``,
+                    ``valid_tokens``, ``token_trajectories``
 ``outcome``         trajectory-level baselines: grpo, dr_grpo, rloo, reinforce_pp,
-                    reinforce_pp_baseline, rollout_level, spo, spo_pp
+                    reinforce_pp_baseline, rollout_level, spo, spo_pp, r3l
 ``temporal``        returns and critics: returns, gae, turn_gae, lambda_returns, sapo
 ``hierarchical``    hae (high- and low-level critics over subgoals)
 ``step_group``      step-level groups: gigpo, step_group, matchtir
@@ -23,11 +24,12 @@ Where is what (family file: registered names by kind; family files import only
 ``tree``            rollout trees: rtmc, tree_value, progpo
 ``bipace``          hidden-state clusters with peer baselines: bipace
 ``shaping``         dense rewards before an estimator (pbrs, uniform, spa, rebel, red, vpr,
-                    nasa, v_rubrics), estimators built on them (reward_to_go, pica), transforms
+                    nasa, v_rubrics, adrs), estimators built on them (reward_to_go, pica),
+                    transforms
                     (trace, spae, efca, vtca, procredit, a2tgpo, cast, oprl, step_gain, ups, capo)
 ``allocation``      re-allocation transforms (reallocate, trial, stepopsd, cort, rvco,
                     agentopsd, pbsd, dcsd, verpo, taco, eapo, fipo, craft_cti,
-                    shuffled_control), the shaping rule adrs, the estimator r3l
+                    shuffled_control)
 ``routing``         label-, citation- and graph-driven routing transforms (stamp, iapo,
                     self_credit, triage, vict, echo, serl, skillgate, proas, neos, ggpo) and
                     the multi-agent estimators ccpo, sharp

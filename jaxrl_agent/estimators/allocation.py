@@ -10,9 +10,7 @@ Advantages``. A transform takes the advantages of a base estimator (``grpo(batch
 group, the ``level``), or adds a dense term to them (an add-on, A'_t = A_t + c d_t). A
 re-allocation of a trajectory-constant base advantage conserves each trajectory's advantage
 mass exactly and never flips a sign. The primitive is ``reallocate``; the named methods
-compute raw weights (or the add-on) from their signal and hand them to it. The module also
-holds one shaping rule (``gated_teacher_reward``, registered as ``adrs``) and one estimator
-(``positive_amplified_outcome``, registered as ``r3l``).
+compute raw weights (or the add-on) from their signal and hand them to it.
 
 Shapes: N trajectories of at most K turns, stored as R token rows of length T (see
 ``jaxrl_agent.batch``). Every transform returns ``Advantages`` whose ``token`` [R, T] is zero
@@ -32,9 +30,9 @@ from jax import lax
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
 from jaxrl_agent.checks import (check_choice, check_nonneg, check_positive, check_unit,
-                                require, token_field, traj_field, turn_field)
+                                require, token_field, turn_field)
 from jaxrl_agent.estimators.primitives import (apply_token_weights, shuffle_weights,
-                                               token_weights, traj_advantages)
+                                               token_trajectories, token_weights, valid_tokens)
 from jaxrl_agent.registry import register
 
 @register("reallocate", kind="transform")
@@ -130,10 +128,6 @@ def _check_weight_bounds(w_min, w_max):
                          f"w_max={w_max}")
 
 
-def _token_valid(b):
-    return b.action_mask & b.traj_mask[jnp.clip(b.row_traj, 0, b.num_traj - 1)][:, None]
-
-
 def _gap(b, teacher, student, who):
     """g_t = lp_teacher - lp_student on valid action tokens (detached), 0 elsewhere."""
     return (token_field(b, teacher, who, "teacher log-probs [R, T]",
@@ -179,14 +173,10 @@ def _traj_turn_std(x, b, ddof: int = 1):
     return std[:, None]
 
 
-def _token_traj(b):
-    return jnp.broadcast_to(jnp.clip(b.row_traj, 0, b.num_traj - 1)[:, None], b.tokens.shape)
-
-
 def _turn_index(b):
     """Flat turn index i * K + k of every action token; N * K elsewhere (dropped)."""
     n, k = b.num_traj, b.num_turns
-    idx = _token_traj(b) * k + jnp.clip(b.turn_ids, 0, k - 1)
+    idx = token_trajectories(b) * k + jnp.clip(b.turn_ids, 0, k - 1)
     return jnp.where(b.action_mask, idx, n * k)
 
 
@@ -361,7 +351,7 @@ def rubric_token_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     b = segments.local_view(batch, axis_name)
     c = _gap(b, teacher, student, "cort")
     c = jnp.abs(c) if absolute else c
-    raw = jnp.where(_token_valid(b), jnp.clip(1.0 + kappa * jnp.tanh(c / tau), w_min, w_max), 0.0)
+    raw = jnp.where(valid_tokens(b), jnp.clip(1.0 + kappa * jnp.tanh(c / tau), w_min, w_max), 0.0)
     return _reweight(adv, batch, b, raw, per="token", clip_min=w_min, clip_max=w_max,
                      shuffle=shuffle, seed=seed, axis_name=axis_name)
 
@@ -432,8 +422,8 @@ def visual_evidence_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     b = segments.local_view(batch, axis_name)
     e = _gap(b, teacher, student, "rvco")
     e = jnp.abs(e) if absolute else e
-    valid = _token_valid(b)
-    seg = _token_traj(b)
+    valid = valid_tokens(b)
+    seg = token_trajectories(b)
     n = b.num_traj
     med = _segment_median(e, seg, valid, n)[seg]
     mad = _segment_median(jnp.abs(e - med), seg, valid, n)[seg]
@@ -770,8 +760,8 @@ def entropy_reweight(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = 
     b = segments.local_view(batch, axis_name)
     h = token_field(b, entropy, "eapo", "policy entropy at each token [R, T]",
                     stop_gradient=True, valid_only=True)
-    valid = _token_valid(b)
-    seg = _token_traj(b)
+    valid = valid_tokens(b)
+    seg = token_trajectories(b)
     n = b.num_traj
     hmin = jax.ops.segment_min(jnp.where(valid, h, jnp.inf).reshape(-1), seg.reshape(-1), n)[seg]
     hmax = jax.ops.segment_max(jnp.where(valid, h, -jnp.inf).reshape(-1), seg.reshape(-1), n)[seg]
@@ -827,7 +817,7 @@ def future_kl_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     if alpha * clip > 1.0:
         raise ValueError(f"alpha * clip must be <= 1 (weights >= 0), got {alpha} * {clip}")
     b = segments.local_view(batch, axis_name)
-    valid = _token_valid(b)
+    valid = valid_tokens(b)
     r = token_field(b, current, "fipo", "current-policy log-probs [R, T]",
                     stop_gradient=True, valid_only=True) - lax.stop_gradient(
         jnp.where(valid, b.old_logprobs, 0.0))
@@ -916,250 +906,3 @@ def counterfactual_importance_bonus(adv: Advantages, batch: TrajectoryBatch, *,
         return _set_token(adv, _base_token(adv, b), b)
     return _set_token(adv, _base_token(adv, b) + weight * segments.turn_to_token(cti, b) * unit,
                       b)
-
-
-# ----------------------------------------------------------------------------- ADRS (shaping)
-
-
-def _masked_std(x, mask, axis_name, ddof):
-    """(std of x over ``mask`` across ``axis_name``, total count)."""
-    _, var = segments.masked_mean_var(x, mask, axis_name, ddof)
-    count = segments.psum(jnp.sum(mask.astype(jnp.float32)), axis_name)
-    return segments.safe_sqrt(var), count
-
-
-def _tva(alpha, reward, ids, valid, num):
-    """Teacher value advantage per segment: E_alpha[R] - E_{1-alpha}[R] (0 below 2 members)."""
-    def seg_sum(v):
-        return jax.ops.segment_sum(jnp.where(valid, v, 0.0), ids, num)
-
-    out = (seg_sum(alpha * reward) / (seg_sum(alpha) + 1e-8)
-           - seg_sum((1.0 - alpha) * reward) / (seg_sum(1.0 - alpha) + 1e-8))
-    out = jnp.where(seg_sum(jnp.ones_like(alpha)) >= 2, out, 0.0)
-    return jnp.where(valid, out[jnp.clip(ids, 0, num - 1)], 0.0)
-
-
-@register("adrs", kind="shaping", renamed={"gate_norm": "gate_normalize"})
-def gated_teacher_reward(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
-                         tva: str = "step", eta: float = 0.1, temperature: float = 1.0,
-                         tau: float = 2.0, baseline: str = "step", normalize: str = "global",
-                         gate_normalize: bool = False, gamma: float = 1.0,
-                         ref: str = "ref_logprobs", target: str = "token",
-                         update_outcome: bool = True, gate_field: str | None = None,
-                         axis_name=None) -> TrajectoryBatch:
-    """ADRS: self-distilled token reward shaping with a teacher-value-advantage gate. Pinned:
-    gitrxh/ADRS-arxiv ``verl/trainer/ppo/adrs_utils.py`` (``compute_adrs_reward``).
-
-    A *shaping*: the token reward r_t += eta g_t u_t is added before the advantage
-    computation, as in the repository (``token_level_rewards += modulated_reward``).
-
-        u_t = lp_T,t - mean_{t' in step(t)} lp_T   (``baseline="global"``: the batch mean),
-              divided by the batch std of u (unbiased, + 1e-8; ``normalize="per_seq"``: the
-              per-trajectory population std + 1e-8; ``"none"``)
-        gate g (``tva``):
-          "step": alpha_s = sigmoid((mean_{t in s} lp_T - batch mean lp_T) / T) per turn;
-                 TVA = sum alpha R / sum alpha - sum (1-alpha) R / sum (1-alpha) over the
-                 GiGPO anchor group of the turn (task group + equal ``state_keys``; < 2 turns:
-                 0); R = the turn's discounted return-to-go of ``turn_rewards`` (``gamma``)
-          "completion": the same per task group with the trajectory mean lp_T and the
-                 trajectory's total reward (turn rewards + ``extras['token_rewards']``)
-          "pas": sigmoid(tau (lp_T - lp_ref) / std) per token (std over the batch)
-          "none": no gate, r_t += eta u_t (the gate reported is 0.5)
-        g = sigmoid(tau TVA'), TVA' = TVA or, with ``gate_normalize``, TVA / std(TVA) when the
-        std exceeds 1e-8 (sign kept).
-
-    Output: ``target="token"`` adds r to ``extras['token_rewards']`` (read by token-reward
-    estimators: reinforce_pp, gae, ...); ``target="turn"`` adds its per-turn sums to
-    ``turn_rewards`` (gigpo, turn_gae, ...). ``update_outcome`` adds the per-trajectory sum of r
-    to ``outcome`` (what verl's GRPO sums; outcome readers such as grpo). ``gate_field`` also
-    stores g [R, T] in that extra (e.g. to gate a distillation loss). Batch-wide means and stds
-    are psummed over ``axis_name``. eta = 0 leaves every field bit for bit.
-
-    Args:
-      batch: the batch; reads the teacher log-probs [R, T], ``turn_rewards`` [N, K],
-        ``state_keys`` [N, K] and ``group_ids`` [N] (``tva="step"``), ``turn_rewards`` and
-        ``extras['token_rewards']`` [R, T] if present (``"completion"``), the reference
-        log-probs [R, T] (``"pas"``).
-      teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
-      tva: the gate: ``"step"``, ``"completion"``, ``"pas"`` or ``"none"``.
-      eta: >= 0, the size of the shaped reward.
-      temperature: > 0, T of the gate's alpha.
-      tau: > 0, the sharpness of the gate's sigmoid.
-      baseline: ``"step"`` (the turn's mean teacher log-prob) or ``"global"`` (the batch's).
-      normalize: how u is scaled: ``"global"``, ``"per_seq"`` or ``"none"`` (above).
-      gate_normalize: divide TVA by its batch std (``"step"`` and ``"completion"`` gates).
-      gamma: in [0, 1], the discount of the return-to-go of the ``"step"`` gate.
-      ref: the reference log-probs of the ``"pas"`` gate: an [R, T] extra's name, or
-        ``"old_logprobs"``.
-      target: ``"token"`` or ``"turn"``: where the shaped reward is added.
-      update_outcome: also add each trajectory's sum of r to ``outcome``.
-      gate_field: if set, the extra that receives the gate g [R, T].
-      axis_name: the mesh axis a sharded batch is split over, or None.
-
-    Returns:
-      ``batch`` with ``extras['token_rewards']`` [R, T] (``target="token"``) or
-      ``turn_rewards`` [N, K] (``"turn"``) shaped, ``outcome`` [N] updated when
-      ``update_outcome``, and ``extras[gate_field]`` [R, T] when set.
-    """
-    check_positive("tau", tau)
-    check_choice("tva", tva, ("step", "completion", "pas", "none"))
-    check_choice("baseline", baseline, ("step", "global"))
-    check_choice("normalize", normalize, ("global", "per_seq", "none"))
-    check_choice("target", target, ("token", "turn"))
-    check_nonneg("eta", eta)
-    check_positive("temperature", temperature)
-    check_unit("gamma", gamma)
-    b = segments.local_view(batch, axis_name)
-    valid = _token_valid(b)
-    lp = token_field(b, teacher, "adrs", "teacher log-probs [R, T]",
-                     stop_gradient=True, valid_only=True)
-    n, k = b.num_traj, b.num_turns
-    vf = valid.astype(jnp.float32)
-    seg = _token_traj(b)
-
-    # raw teacher reward u
-    if baseline == "step":
-        cnt = segments.token_to_turn(vf, b)
-        mean = segments.token_to_turn(lp, b) / jnp.maximum(cnt, 1.0)
-        base = segments.turn_to_token(mean, b)
-    else:
-        tot = segments.psum(jnp.sum(lp), axis_name)
-        cnt = segments.psum(jnp.sum(vf), axis_name)
-        base = tot / jnp.maximum(cnt, 1.0)
-    u = jnp.where(valid, lp - base, 0.0)
-    if normalize == "global":
-        std, cnt = _masked_std(u, valid, axis_name, ddof=1)
-        u = u / jnp.where(cnt > 1, std + 1e-8, 1.0)
-    elif normalize == "per_seq":
-        c = jax.ops.segment_sum(jnp.sum(vf, axis=1), b.row_traj, n)
-        m = jax.ops.segment_sum(jnp.sum(u, axis=1), b.row_traj, n) / jnp.maximum(c, 1.0)
-        dev = jnp.where(valid, u - m[seg], 0.0)
-        var = jax.ops.segment_sum(jnp.sum(dev * dev, axis=1), b.row_traj, n) / jnp.maximum(c, 1.0)
-        u = jnp.where(valid, u / (segments.safe_sqrt(var) + 1e-8)[seg], 0.0)
-
-    def gate_from(tva_vals, where):
-        if gate_normalize:
-            std, _ = _masked_std(tva_vals, where, axis_name, ddof=1)
-            tva_vals = jnp.where(std > 1e-8, tva_vals / (std + 1e-8), tva_vals)
-        return jax.nn.sigmoid(tau * tva_vals)
-
-    if tva == "none":
-        gate = jnp.where(valid, 0.5, 0.0)
-        shaped = eta * u
-    else:
-        if tva == "pas":
-            d = jnp.where(valid, lp - token_field(b, ref, "adrs", "reference log-probs [R, T]",
-                                                  stop_gradient=True, valid_only=True),
-                          0.0)
-            std, cnt = _masked_std(d, valid, axis_name, ddof=1)
-            gate = jax.nn.sigmoid(tau * d / jnp.where(cnt > 1, std + 1e-8, 1.0))
-        elif tva == "completion":
-            ok = b.traj_mask
-            c = jax.ops.segment_sum(jnp.sum(vf, axis=1), b.row_traj, n)
-            comp = jax.ops.segment_sum(jnp.sum(lp, axis=1), b.row_traj, n) / (c + 1e-8)
-            rew = jax.ops.segment_sum(jnp.sum(jnp.where(valid, segments.token_rewards(b), 0.0),
-                                              axis=1), b.row_traj, n)
-            gm = (segments.psum(jnp.sum(jnp.where(ok, comp, 0.0)), axis_name)
-                  / jnp.maximum(segments.psum(jnp.sum(ok.astype(jnp.float32)), axis_name), 1.0))
-            al = jax.nn.sigmoid((comp - gm) / (temperature + 1e-8))
-            t = _tva(al, rew, jnp.where(ok, b.group_ids, n), ok, n)
-            gate = segments.traj_to_token(gate_from(t, ok), b)
-        else:
-            vt = segments.valid_turns(b)
-            cnt_t = segments.token_to_turn(vf, b)
-            step_mean = segments.token_to_turn(lp, b) / (cnt_t + 1e-8)
-            gm = (segments.psum(jnp.sum(lp), axis_name)
-                  / (segments.psum(jnp.sum(vf), axis_name) + 1e-8))
-            al = jax.nn.sigmoid((step_mean - gm) / (temperature + 1e-8))
-            rtg = segments.reverse_scan(jnp.where(vt, b.turn_rewards, 0.0), gamma, axis=1,
-                                        where=vt)
-            ids = segments.turn_key_ids(b, b.state_keys)
-            t = _tva(al.reshape(-1), rtg.reshape(-1), ids.reshape(-1), vt.reshape(-1), n * k)
-            gate = segments.turn_to_token(gate_from(t.reshape(n, k), vt), b)
-        gate = jnp.where(valid, gate, 0.0)
-        shaped = eta * gate * u
-    shaped = jnp.where(valid, shaped, 0.0)
-    if eta == 0:
-        shaped = jnp.zeros_like(shaped)
-    extras = dict(batch.extras)
-    out = {}
-    if target == "token":
-        extras["token_rewards"] = (jnp.where(b.action_mask, b.extras["token_rewards"], 0.0)
-                                   + shaped if "token_rewards" in b.extras else shaped)
-    else:
-        out["turn_rewards"] = b.turn_rewards + segments.token_to_turn(shaped, b)
-    if update_outcome:
-        out["outcome"] = b.outcome + jax.ops.segment_sum(jnp.sum(shaped, axis=1), b.row_traj, n)
-    if gate_field is not None:
-        extras[gate_field] = gate
-    return batch.replace(extras=extras, **out)
-
-
-# ----------------------------------------------------------------------------- R3L (estimator)
-
-
-@register("r3l", renamed={"step_norm": "normalize"})
-def positive_amplified_outcome(batch: TrajectoryBatch, *, alpha: float = 3.0,
-                               baseline: str = "mean", tau: float = 1.0,
-                               r_max: float | None = 1.0, normalize: bool = False,
-                               score: str = "outcome", axis_name=None) -> Advantages:
-    """R3L positive amplification: a group-baselined outcome whose positive part is amplified.
-    Pinned: shiweijiezero/R3L
-    ``trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py``
-    (``StepWiseOPMDReweightAdvAdvantageFn``).
-
-    An *estimator* (it replaces the trajectory score, reading ``score`` [N], default the
-    outcome, and the task groups):
-
-        b_g = mean_g R   (``baseline="logavgexp"``: tau (logsumexp_g(R / tau) - log n_g));
-              a singleton group has b = 0 (as the repository)
-        s_i = R_i - b_g;  s_i = 1 if R_i >= r_max;  else alpha s_i if s_i >= 0;  else s_i
-        A_i = s_i on every action token (``normalize``: divided by the number of turns)
-
-    ``r_max=None`` disables the success cap. ``r_max`` must be the largest possible reward
-    (an R_i >= r_max below its group mean would be set to +1). Sign preservation holds; zero sum
-    fails by design: positive mass is amplified by alpha (sum_{A>0} A / sum_{A<0} |A| grows by
-    alpha when no R_i reaches r_max).
-    The reflect-then-retry pivot mask of the paper is a loss mask of the rollout, not here.
-
-    Args:
-      batch: the batch; reads the score [N], ``group_ids`` [N] and ``turn_mask`` [N, K].
-      alpha: >= 0, the amplification of non-negative centred scores.
-      baseline: ``"mean"`` or ``"logavgexp"``, the group baseline b_g.
-      tau: > 0, the temperature of ``"logavgexp"``.
-      r_max: the success cap (the largest possible reward), or None.
-      normalize: divide each trajectory's advantage by its number of turns.
-      score: the per-trajectory score: ``"outcome"`` or the name of an [N] extra.
-      axis_name: the mesh axis a sharded batch is split over, or None.
-
-    Returns:
-      Advantages: ``token`` [R, T] (A_i on every action token of trajectory i) and ``turn``
-      [N, K] (A_i on every valid turn).
-    """
-    check_choice("baseline", baseline, ("mean", "logavgexp"))
-    check_nonneg("alpha", alpha)
-    check_positive("tau", tau)
-    b = segments.local_view(batch, axis_name)
-    r = traj_field(b, score, "r3l", "trajectory score [N]", stop_gradient=True)
-    ok = b.traj_mask
-    n = b.num_traj
-    mean, _, count = segments.group_stats(r, b.group_ids, ok)
-    gid = jnp.where(ok, b.group_ids, n)
-    safe = jnp.clip(gid, 0, n - 1)
-    if baseline == "mean":
-        base = mean
-    else:
-        x = r / tau
-        top = jax.ops.segment_max(jnp.where(ok, x, -jnp.inf), gid, n)[safe]
-        lse = top + jnp.log(jax.ops.segment_sum(jnp.where(ok, jnp.exp(x - top), 0.0), gid, n)[safe])
-        base = tau * (lse - jnp.log(jnp.maximum(count, 1.0)))
-    s = r - jnp.where(count > 1, base, 0.0)
-    s = jnp.where(s >= 0, alpha * s, s)
-    if r_max is not None:
-        s = jnp.where(r >= r_max, 1.0, s)
-    if normalize:
-        s = s / jnp.maximum(jnp.sum(b.turn_mask, axis=1), 1).astype(jnp.float32)
-    return traj_advantages(jnp.where(ok, s, 0.0), b)
-
-
-# Registered by jaxrl_agent.estimators (kind: name -> function).

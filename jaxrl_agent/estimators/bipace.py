@@ -83,7 +83,7 @@ def cluster_ids(b: TrajectoryBatch, *, tau: float, sim_iters: int = 32,
 
 
 def pace_advantage(b: TrajectoryBatch, g, clusters, valid, *, leave_one_out: bool = False,
-                   normalize: str = "mean_norm", eps: float = 1e-6):
+                   normalization: str = "mean_norm", eps: float = 1e-6):
     """PACE's step term A_PACE [N, K] of the target ``g`` [N, K] over ``clusters`` [N, K].
 
     With c = cluster of (i, k), a = action_keys[i, k], n_c = |c|, n_ca = |{(j, l) in c: a_jl = a}|:
@@ -91,7 +91,7 @@ def pace_advantage(b: TrajectoryBatch, g, clusters, valid, *, leave_one_out: boo
       plain:          A = Q(c, a) - V(c)   (a pair alone in c: Q = g, so A = g - V(c));
       leave_one_out:  A = Q_-(c, a) - V_-(c), both means over the peers without (i, k);
                       a pair alone in c falls back to g - V_-(c) (RLOO's baseline);
-      ``normalize="mean_std_norm"``: A / (std_c g + eps), std unbiased over the whole cluster.
+      ``normalization="mean_std_norm"``: A / (std_c g + eps), std unbiased over the whole cluster.
     A singleton cluster gives 0, and so does a cluster where every member took the same action
     (n_ca = n_c: exactly 0); invalid turns 0. Plain mode sums to 0 over each cluster:
     sum_a n_ca (Q(c, a) - V(c)) = 0.
@@ -106,17 +106,18 @@ def pace_advantage(b: TrajectoryBatch, g, clusters, valid, *, leave_one_out: boo
     else:
         a = q - v
     a = jnp.where(n_ca < n_c, a, 0.0)  # one action in the cluster (or a singleton): 0
-    if normalize == "mean_std_norm":
+    if normalization == "mean_std_norm":
         a = a / (std + eps)
     return jnp.where(valid, a, 0.0)
 
 
 @register("bipace", aliases=("clustered_peer_baselines",), reads=("hidden",),
-          renamed={"mode": "normalize", "step_mode": "step_normalize"})
+          renamed={"normalize": "normalization", "step_normalize": "step_normalization",
+                   "mode": "normalization", "step_mode": "step_normalization"})
 def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
            merge_state_keys: bool = False, leave_one_out: bool = False,
-           step_normalize: str = "mean_norm", step_weight: float = 1.0, gamma: float = 0.95,
-           normalize: str = "mean_std_norm", episode_weighting: str = "trajectory",
+           step_normalization: str = "mean_norm", step_weight: float = 1.0, gamma: float = 0.95,
+           normalization: str = "mean_std_norm", episode_weighting: str = "trajectory",
            eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
     """BiPACE: BiGPO hidden-state clusters + PACE action-conditioned peer baselines.
 
@@ -124,7 +125,7 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
     formulas:
       A[i, k] = A_ep(i) + w A_PACE(i, k), broadcast onto turn k's action tokens, where
       A_ep   = GiGPO's / GRPO's episode term (``primitives.episode_advantage`` with
-               ``normalize``, ``episode_weighting``, ``eps``, ``singleton``);
+               ``normalization``, ``episode_weighting``, ``eps``, ``singleton``);
       G[i, k] = sum_{j >= k} gamma^(j - k) r[i, j]   (``primitives.step_returns``);
       clusters: turns (i, k), (j, l) of one task group are linked iff
                cos(h_ik, h_jl) >= tau (h = extras['hidden'], detached), and, with
@@ -134,7 +135,7 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
                exactly by ``_merge_partitions``);
       A_PACE = Q_hat(c, a_ik) - V_hat(c)  with V_hat(c) = mean_c G and
                Q_hat(c, a) = mean G over the members of c with action_keys = a
-               (``pace_advantage``: ``leave_one_out`` peers, ``step_normalize`` std
+               (``pace_advantage``: ``leave_one_out`` peers, ``step_normalization`` std
                scaling).
 
     Inputs: extras['hidden'] [N, K, D] float (records: turn_extras.hidden, a vector; the
@@ -147,12 +148,12 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
     R); missing turns and padding give 0. No gradient flows into extras['hidden'].
 
     Reductions: tau > 1 (every cluster a singleton) gives A = A_ep, i.e. GiGPO with all anchors
-    distinct (= GRPO for normalize="mean_std_norm", Dr.GRPO for "mean_norm"): GiGPO's step
+    distinct (= GRPO for normalization="mean_std_norm", Dr.GRPO for "mean_norm"): GiGPO's step
     term is 0 for singletons, and so is A_PACE. tau > 1 with ``merge_state_keys`` gives
     GiGPO's exact anchor groups as clusters; if moreover the actions inside every anchor group
     are distinct, Q_hat = G and A_PACE = G - V_hat(c) is GiGPO's step term
-    (``step_normalize`` playing GiGPO's ``normalize``): bipace(normalize=m, step_normalize=m,
-    merge_state_keys=True, tau>1) = gigpo(normalize=m).
+    (``step_normalization`` playing GiGPO's ``normalization``): bipace(normalization=m,
+    step_normalization=m, merge_state_keys=True, tau>1) = gigpo(normalization=m).
     Identical actions in a cluster give A_PACE = 0; w = 0 gives the episode term alone.
 
     Args:
@@ -163,11 +164,11 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
       sim_iters: most label-propagation rounds, a positive int.
       merge_state_keys: also link turns with equal ``state_keys``.
       leave_one_out: leave the turn itself out of its Q and V means.
-      step_normalize: ``"mean_norm"`` or ``"mean_std_norm"`` (divide A_PACE by the cluster
+      step_normalization: ``"mean_norm"`` or ``"mean_std_norm"`` (divide A_PACE by the cluster
         std + eps). Former name ``step_mode``.
       step_weight: w, the weight of A_PACE.
       gamma: per-turn discount of G, in [0, 1].
-      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of the episode
+      normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of the episode
         term. Former name ``mode``.
       episode_weighting: ``"trajectory"`` or ``"steps"`` (``primitives.episode_advantage``).
       eps: added to the stds, > 0.
@@ -184,8 +185,8 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
         raise ValueError(f"sim_iters must be a positive int, got {sim_iters!r}")
     check_choice("merge_state_keys", merge_state_keys, (False, True))
     check_choice("leave_one_out", leave_one_out, (False, True))
-    check_choice("step_normalize", step_normalize, MODES)
-    check_choice("normalize", normalize, MODES)
+    check_choice("step_normalization", step_normalization, MODES)
+    check_choice("normalization", normalization, MODES)
     check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
     check_choice("singleton", singleton, SINGLETONS)
     check_positive("eps", eps)
@@ -194,7 +195,7 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
     clusters = cluster_ids(b, tau=tau, sim_iters=sim_iters, merge_state_keys=merge_state_keys)
     valid = segments.valid_turns(b)
     a_pace = pace_advantage(b, step_returns(b, gamma), clusters, valid,
-                            leave_one_out=leave_one_out, normalize=step_normalize, eps=eps)
-    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
+                            leave_one_out=leave_one_out, normalization=step_normalization, eps=eps)
+    a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     return combine(b, a_ep, a_pace, 1.0, step_weight)

@@ -6,7 +6,7 @@ s_{i,k} -> s_{i,k+1}, and the last turn of a trajectory leads to a sentinel node
 for GraphGPO SUCCESS or a dead end). Sentinels are separate key tuples, never hash values, so
 no ``state_keys`` value can collide with them. Nodes never span task groups (``group_ids``),
 and under ``jax.shard_map`` groups are whole on one shard, so everything here is shard-local
-except the optional batch-wide normalisation (``normalize="batch"``), which psums over
+except the optional batch-wide normalisation (``normalization="batch"``), which psums over
 ``axis_name``.
 
 Turns are a prefix of each trajectory (as ``pack_records`` makes them); a turn whose
@@ -122,8 +122,8 @@ def _distances_to_target(src, dst, edge_ok, is_target, max_iters):
 # ----------------------------------------------------------------------------- G2PO
 
 
-@register("g2po", aliases=("group_graph_credit",))
-def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group",
+@register("g2po", aliases=("group_graph_credit",), renamed={"normalize": "normalization"})
+def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalization: str = "group",
          episode_weight: float = 0.0, episode_weighting: str = "trajectory",
          eps: float = 1e-6, axis_name=None) -> Advantages:
     """G2PO: Group-Graph Policy Optimization. This is our reading of the paper, whose abstract
@@ -135,7 +135,7 @@ def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group"
       V(s)      = mean of G[j, l] over all visits (j, l) of s in the task group; V(TERMINAL) = 0
       delta(i,k)= r[i, k] + gamma V(s'_{i,k}) - V(s_{i,k})          (edge TD error)
       A_td      = (delta - mean delta) / (std delta + eps) over all valid edges of the task group
-                  (``normalize="group"``) or of the whole batch (``"batch"``, psum over
+                  (``normalization="group"``) or of the whole batch (``"batch"``, psum over
                   ``axis_name``), std unbiased (ddof 1); ``"none"`` keeps delta (for tests)
       A[i, k]   = A_td(i, k) + episode_weight * A_ep(i)
     A_ep is GRPO's z-score of the outcome (``episode_advantage``, ``episode_weighting``
@@ -152,11 +152,11 @@ def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group"
       batch: reads ``state_keys``, ``turn_rewards`` and ``turn_mask`` [N, K] (N trajectories x
         K turns), ``group_ids`` and ``traj_mask`` [N]; ``outcome`` [N] for the episode term.
       gamma: per-turn discount, in [0, 1].
-      normalize: ``"group"``, ``"batch"`` or ``"none"`` (above).
+      normalization: ``"group"``, ``"batch"`` or ``"none"`` (above).
       episode_weight: weight of A_ep (0 by default: a static 0 skips it).
       episode_weighting: ``"trajectory"`` or ``"steps"``.
       eps: added to the std, > 0.
-      axis_name: the mesh axis under ``shard_map``: only ``normalize="batch"`` reduces across
+      axis_name: the mesh axis under ``shard_map``: only ``normalization="batch"`` reduces across
         it (groups are whole on one shard), or None.
 
     Returns:
@@ -164,12 +164,12 @@ def g2po(batch: TrajectoryBatch, *, gamma: float = 1.0, normalize: str = "group"
       on turn k's action tokens, 0 elsewhere).
     """
     check_unit("gamma", gamma)
-    check_choice("normalize", normalize, NORMALIZE)
+    check_choice("normalization", normalization, NORMALIZE)
     check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     _, delta, valid = _grouped_values(b, gamma)
-    a_td = _standardize(delta, b, valid, normalize, eps, axis_name)
+    a_td = _standardize(delta, b, valid, normalization, eps, axis_name)
     a_ep = _episode_term(b, episode_weight, episode_weighting, eps)
     return combine(b, a_ep, a_td, episode_weight, 1.0)
 
@@ -301,9 +301,10 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
 # ----------------------------------------------------------------------------- GAGPO
 
 
-@register("gagpo", aliases=("grouped_generalized_advantage",))
+@register("gagpo", aliases=("grouped_generalized_advantage",),
+          renamed={"normalize": "normalization"})
 def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
-          normalize: str = "group", eps: float = 1e-6, axis_name=None) -> Advantages:
+          normalization: str = "group", eps: float = 1e-6, axis_name=None) -> Advantages:
     """GAGPO: Generalized Advantage Grouped Policy Optimization. This is our reading of the
     paper, whose abstract describes the method in words: the concrete formulas below are ours.
 
@@ -313,7 +314,7 @@ def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
       delta[i,k]= r[i, k] + gamma V_hat(s_{i,k+1}) - V_hat(s_{i,k})
       A_raw     = sum_{l >= 0} (gamma lam)^l delta[i, k+l]          (turn-level GAE)
       A         = (A_raw - mean) / (std + eps) over all valid turns of the task group
-                  (``normalize="group"``; ``"batch"``: the whole batch across ``axis_name``;
+                  (``normalization="group"``; ``"batch"``: the whole batch across ``axis_name``;
                   ``"none"``: A_raw), std unbiased (ddof 1); one turn alone or equal values: 0
     ``turn_returns`` = A_raw + V_hat(s_{i,k}) (lambda-returns on the proxy values).
     Ours are all of the above formulas (the abstract names the pieces only) and the default
@@ -329,9 +330,9 @@ def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
         K turns), ``group_ids`` and ``traj_mask`` [N].
       gamma: per-turn discount, in [0, 1].
       lam: the GAE lambda, in [0, 1].
-      normalize: ``"group"``, ``"batch"`` or ``"none"`` (above).
+      normalization: ``"group"``, ``"batch"`` or ``"none"`` (above).
       eps: added to the std, > 0.
-      axis_name: the mesh axis under ``shard_map``: only ``normalize="batch"`` reduces across
+      axis_name: the mesh axis under ``shard_map``: only ``normalization="batch"`` reduces across
         it, or None.
 
     Returns:
@@ -341,11 +342,11 @@ def gagpo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
     """
     check_unit("gamma", gamma)
     check_unit("lam", lam)
-    check_choice("normalize", normalize, NORMALIZE)
+    check_choice("normalization", normalization, NORMALIZE)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     v, delta, valid = _grouped_values(b, gamma)
     raw = jnp.where(valid, segments.reverse_scan(delta, gamma * lam, axis=1), 0.0)
-    a = _standardize(raw, b, valid, normalize, eps, axis_name).astype(jnp.float32)
+    a = _standardize(raw, b, valid, normalization, eps, axis_name).astype(jnp.float32)
     return Advantages(token=segments.turn_to_token(a, b), turn=a,
                       turn_returns=jnp.where(valid, raw + v, 0.0))

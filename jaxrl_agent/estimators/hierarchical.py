@@ -143,12 +143,12 @@ def hae_streams(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float =
                     switch_stream)
 
 
-def _check(gamma, lam_turn, lam_seg, switch_stream, normalize, eps):
+def _check(gamma, lam_turn, lam_seg, switch_stream, normalization, eps):
     check_unit("gamma", gamma)
     check_unit("lam_turn", lam_turn)
     check_unit("lam_seg", lam_seg)
     check_choice("switch_stream", switch_stream, SWITCH_STREAMS)
-    check_choice("normalize", normalize, NORMS)
+    check_choice("normalization", normalization, NORMS)
     check_positive("eps", eps)
 
 
@@ -164,9 +164,9 @@ def _standardise(x, b, tokens, normalize, eps, axis_name):
 
 @register("hae", aliases=("hierarchical_advantage",),
           reads=("turn_values", "high_values", "switch"),
-          renamed={"norm_adv": "normalize"})
+          renamed={"normalize": "normalization", "norm_adv": "normalization"})
 def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
-        lam_seg: float = 0.95, switch_stream: str = "auto", normalize: str = "none",
+        lam_seg: float = 0.95, switch_stream: str = "auto", normalization: str = "none",
         eps: float = 1e-8, axis_name=None) -> Advantages:
     """HAE: hierarchical advantage estimation (HiPER; JonP07/HiPER-agent).
 
@@ -198,12 +198,12 @@ def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
     empty (our default): every action token carries A_low and A_high reaches no token
     (``hae_streams`` still returns it).
 
-    ``normalize`` (HiPER's ``norm_adv``): ``"turn"`` standardises each stream over the turns
+    ``normalization`` (HiPER's ``norm_adv``): ``"turn"`` standardises each stream over the turns
     that carry at least one of its tokens, ``"token"`` weights each such turn by its number of
     stream tokens (an option of ours); (A - mean) / (std + eps), population std, batch-wide
     (across ``axis_name``). A stream that no token carries is left as it is.
 
-    Reductions: no switches gives A_low = turn GAE (``turn_gae``, normalize="none") and
+    Reductions: no switches gives A_low = turn GAE (``turn_gae``, normalization="none") and
     A_high_0 = G_0 - V_high(0); every turn a boundary gives A_low_k = r_k + gamma
     V_high(k+1) - V_low(k). lam = 1 gives return - value and lam = 0 the one-step TD error,
     per level. Degenerate input: missing turns and padding give 0; one-turn episodes give
@@ -219,7 +219,7 @@ def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
       lam_seg: the GAE lambda of the high level (over segments), in [0, 1].
       switch_stream: what switch tokens carry: ``"auto"``, ``"term"``, ``"high"`` or
         ``"none"`` (above).
-      normalize: ``"none"``, ``"turn"`` or ``"token"`` (above). Former name ``norm_adv``.
+      normalization: ``"none"``, ``"turn"`` or ``"token"`` (above). Former name ``norm_adv``.
       eps: added to the std of the standardisation, > 0.
       axis_name: the mesh axis under ``shard_map``: the standardisation reduces across it;
         the streams themselves are per trajectory. Or None.
@@ -230,15 +230,15 @@ def hae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam_turn: float = 1.0,
       ``turn_returns`` [N, K] = A_low + V_low (raw), the V_low targets. The V_high and V_term
       targets and the raw streams come from ``hae_streams``.
     """
-    _check(gamma, lam_turn, lam_seg, switch_stream, normalize, eps)
+    _check(gamma, lam_turn, lam_seg, switch_stream, normalization, eps)
     b = segments.local_view(batch, axis_name)
     s = _streams(b, gamma, lam_turn, lam_seg, switch_stream)
     low, high = s["low"], s["high"]
     term = s.get("term", jnp.zeros_like(low))
-    if normalize != "none":
-        low = _standardise(low, b, s["low_tokens"], normalize, eps, axis_name)
-        high = _standardise(high, b, s["high_tokens"], normalize, eps, axis_name)
-        term = _standardise(term, b, s["term_tokens"], normalize, eps, axis_name)
+    if normalization != "none":
+        low = _standardise(low, b, s["low_tokens"], normalization, eps, axis_name)
+        high = _standardise(high, b, s["high_tokens"], normalization, eps, axis_name)
+        term = _standardise(term, b, s["term_tokens"], normalization, eps, axis_name)
     valid = segments.valid_turns(b)
     low = jnp.where(valid, low, 0.0)
     token = (jnp.where(s["low_tokens"], segments.turn_to_token(low, b), 0.0)

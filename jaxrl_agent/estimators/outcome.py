@@ -1,7 +1,8 @@
 """Trajectory-level (outcome) estimators: one scalar per trajectory, broadcast to its tokens.
 
 GRPO, Dr.GRPO, RLOO, REINFORCE++ (token-level returns) and REINFORCE++-baseline, SPO and SPO++
-(persistent per-task Beta tracker), and the rollout-level advantage of per-step rows.
+(persistent per-task Beta tracker), the rollout-level advantage of per-step rows, and R3L's
+positive-amplified outcome advantage.
 
 Degenerate groups: a singleton group (one valid member) gives 0 by default
 (``singleton="zero"``); ``singleton="raw"`` reproduces verl, where a lone member's mean is 0
@@ -18,7 +19,8 @@ from flax import struct
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.checks import (check_choice, check_nonneg, check_positive, check_unit, require,
+                                traj_field)
 from jaxrl_agent.estimators.primitives import traj_advantages
 from jaxrl_agent.registry import register
 
@@ -336,3 +338,73 @@ def rollout_level(batch: TrajectoryBatch, *, eps: float = 1e-6, ddof: int = 1,
         rows = jax.ops.segment_sum(has_tokens, b.row_traj, b.num_traj)
     return traj_advantages(_group_centered(b, ddof=ddof, singleton=singleton,
                                            normalize=normalize, eps=eps, weights=rows), b)
+
+
+# ----------------------------------------------------------------------------- R3L (estimator)
+
+
+@register("r3l", renamed={"step_norm": "normalize"})
+def positive_amplified_outcome(batch: TrajectoryBatch, *, alpha: float = 3.0,
+                               baseline: str = "mean", tau: float = 1.0,
+                               r_max: float | None = 1.0, normalize: bool = False,
+                               score: str = "outcome", axis_name=None) -> Advantages:
+    """R3L positive amplification: a group-baselined outcome whose positive part is amplified.
+    Pinned: shiweijiezero/R3L
+    ``trinity/algorithm/advantage_fn/multi_step_grpo_advantage.py``
+    (``StepWiseOPMDReweightAdvAdvantageFn``).
+
+    An *estimator* (it replaces the trajectory score, reading ``score`` [N], default the
+    outcome, and the task groups):
+
+        b_g = mean_g R   (``baseline="logavgexp"``: tau (logsumexp_g(R / tau) - log n_g));
+              a singleton group has b = 0 (as the repository)
+        s_i = R_i - b_g;  s_i = 1 if R_i >= r_max;  else alpha s_i if s_i >= 0;  else s_i
+        A_i = s_i on every action token (``normalize``: divided by the number of turns)
+
+    ``r_max=None`` disables the success cap. ``r_max`` must be the largest possible reward
+    (an R_i >= r_max below its group mean would be set to +1). Sign preservation holds; zero sum
+    fails by design: positive mass is amplified by alpha (sum_{A>0} A / sum_{A<0} |A| grows by
+    alpha when no R_i reaches r_max).
+    The reflect-then-retry pivot mask of the paper is a loss mask of the rollout, not here.
+
+    Args:
+      batch: the batch; reads the score [N], ``group_ids`` [N] and ``turn_mask`` [N, K].
+      alpha: >= 0, the amplification of non-negative centred scores.
+      baseline: ``"mean"`` or ``"logavgexp"``, the group baseline b_g.
+      tau: > 0, the temperature of ``"logavgexp"``.
+      r_max: the success cap (the largest possible reward), or None.
+      normalize: divide each trajectory's advantage by its number of turns.
+      score: the per-trajectory score: ``"outcome"`` or the name of an [N] extra.
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      Advantages: ``token`` [R, T] (A_i on every action token of trajectory i) and ``turn``
+      [N, K] (A_i on every valid turn).
+    """
+    check_choice("baseline", baseline, ("mean", "logavgexp"))
+    check_nonneg("alpha", alpha)
+    check_positive("tau", tau)
+    b = segments.local_view(batch, axis_name)
+    r = traj_field(b, score, "r3l", "trajectory score [N]", stop_gradient=True)
+    ok = b.traj_mask
+    n = b.num_traj
+    mean, _, count = segments.group_stats(r, b.group_ids, ok)
+    gid = jnp.where(ok, b.group_ids, n)
+    safe = jnp.clip(gid, 0, n - 1)
+    if baseline == "mean":
+        base = mean
+    else:
+        x = r / tau
+        top = jax.ops.segment_max(jnp.where(ok, x, -jnp.inf), gid, n)[safe]
+        lse = top + jnp.log(jax.ops.segment_sum(jnp.where(ok, jnp.exp(x - top), 0.0), gid, n)[safe])
+        base = tau * (lse - jnp.log(jnp.maximum(count, 1.0)))
+    s = r - jnp.where(count > 1, base, 0.0)
+    s = jnp.where(s >= 0, alpha * s, s)
+    if r_max is not None:
+        s = jnp.where(r >= r_max, 1.0, s)
+    if normalize:
+        s = s / jnp.maximum(jnp.sum(b.turn_mask, axis=1), 1).astype(jnp.float32)
+    return traj_advantages(jnp.where(ok, s, 0.0), b)
+
+
+# Registered by jaxrl_agent.estimators (kind: name -> function).

@@ -10,6 +10,8 @@ import from here, never from each other).
   and exact-mass clipping), ``token_weights`` (raw per-turn or per-token weights to per-token
   weights of mean 1 per trajectory / turn / group), ``apply_token_weights`` (A'_t = A_t w_t),
   ``shuffle_weights`` (the matched-concentration control) and their ``LEVELS``.
+* Token masks: ``valid_tokens`` (action tokens of real trajectories), ``token_trajectories``
+  (each token's trajectory index).
 
 Segment sums, discounting and masks live one layer down, in ``jaxrl_agent.segments``.
 """
@@ -42,12 +44,12 @@ def traj_advantages(a, batch: TrajectoryBatch) -> Advantages:
 # ----------------------------------------------------------------------------- step-level groups
 
 
-def episode_advantage(b: TrajectoryBatch, *, normalize: str = "mean_std_norm",
+def episode_advantage(b: TrajectoryBatch, *, normalization: str = "mean_std_norm",
                       weighting: str = "trajectory", reward: str = "outcome", eps: float = 1e-6,
                       singleton: str = "zero"):
     """GRPO's episode term, [N] (0 on padding trajectories).
 
-    A_ep(i) = (R_i - mean_g) / (std_g + eps), or R_i - mean_g with ``normalize="mean_norm"``.
+    A_ep(i) = (R_i - mean_g) / (std_g + eps), or R_i - mean_g with ``normalization="mean_norm"``.
     ``weighting="trajectory"`` counts each trajectory once in mean_g and std_g (GRPO);
     ``"steps"`` counts it once per valid turn K_i (verl-agent's default
     ``compute_mean_std_cross_steps=True``, which normalises over per-step rows: long failed
@@ -66,9 +68,9 @@ def episode_advantage(b: TrajectoryBatch, *, normalize: str = "mean_std_norm",
     mean, std, _ = segments.group_stats(r, b.group_ids, b.traj_mask, 1, w)
     count = segments.group_stats(r, b.group_ids, b.traj_mask)[2]
     a = r - mean
-    if normalize == "mean_std_norm":
+    if normalization == "mean_std_norm":
         a = a / (std + eps)
-    lone = r / (1.0 + eps) if (singleton == "raw" and normalize == "mean_std_norm") else r
+    lone = r / (1.0 + eps) if (singleton == "raw" and normalization == "mean_std_norm") else r
     a = jnp.where(count > 1, a, lone if singleton == "raw" else 0.0)
     return jnp.where(b.traj_mask, a, 0.0)
 
@@ -79,20 +81,20 @@ def step_returns(b: TrajectoryBatch, gamma):
     return jnp.where(b.turn_mask, segments.reverse_scan(r, gamma, axis=1), 0.0)
 
 
-def normalize_in_groups(x, ids, valid, *, normalize: str = "mean_std_norm",
+def normalize_in_groups(x, ids, valid, *, normalization: str = "mean_std_norm",
                         eps: float = 1e-6, singleton: str = "zero"):
-    """(x - mean_S) / (std_S + eps) (``normalize="mean_norm"``: x - mean_S) over the key group S
-    of every turn, [N, K].
+    """(x - mean_S) / (std_S + eps) (``normalization="mean_norm"``: x - mean_S) over the key
+    group S of every turn, [N, K].
 
     std unbiased (ddof 1). A singleton group gives 0 (``singleton="raw"``: mean 0, std 1, so
     x / (1 + eps) or x, the verl convention); equal values give exactly 0; invalid turns 0.
     """
     mean, std, count = segments.key_stats(x, ids, valid, ddof=1)
     a = x - mean
-    if normalize == "mean_std_norm":
+    if normalization == "mean_std_norm":
         a = a / (std + eps)
     if singleton == "raw":
-        lone = x / (1.0 + eps) if normalize == "mean_std_norm" else x
+        lone = x / (1.0 + eps) if normalization == "mean_std_norm" else x
     else:
         lone = jnp.zeros_like(x)
     return jnp.where(valid, jnp.where(count > 1, a, lone), 0.0)
@@ -364,3 +366,15 @@ def apply_token_weights(adv: Advantages, w, batch: TrajectoryBatch) -> Advantage
     tok = jnp.where(batch.action_mask, adv.token * w, 0.0).astype(jnp.float32)
     turn = jnp.where(segments.valid_turns(batch), segments.token_to_turn(tok, batch, "mean"), 0.0)
     return adv.replace(token=tok, turn=turn)
+
+
+def valid_tokens(b: TrajectoryBatch):
+    """[R, T] bool: the action tokens of the batch's real trajectories (``action_mask`` and
+    the row's trajectory in ``traj_mask``)."""
+    return b.action_mask & b.traj_mask[jnp.clip(b.row_traj, 0, b.num_traj - 1)][:, None]
+
+
+def token_trajectories(b: TrajectoryBatch):
+    """[R, T] int32: each token's trajectory index (its row's ``row_traj``, clipped into
+    ``[0, N)`` for padding rows)."""
+    return jnp.broadcast_to(jnp.clip(b.row_traj, 0, b.num_traj - 1)[:, None], b.tokens.shape)

@@ -589,10 +589,10 @@ def selected_source_boost(adv: Advantages, batch: TrajectoryBatch, *,
 # ----------------------------------------------------------------------------- SkillGate
 
 
-@register("skillgate", kind="transform")
+@register("skillgate", kind="transform", renamed={"normalize": "normalization"})
 def skill_channel_credit(adv: Advantages, batch: TrajectoryBatch, *,
                          skill_mask: str = "skill_mask", read_correct: str = "read_correct",
-                         normalize: str = "group", eps: float = 1e-6,
+                         normalization: str = "group", eps: float = 1e-6,
                          axis_name=None) -> Advantages:
     """SkillGate: two disjoint credit channels, the outcome on the execution tokens and a
     skill-selection score on the skill-naming tokens.
@@ -603,7 +603,7 @@ def skill_channel_credit(adv: Advantages, batch: TrajectoryBatch, *,
         A'_t = A_t [t execution token] + a_sel(i) [t skill-naming token]
 
     the execution tokens being action tokens outside the skill mask. a_sel =
-    ``normalize="group"``: (x_i - mean_g x) / (std_g x + eps) over the group (unbiased std;
+    ``normalization="group"``: (x_i - mean_g x) / (std_g x + eps) over the group (unbiased std;
     0 for a singleton); ``"raw"``: read_correct itself. The two token sets are disjoint: the
     outcome never touches a skill token and a_sel never an execution token
     (``skillgate_channels`` returns them).
@@ -614,14 +614,14 @@ def skill_channel_credit(adv: Advantages, batch: TrajectoryBatch, *,
         and ``group_ids`` [N].
       skill_mask: the name of the skill-token mask extra.
       read_correct: the name of the skill-read score extra.
-      normalize: ``"group"`` (standardise x within each group) or ``"raw"``.
+      normalization: ``"group"`` (standardise x within each group) or ``"raw"``.
       eps: > 0, added to the group std.
       axis_name: the mesh axis a sharded batch is split over, or None.
 
     Returns:
       ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
     """
-    check_choice("normalize", normalize, ("group", "raw"))
+    check_choice("normalization", normalization, ("group", "raw"))
     _check_eps(eps)
     b = segments.local_view(batch, axis_name)
     mask = require(b, skill_mask, "skillgate", "skill-naming token mask [R, T]")
@@ -631,7 +631,7 @@ def skill_channel_credit(adv: Advantages, batch: TrajectoryBatch, *,
     skill = b.action_mask & (jnp.asarray(mask) > 0.5 if mask.dtype != bool else mask)
     x = _traj_signal(batch, axis_name, read_correct, "skillgate",
                      "+1 correct single read, -1 wrong, 0 none/multiple")
-    if normalize == "group":
+    if normalization == "group":
         mean, std, cnt = segments.group_stats(x, b.group_ids, b.traj_mask)
         x = jnp.where(cnt > 1, (x - mean) / (std + eps), 0.0)
     tok = jnp.where(skill, segments.traj_to_token(x, b), jnp.where(b.action_mask, adv.token,

@@ -6,7 +6,7 @@ in configs, are given in parentheses):
 * shaping ``f(batch, *, ..., axis_name=None) -> TrajectoryBatch``: writes shaped
   ``turn_rewards`` [N, K], ``outcome`` [N] and/or ``extras['token_rewards']`` [R, T] for the
   estimator that follows (``pbrs``, ``uniform``, ``spa``, ``rebel``, ``red``, ``vpr``,
-  ``nasa``, ``v_rubrics``);
+  ``nasa``, ``v_rubrics``, ``adrs``);
 * estimator ``f(batch, *, ...) -> Advantages`` where the method replaces the base advantage
   (``reward_to_go``, ``pica``);
 * transform ``f(adv, batch, *, ...) -> Advantages``: a dense per-turn term added to (or a
@@ -29,7 +29,7 @@ methods (VTCA, ProCredit) use the same layout: ``progress`` [N, K] = p_k before 
 
 Every signal read from the batch is wrapped in ``jax.lax.stop_gradient``. Outputs are 0
 outside ``action_mask`` / valid turns. Group and cohort statistics are local (groups are whole
-per shard); batch-wide statistics (CAST's RMS, ``normalize="batch"``) psum over ``axis_name``.
+per shard); batch-wide statistics (CAST's RMS, ``normalization="batch"``) psum over ``axis_name``.
 Where a method needs an LLM judge, a solver or a reward model at run time, the function
 consumes its outputs (labels, scores, log-probs) as arrays.
 
@@ -46,7 +46,8 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.estimators.primitives import apply_token_weights, token_weights
+from jaxrl_agent.estimators.primitives import (apply_token_weights, token_trajectories,
+                                               token_weights, valid_tokens)
 from jaxrl_agent.checks import (check_choice, check_nonneg, check_positive, check_unit,
                                 require, token_field, traj_field, turn_field)
 from jaxrl_agent.registry import register
@@ -204,7 +205,7 @@ def _add_token_rewards(batch, b, r):
 
 
 def _check_norm(by):
-    check_choice("normalize", by, NORMS)
+    check_choice("normalization", by, NORMS)
 
 
 # ----------------------------------------------------------------------------- PBRS (generic)
@@ -363,11 +364,11 @@ def trace_rewards(batch: TrajectoryBatch, *, potential: str = "potential",
     return r
 
 
-@register("trace", kind="transform")
+@register("trace", kind="transform", renamed={"normalize": "normalization"})
 def gold_logprob_turn_credit(adv: Advantages, batch: TrajectoryBatch, *,
                              potential: str = "potential",
                              final_potential: str = "final_potential", beta: float = 0.5,
-                             normalize: str = "cohort", accumulate: bool = False,
+                             normalization: str = "cohort", accumulate: bool = False,
                              length: str | None = None, eps: float = 1e-6,
                              axis_name=None) -> Advantages:
     """TRACE: Turn-level Reward Assignment via Credit Estimation (log-ratio TD credit).
@@ -375,7 +376,7 @@ def gold_logprob_turn_credit(adv: Advantages, batch: TrajectoryBatch, *,
     This is our reading of the paper, which describes the step in words:
     A'[i, k] = A[i, k] + beta z(r)[i, k] with r = ``trace_rewards`` (a frozen reference
     model's gold-answer log-prob at each tool-call boundary, consumed as arrays) and z the
-    ``normalize`` z-score of ``normalize_turns`` (``"cohort"``: same group and turn index;
+    ``normalization`` z-score of ``normalize_turns`` (``"cohort"``: same group and turn index;
     ``"group"``: pooled over the group's turns; ``"none"``: raw r). ``accumulate=True``
     adds the turn reward-to-go of z(r), sum_{j >= k} z(r)_j, instead. No critic, no labels;
     a redundant tool call (unchanged evidence) gives r = 0. Compose with ``grpo``.
@@ -388,22 +389,22 @@ def gold_logprob_turn_credit(adv: Advantages, batch: TrajectoryBatch, *,
       potential: extras name of lp_gold[k], [N, K].
       final_potential: extras name of lp_gold after the last turn, [N].
       beta: >= 0, weight of the term.
-      normalize: peer set of the z-score: ``"cohort"``, ``"group"``, ``"state"``,
+      normalization: peer set of the z-score: ``"cohort"``, ``"group"``, ``"state"``,
         ``"batch"`` or ``"none"`` (see ``normalize_turns``).
       accumulate: use the reward-to-go of z(r) instead of z(r).
       length: optional extras name of the gold answer's token count [N] (lp_gold / length).
       eps: > 0, added to the std.
-      axis_name: mesh axis; ``normalize="batch"`` reduces over it.
+      axis_name: mesh axis; ``normalization="batch"`` reduces over it.
 
     Returns:
       ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     check_nonneg("beta", beta)
-    _check_norm(normalize)
+    _check_norm(normalization)
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     r = trace_rewards(b, potential=potential, final_potential=final_potential, length=length)
-    z = normalize_turns(r, b, by=normalize, eps=eps, axis_name=axis_name)
+    z = normalize_turns(r, b, by=normalization, eps=eps, axis_name=axis_name)
     if accumulate:
         z = segments.reverse_scan(z, 1.0, axis=1)
     return add_turn_term(adv, b, beta * z)
@@ -421,9 +422,11 @@ def _pica_stats(x, gid, valid, n):
     return mean, std
 
 
-@register("pica", renamed={"norm": "normalize", "scale_std": "std_normalize"})
+@register("pica",
+          renamed={"normalize": "normalization", "norm": "normalization",
+                    "scale_std": "std_normalize"})
 def pivot_info_gain_advantage(batch: TrajectoryBatch, *, potential: str | None = "potential",
-                              gamma: float = 1.0, normalize: str = "separate",
+                              gamma: float = 1.0, normalization: str = "separate",
                               std_normalize: bool = True, f1_weight: float = 1.0,
                               ig_weight: float = 1.0, eps: float = 1e-6,
                               axis_name=None) -> Advantages:
@@ -434,7 +437,7 @@ def pivot_info_gain_advantage(batch: TrajectoryBatch, *, potential: str | None =
     k < K_i - 1 (Phi = a step reward model's success probability) and the outcome F1 =
     ``outcome`` on the last turn; the curriculum weights ``f1_weight`` / ``ig_weight`` scale
     the two normalised parts.
-    Normalisation within the task group: ``normalize="separate"`` z-scores F1 over the
+    Normalisation within the task group: ``normalization="separate"`` z-scores F1 over the
     group's trajectories and IG pooled over all the group's intermediate turns; ``"joint"``
     pools both. mean, population std sqrt(E[(x - mean)^2] + 1e-8), a pool of one entry gets
     std 1; x~ = (x - mean) / (std + eps) (``std_normalize=False``: x - mean; ``eps`` is ours,
@@ -451,7 +454,7 @@ def pivot_info_gain_advantage(batch: TrajectoryBatch, *, potential: str | None =
       potential: extras name of Phi before action k, [N, K]; None reads IG_k directly from
         ``turn_rewards``.
       gamma: discount of the backward accumulation, in [0, 1].
-      normalize: ``"separate"`` or ``"joint"`` pools (above).
+      normalization: ``"separate"`` or ``"joint"`` pools (above).
       std_normalize: divide by the pool std + eps (False: centre only).
       f1_weight: weight of the normalised outcome part.
       ig_weight: weight of the normalised info-gain part.
@@ -462,7 +465,7 @@ def pivot_info_gain_advantage(batch: TrajectoryBatch, *, potential: str | None =
       ``Advantages`` with ``turn`` [N, K] = A and ``token`` [R, T]; 0 off the valid turns.
     """
     check_unit("gamma", gamma)
-    check_choice("normalize", normalize, ("separate", "joint"))
+    check_choice("normalization", normalization, ("separate", "joint"))
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     n, k = b.turn_mask.shape
@@ -477,7 +480,7 @@ def pivot_info_gain_advantage(batch: TrajectoryBatch, *, potential: str | None =
     f1 = _sg(jnp.where(b.traj_mask, b.outcome.astype(F32), 0.0))
     g = jnp.clip(b.group_ids, 0, n - 1)
     g_turn = jnp.broadcast_to(g[:, None], (n, k)).reshape(-1)
-    if normalize == "separate":
+    if normalization == "separate":
         m_f, s_f = _pica_stats(f1, g, b.traj_mask, n)
         m_i, s_i = _pica_stats(ig.reshape(-1), g_turn, inter.reshape(-1), n)
     else:
@@ -688,18 +691,18 @@ def vtca_credit(batch: TrajectoryBatch, *, progress: str = "progress",
     return jnp.where(valid, delta - give + received, 0.0)
 
 
-@register("vtca", kind="transform")
+@register("vtca", kind="transform", renamed={"normalize": "normalization"})
 def prerequisite_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
                                  progress: str = "progress",
                                  final_progress: str = "final_progress", edges: str = "edges",
-                                 rho: float = 0.3, eta: float = 1.0, normalize: str = "none",
+                                 rho: float = 0.3, eta: float = 1.0, normalization: str = "none",
                                  eps: float = 1e-6, axis_name=None) -> Advantages:
     """VTCA: Verifier-to-Turn Credit Assignment (WorkRover).
 
     This is our reading of the paper, which describes the step in words:
     A'[i, k] = A[i, k] + eta c~_k with c = ``vtca_credit`` (deterministic workspace-progress
     checks after every turn, a bounded share rho of positive progress passed to prerequisite
-    turns) and c~ = ``normalize_turns(c, by=normalize)`` (default ``"none"``: c itself;
+    turns) and c~ = ``normalize_turns(c, by=normalization)`` (default ``"none"``: c itself;
     ``"cohort"`` for the cohort-normalised option). eta = 0 gives the base (reduction to the
     base estimator).
 
@@ -713,19 +716,19 @@ def prerequisite_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
       edges: extras name of the prerequisite edges, [N, E, 3].
       rho: share of positive progress passed to prerequisites, in [0, 1].
       eta: weight of the term.
-      normalize: peer set of the z-score of c (see ``normalize_turns``); ``"none"`` keeps c.
+      normalization: peer set of the z-score of c (see ``normalize_turns``); ``"none"`` keeps c.
       eps: > 0, added to the std.
-      axis_name: mesh axis; ``normalize="batch"`` reduces over it.
+      axis_name: mesh axis; ``normalization="batch"`` reduces over it.
 
     Returns:
       ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
-    _check_norm(normalize)
+    _check_norm(normalization)
     check_positive("eps", eps)
     check_unit("rho", rho)
     b = segments.local_view(batch, axis_name)
     c = vtca_credit(b, progress=progress, final_progress=final_progress, edges=edges, rho=rho)
-    c = normalize_turns(c, b, by=normalize, eps=eps, axis_name=axis_name)
+    c = normalize_turns(c, b, by=normalization, eps=eps, axis_name=axis_name)
     return add_turn_term(adv, b, eta * c)
 
 
@@ -860,10 +863,11 @@ def _odd_transform(a, transform):
     return a
 
 
-@register("cast", kind="transform", renamed={"norm": "normalize"})
+@register("cast", kind="transform",
+          renamed={"normalize": "normalization", "norm": "normalization"})
 def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
                          oracle: str = "oracle_advantage", alpha: float = 0.3,
-                         transform: str = "asinh", normalize: str = "rms", eps: float = 1e-8,
+                         transform: str = "asinh", normalization: str = "rms", eps: float = 1e-8,
                          axis_name=None) -> Advantages:
     """CAST: credit from solver teachers. Pinned to the public code Wloner0809/CAST
     ``rllm/trainer/verl/oracle_advantage_mapping.py`` (``mapping_cast``, ``_ablate``).
@@ -871,7 +875,7 @@ def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
     a_k = the solver's per-turn oracle advantage (Sokoban: N(s_k) - N(s_{k+1});
     Minesweeper: +-K(s_t)). g = asinh(a) (or the chosen ``transform``); RMS = sqrt(mean of
     g^2 over every valid turn of the batch, zeros included; psum over ``axis_name``);
-    A'[i, k] = A_i + alpha g / (RMS + eps) (``normalize="none"``: alpha g). The reference
+    A'[i, k] = A_i + alpha g / (RMS + eps) (``normalization="none"``: alpha g). The reference
     base is GRPO with groups of std < 1e-6 set to 0 (compose with ``grpo``). a = 0 gives the
     base (reduction to the base estimator); the batch RMS of the term is alpha; sign flips
     where |A_i| is small are allowed.
@@ -882,7 +886,7 @@ def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
       oracle: extras name of the solver's oracle advantage per turn, [N, K].
       alpha: weight of the term.
       transform: ``"asinh"``, ``"identity"`` or ``"signed_log"`` (sign(a) log(1 + |a|)).
-      normalize: ``"rms"`` (divide by the batch RMS + eps) or ``"none"``.
+      normalization: ``"rms"`` (divide by the batch RMS + eps) or ``"none"``.
       eps: > 0, added to the RMS.
       axis_name: mesh axis; the RMS reduces over it.
 
@@ -890,7 +894,7 @@ def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
       ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
     """
     check_choice("transform", transform, ("asinh", "identity", "signed_log"))
-    check_choice("normalize", normalize, ("rms", "none"))
+    check_choice("normalization", normalization, ("rms", "none"))
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     valid = _valid(b)
@@ -898,7 +902,7 @@ def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
                                                    "advantage per turn, [N, K]",
                                                        stop_gradient=True), transform),
                   0.0)
-    if normalize == "rms":
+    if normalization == "rms":
         ss = segments.psum(jnp.sum(g * g), axis_name)
         cnt = segments.psum(jnp.sum(valid.astype(F32)), axis_name)
         rms = jnp.where(cnt > 0, segments.safe_sqrt(ss / jnp.maximum(cnt, 1.0)), 1.0)
@@ -1418,6 +1422,184 @@ def rubric_span_rewards(batch: TrajectoryBatch, *, scores: str = "rubric_scores"
     per_tok = jnp.where(b.traj_mask[:, None] & (size > 0), s / jnp.maximum(size, 1.0), 0.0)
     r = jnp.sum(jnp.where(inside, per_tok[rt][:, None, :], 0.0), axis=2)
     return _add_token_rewards(batch, b, scale * r)
+
+
+# ----------------------------------------------------------------------------- ADRS (shaping)
+
+
+def _masked_std(x, mask, axis_name, ddof):
+    """(std of x over ``mask`` across ``axis_name``, total count)."""
+    _, var = segments.masked_mean_var(x, mask, axis_name, ddof)
+    count = segments.psum(jnp.sum(mask.astype(jnp.float32)), axis_name)
+    return segments.safe_sqrt(var), count
+
+
+def _tva(alpha, reward, ids, valid, num):
+    """Teacher value advantage per segment: E_alpha[R] - E_{1-alpha}[R] (0 below 2 members)."""
+    def seg_sum(v):
+        return jax.ops.segment_sum(jnp.where(valid, v, 0.0), ids, num)
+
+    out = (seg_sum(alpha * reward) / (seg_sum(alpha) + 1e-8)
+           - seg_sum((1.0 - alpha) * reward) / (seg_sum(1.0 - alpha) + 1e-8))
+    out = jnp.where(seg_sum(jnp.ones_like(alpha)) >= 2, out, 0.0)
+    return jnp.where(valid, out[jnp.clip(ids, 0, num - 1)], 0.0)
+
+
+@register("adrs", kind="shaping",
+          renamed={"normalize": "normalization", "gate_norm": "gate_normalize"})
+def gated_teacher_reward(batch: TrajectoryBatch, *, teacher: str = "teacher_logprobs",
+                         tva: str = "step", eta: float = 0.1, temperature: float = 1.0,
+                         tau: float = 2.0, baseline: str = "step", normalization: str = "global",
+                         gate_normalize: bool = False, gamma: float = 1.0,
+                         ref: str = "ref_logprobs", target: str = "token",
+                         update_outcome: bool = True, gate_field: str | None = None,
+                         axis_name=None) -> TrajectoryBatch:
+    """ADRS: self-distilled token reward shaping with a teacher-value-advantage gate. Pinned:
+    gitrxh/ADRS-arxiv ``verl/trainer/ppo/adrs_utils.py`` (``compute_adrs_reward``).
+
+    A *shaping*: the token reward r_t += eta g_t u_t is added before the advantage
+    computation, as in the repository (``token_level_rewards += modulated_reward``).
+
+        u_t = lp_T,t - mean_{t' in step(t)} lp_T   (``baseline="global"``: the batch mean),
+              divided by the batch std of u (unbiased, + 1e-8; ``normalization="per_seq"``: the
+              per-trajectory population std + 1e-8; ``"none"``)
+        gate g (``tva``):
+          "step": alpha_s = sigmoid((mean_{t in s} lp_T - batch mean lp_T) / T) per turn;
+                 TVA = sum alpha R / sum alpha - sum (1-alpha) R / sum (1-alpha) over the
+                 GiGPO anchor group of the turn (task group + equal ``state_keys``; < 2 turns:
+                 0); R = the turn's discounted return-to-go of ``turn_rewards`` (``gamma``)
+          "completion": the same per task group with the trajectory mean lp_T and the
+                 trajectory's total reward (turn rewards + ``extras['token_rewards']``)
+          "pas": sigmoid(tau (lp_T - lp_ref) / std) per token (std over the batch)
+          "none": no gate, r_t += eta u_t (the gate reported is 0.5)
+        g = sigmoid(tau TVA'), TVA' = TVA or, with ``gate_normalize``, TVA / std(TVA) when the
+        std exceeds 1e-8 (sign kept).
+
+    Output: ``target="token"`` adds r to ``extras['token_rewards']`` (read by token-reward
+    estimators: reinforce_pp, gae, ...); ``target="turn"`` adds its per-turn sums to
+    ``turn_rewards`` (gigpo, turn_gae, ...). ``update_outcome`` adds the per-trajectory sum of r
+    to ``outcome`` (what verl's GRPO sums; outcome readers such as grpo). ``gate_field`` also
+    stores g [R, T] in that extra (e.g. to gate a distillation loss). Batch-wide means and stds
+    are psummed over ``axis_name``. eta = 0 leaves every field bit for bit.
+
+    Args:
+      batch: the batch; reads the teacher log-probs [R, T], ``turn_rewards`` [N, K],
+        ``state_keys`` [N, K] and ``group_ids`` [N] (``tva="step"``), ``turn_rewards`` and
+        ``extras['token_rewards']`` [R, T] if present (``"completion"``), the reference
+        log-probs [R, T] (``"pas"``).
+      teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
+      tva: the gate: ``"step"``, ``"completion"``, ``"pas"`` or ``"none"``.
+      eta: >= 0, the size of the shaped reward.
+      temperature: > 0, T of the gate's alpha.
+      tau: > 0, the sharpness of the gate's sigmoid.
+      baseline: ``"step"`` (the turn's mean teacher log-prob) or ``"global"`` (the batch's).
+      normalization: how u is scaled: ``"global"``, ``"per_seq"`` or ``"none"`` (above).
+      gate_normalize: divide TVA by its batch std (``"step"`` and ``"completion"`` gates).
+      gamma: in [0, 1], the discount of the return-to-go of the ``"step"`` gate.
+      ref: the reference log-probs of the ``"pas"`` gate: an [R, T] extra's name, or
+        ``"old_logprobs"``.
+      target: ``"token"`` or ``"turn"``: where the shaped reward is added.
+      update_outcome: also add each trajectory's sum of r to ``outcome``.
+      gate_field: if set, the extra that receives the gate g [R, T].
+      axis_name: the mesh axis a sharded batch is split over, or None.
+
+    Returns:
+      ``batch`` with ``extras['token_rewards']`` [R, T] (``target="token"``) or
+      ``turn_rewards`` [N, K] (``"turn"``) shaped, ``outcome`` [N] updated when
+      ``update_outcome``, and ``extras[gate_field]`` [R, T] when set.
+    """
+    check_positive("tau", tau)
+    check_choice("tva", tva, ("step", "completion", "pas", "none"))
+    check_choice("baseline", baseline, ("step", "global"))
+    check_choice("normalization", normalization, ("global", "per_seq", "none"))
+    check_choice("target", target, ("token", "turn"))
+    check_nonneg("eta", eta)
+    check_positive("temperature", temperature)
+    check_unit("gamma", gamma)
+    b = segments.local_view(batch, axis_name)
+    valid = valid_tokens(b)
+    lp = token_field(b, teacher, "adrs", "teacher log-probs [R, T]",
+                     stop_gradient=True, valid_only=True)
+    n, k = b.num_traj, b.num_turns
+    vf = valid.astype(jnp.float32)
+    seg = token_trajectories(b)
+
+    # raw teacher reward u
+    if baseline == "step":
+        cnt = segments.token_to_turn(vf, b)
+        mean = segments.token_to_turn(lp, b) / jnp.maximum(cnt, 1.0)
+        base = segments.turn_to_token(mean, b)
+    else:
+        tot = segments.psum(jnp.sum(lp), axis_name)
+        cnt = segments.psum(jnp.sum(vf), axis_name)
+        base = tot / jnp.maximum(cnt, 1.0)
+    u = jnp.where(valid, lp - base, 0.0)
+    if normalization == "global":
+        std, cnt = _masked_std(u, valid, axis_name, ddof=1)
+        u = u / jnp.where(cnt > 1, std + 1e-8, 1.0)
+    elif normalization == "per_seq":
+        c = jax.ops.segment_sum(jnp.sum(vf, axis=1), b.row_traj, n)
+        m = jax.ops.segment_sum(jnp.sum(u, axis=1), b.row_traj, n) / jnp.maximum(c, 1.0)
+        dev = jnp.where(valid, u - m[seg], 0.0)
+        var = jax.ops.segment_sum(jnp.sum(dev * dev, axis=1), b.row_traj, n) / jnp.maximum(c, 1.0)
+        u = jnp.where(valid, u / (segments.safe_sqrt(var) + 1e-8)[seg], 0.0)
+
+    def gate_from(tva_vals, where):
+        if gate_normalize:
+            std, _ = _masked_std(tva_vals, where, axis_name, ddof=1)
+            tva_vals = jnp.where(std > 1e-8, tva_vals / (std + 1e-8), tva_vals)
+        return jax.nn.sigmoid(tau * tva_vals)
+
+    if tva == "none":
+        gate = jnp.where(valid, 0.5, 0.0)
+        shaped = eta * u
+    else:
+        if tva == "pas":
+            d = jnp.where(valid, lp - token_field(b, ref, "adrs", "reference log-probs [R, T]",
+                                                  stop_gradient=True, valid_only=True),
+                          0.0)
+            std, cnt = _masked_std(d, valid, axis_name, ddof=1)
+            gate = jax.nn.sigmoid(tau * d / jnp.where(cnt > 1, std + 1e-8, 1.0))
+        elif tva == "completion":
+            ok = b.traj_mask
+            c = jax.ops.segment_sum(jnp.sum(vf, axis=1), b.row_traj, n)
+            comp = jax.ops.segment_sum(jnp.sum(lp, axis=1), b.row_traj, n) / (c + 1e-8)
+            rew = jax.ops.segment_sum(jnp.sum(jnp.where(valid, segments.token_rewards(b), 0.0),
+                                              axis=1), b.row_traj, n)
+            gm = (segments.psum(jnp.sum(jnp.where(ok, comp, 0.0)), axis_name)
+                  / jnp.maximum(segments.psum(jnp.sum(ok.astype(jnp.float32)), axis_name), 1.0))
+            al = jax.nn.sigmoid((comp - gm) / (temperature + 1e-8))
+            t = _tva(al, rew, jnp.where(ok, b.group_ids, n), ok, n)
+            gate = segments.traj_to_token(gate_from(t, ok), b)
+        else:
+            vt = segments.valid_turns(b)
+            cnt_t = segments.token_to_turn(vf, b)
+            step_mean = segments.token_to_turn(lp, b) / (cnt_t + 1e-8)
+            gm = (segments.psum(jnp.sum(lp), axis_name)
+                  / (segments.psum(jnp.sum(vf), axis_name) + 1e-8))
+            al = jax.nn.sigmoid((step_mean - gm) / (temperature + 1e-8))
+            rtg = segments.reverse_scan(jnp.where(vt, b.turn_rewards, 0.0), gamma, axis=1,
+                                        where=vt)
+            ids = segments.turn_key_ids(b, b.state_keys)
+            t = _tva(al.reshape(-1), rtg.reshape(-1), ids.reshape(-1), vt.reshape(-1), n * k)
+            gate = segments.turn_to_token(gate_from(t.reshape(n, k), vt), b)
+        gate = jnp.where(valid, gate, 0.0)
+        shaped = eta * gate * u
+    shaped = jnp.where(valid, shaped, 0.0)
+    if eta == 0:
+        shaped = jnp.zeros_like(shaped)
+    extras = dict(batch.extras)
+    out = {}
+    if target == "token":
+        extras["token_rewards"] = (jnp.where(b.action_mask, b.extras["token_rewards"], 0.0)
+                                   + shaped if "token_rewards" in b.extras else shaped)
+    else:
+        out["turn_rewards"] = b.turn_rewards + segments.token_to_turn(shaped, b)
+    if update_outcome:
+        out["outcome"] = b.outcome + jax.ops.segment_sum(jnp.sum(shaped, axis=1), b.row_traj, n)
+    if gate_field is not None:
+        extras[gate_field] = gate
+    return batch.replace(extras=extras, **out)
 
 
 __all__ = sorted({

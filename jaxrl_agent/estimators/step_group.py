@@ -62,8 +62,8 @@ def _target(b: TrajectoryBatch, target: str, gamma):
     return jnp.where(b.turn_mask, b.outcome[:, None], 0.0).astype(jnp.float32)
 
 
-def _check_common(normalize, episode_weighting, eps, singleton, gamma):
-    check_choice("normalize", normalize, MODES)
+def _check_common(normalization, episode_weighting, eps, singleton, gamma):
+    check_choice("normalization", normalization, MODES)
     check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
     check_choice("singleton", singleton, SINGLETONS)
     check_positive("eps", eps)
@@ -73,19 +73,19 @@ def _check_common(normalize, episode_weighting, eps, singleton, gamma):
 # ----------------------------------------------------------------------------- estimators
 
 
-@register("step_group", renamed={"mode": "normalize"})
+@register("step_group", renamed={"normalize": "normalization", "mode": "normalization"})
 def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "return",
                gamma: float = 1.0, episode_weight: float = 1.0, step_weight: float = 1.0,
-               normalize: str = "mean_std_norm", episode_weighting: str = "trajectory",
+               normalization: str = "mean_std_norm", episode_weighting: str = "trajectory",
                episode_reward: str = "outcome", combine_as: str = "sum", eps: float = 1e-6,
                singleton: str = "zero", step_singleton: str = "zero",
                axis_name=None) -> Advantages:
     """The configurable step-level group estimator (the common core of the step-level family).
 
     A[i, k] = we A_ep(i) + ws A_step(i, k)   (``combine_as="mean"``: divided by we + ws), with
-      A_ep  = ``episode_advantage`` (GRPO over the task group, ``normalize``,
+      A_ep  = ``episode_advantage`` (GRPO over the task group, ``normalization``,
               ``episode_weighting``, ``episode_reward``, ``singleton``);
-      A_step(i, k) = (y[i, k] - mean_S y) / (std_S y + eps)  (``normalize="mean_norm"``: no
+      A_step(i, k) = (y[i, k] - mean_S y) / (std_S y + eps)  (``normalization="mean_norm"``: no
               std),
               S = the turns of i's task group whose ``key`` equals that of (i, k); a singleton
               S gives 0 (``step_singleton="raw"``: mean 0, std 1, as MatchTIR's verl code).
@@ -113,7 +113,7 @@ def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "ret
         episode_weight=0 (a GRPO group whose id is the prefix);
       MAPO-style turn cohorts (our reading): key="turn".
     Invariants: with every key distinct (or step_weight 0) A = we A_ep (GRPO for
-    normalize="mean_std_norm", Dr.GRPO for "mean_norm"); step terms sum to 0 over each key
+    normalization="mean_std_norm", Dr.GRPO for "mean_norm"); step terms sum to 0 over each key
     group.
 
     Args:
@@ -126,7 +126,7 @@ def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "ret
       gamma: per-turn discount of the ``"return"`` target, in [0, 1].
       episode_weight: we, the weight of the episode term (any real; 0 drops it).
       step_weight: ws, the weight of the step term.
-      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only), for both
+      normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only), for both
         terms. Former name ``mode``.
       episode_weighting: ``"trajectory"`` (each trajectory once) or ``"steps"`` (once per
         valid turn) in the episode statistics.
@@ -142,18 +142,18 @@ def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "ret
       ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
       on turn k's action tokens, 0 elsewhere).
     """
-    _check_common(normalize, episode_weighting, eps, singleton, gamma)
+    _check_common(normalization, episode_weighting, eps, singleton, gamma)
     check_choice("step_singleton", step_singleton, SINGLETONS)
     check_choice("key", key, KEYS)
     check_choice("target", target, TARGETS)
     check_choice("episode_reward", episode_reward, ("outcome", "reward_sum"))
     check_choice("combine_as", combine_as, ("sum", "mean"))
     b = segments.local_view(batch, axis_name)
-    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting,
+    a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting,
                              reward=episode_reward, eps=eps, singleton=singleton)
     valid = segments.valid_turns(b)
     ids = segments.turn_key_ids(b, *_key_columns(b, key, "step_group"))
-    a_st = normalize_in_groups(_target(b, target, gamma), ids, valid, normalize=normalize,
+    a_st = normalize_in_groups(_target(b, target, gamma), ids, valid, normalization=normalization,
                                eps=eps, singleton=step_singleton)
     return combine(b, a_ep, a_st, episode_weight, step_weight, combine_as)
 
@@ -183,16 +183,16 @@ def anchor_ids(b: TrajectoryBatch, anchor: str, *, bucket_width: float = 0.1,
 
 
 @register("gigpo", aliases=("anchor_state_groups",), reads=_gigpo_reads,
-          renamed={"mode": "normalize"})
+          renamed={"normalize": "normalization", "mode": "normalization"})
 def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1.0,
-          normalize: str = "mean_std_norm", episode_weighting: str = "trajectory",
+          normalization: str = "mean_std_norm", episode_weighting: str = "trajectory",
           anchor: str = "exact", bucket_width: float = 0.1, sim_threshold: float = 0.95,
           sim_iters: int = 32, eps: float = 1e-6, singleton: str = "zero",
           axis_name=None) -> Advantages:
     """GiGPO: Group-in-Group Policy Optimization (Feng et al. 2025; verl-agent core_gigpo).
 
     A[i, k] = A_ep(i) + w A_st(i, k), broadcast onto turn k's action tokens, where
-      A_ep(i)    = (R_i - mean_g R) / (std_g R + eps)   (``normalize="mean_norm"``:
+      A_ep(i)    = (R_i - mean_g R) / (std_g R + eps)   (``normalization="mean_norm"``:
                    R_i - mean_g R);
       G[i, k]    = sum_{j >= k} gamma^(j - k) r[i, j]   (discounted step return; r includes
                    invalid-action penalties and the outcome at the last step);
@@ -210,7 +210,7 @@ def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1
     episodes.
     ``anchor``: ``"exact"`` (hashed observation, the paper), ``"bucket"`` or ``"similar"``
     (clusters of extras['state_features'], the reference's similarity option;
-    see ``anchor_ids``). The paper's scripts use gamma 0.95, w 1. ``normalize`` is the
+    see ``anchor_ids``). The paper's scripts use gamma 0.95, w 1. ``normalization`` is the
     reference code's ``mode``; it defaults to ``"mean_norm"`` in some scripts, this library to
     ``"mean_std_norm"``.
     Reductions: all anchors distinct, or w = 0, gives GRPO (Dr.GRPO with mean_norm).
@@ -221,7 +221,7 @@ def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1
         ``"similar"``, extras['state_features'] [N, K, D] instead of ``state_keys``.
       gamma: per-turn discount of the step return, in [0, 1].
       step_weight: w, the weight of the step term.
-      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only), for both
+      normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only), for both
         terms. Former name ``mode``.
       episode_weighting: ``"trajectory"`` or ``"steps"`` (above).
       anchor: ``"exact"``, ``"bucket"`` or ``"similar"`` (above).
@@ -236,16 +236,16 @@ def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1
       ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
       on turn k's action tokens, 0 elsewhere).
     """
-    _check_common(normalize, episode_weighting, eps, singleton, gamma)
+    _check_common(normalization, episode_weighting, eps, singleton, gamma)
     check_choice("anchor", anchor, ("exact", "bucket", "similar"))
     check_positive("bucket_width", bucket_width)
     b = segments.local_view(batch, axis_name)
-    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     ids = anchor_ids(b, anchor, bucket_width=bucket_width, sim_threshold=sim_threshold,
                      sim_iters=sim_iters)
     a_st = normalize_in_groups(step_returns(b, gamma), ids, segments.valid_turns(b),
-                               normalize=normalize, eps=eps)
+                               normalization=normalization, eps=eps)
     return combine(b, a_ep, a_st, 1.0, step_weight)
 
 

@@ -118,14 +118,15 @@ def _turn_gae_raw(b, gamma, lam, v):
     return jnp.where(b.turn_mask, segments.reverse_scan(delta, gamma * lam, axis=1), 0.0)
 
 
-@register("turn_gae", aliases=("turn_generalized_advantage",), reads=VALUE_READS)
+@register("turn_gae", aliases=("turn_generalized_advantage",), reads=VALUE_READS,
+          renamed={"normalize": "normalization"})
 def turn_gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
-             normalize: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
+             normalization: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
     """Turn-level GAE: the same recursion over turns with one value per turn.
 
     delta_k = r_k + gamma V_{k+1} - V_k (V past the last turn = 0);
     A_k = delta_k + gamma lam A_{k+1}; returns_k = A_k + V_k.
-    ``normalize``: ``"token"`` standardises A weighted by each turn's action tokens (what a
+    ``normalization``: ``"token"`` standardises A weighted by each turn's action tokens (what a
     token-mean loss sees), ``"turn"`` over valid turns, ``"none"`` leaves it. Used by HiPER,
     GAGPO and SAPO.
 
@@ -135,28 +136,28 @@ def turn_gae(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1.0,
         ``row_traj`` [R] for the token weights and the broadcast.
       gamma: per-turn discount, in [0, 1].
       lam: the GAE lambda, in [0, 1].
-      normalize: ``"token"``, ``"turn"`` or ``"none"`` (above); (A - mean) / sqrt(var + eps)
+      normalization: ``"token"``, ``"turn"`` or ``"none"`` (above); (A - mean) / sqrt(var + eps)
         over the whole batch.
       eps: added to the variance.
       axis_name: the mesh axis under ``shard_map``: the standardisation reduces across it, or
         None.
 
     Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, standardised per ``normalize``), ``token``
+      ``Advantages`` with ``turn`` [N, K] (A, standardised per ``normalization``), ``token``
       [R, T] (that A on turn k's action tokens) and ``turn_returns`` [N, K] (A + V, raw); 0 on
       missing turns and outside ``action_mask``.
     """
     check_unit("gamma", gamma)
     check_unit("lam", lam)
-    check_choice("normalize", normalize, ("token", "turn", "none"))
+    check_choice("normalization", normalization, ("token", "turn", "none"))
     b = segments.local_view(batch, axis_name)
     v = _turn_values(b, "turn_gae")
     adv = _turn_gae_raw(b, gamma, lam, v)
-    if normalize == "token":
+    if normalization == "token":
         w = segments.turn_token_counts(b) * b.turn_mask
         mu, var = segments.weighted_mean_var(adv, w, axis_name)
         adv_n = jnp.where(b.turn_mask, (adv - mu) * jnp.reciprocal(jnp.sqrt(var + eps)), 0.0)
-    elif normalize == "turn":
+    elif normalization == "turn":
         adv_n = segments.masked_whiten(adv, b.turn_mask, axis_name, eps)
     else:
         adv_n = adv
@@ -200,9 +201,10 @@ def lambda_returns(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 1
     return Advantages(token=adv.token_returns, token_returns=adv.token_returns)
 
 
-@register("sapo", aliases=("single_rollout_critic",), reads=VALUE_READS)
+@register("sapo", aliases=("single_rollout_critic",), reads=VALUE_READS,
+          renamed={"normalize": "normalization"})
 def sapo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
-         normalize: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
+         normalization: str = "token", eps: float = 1e-8, axis_name=None) -> Advantages:
     """SAPO (Single-rollout Autoregressive Policy Optimization, this project's SAPO; not the
     Soft Adaptive PO gate, which is ``losses.soft_gate``): trajectory-level GAE over turns
     with lambda-return targets and batch normalisation, one rollout per task (no groups).
@@ -212,7 +214,7 @@ def sapo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
     delta_k = r_k + gamma V_{k+1} - V_k (V past the last turn = 0);
     A_k = sum_l (gamma lam)^l delta_{k+l};  targets G^lam_k = A_k + V_k (``turn_returns``);
     A_hat = (A - mu) / sqrt(var + eps) over the whole batch (across ``axis_name``), weighted by
-    each turn's action tokens (``normalize="token"``, what a token-mean actor loss sees; our
+    each turn's action tokens (``normalization="token"``, what a token-mean actor loss sees; our
     choice, since the paper says only "batch normalisation") or by turns (``"turn"``).
     The auxiliary SARSA loss on Q read after the action is ``losses.sarsa``.
 
@@ -221,7 +223,7 @@ def sapo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
         ``action_mask``, ``turn_ids`` [R, T] and ``row_traj`` [R].
       gamma: per-turn discount, in [0, 1].
       lam: the GAE lambda, in [0, 1].
-      normalize: ``"token"`` or ``"turn"`` (``"none"`` is refused: SAPO normalises).
+      normalization: ``"token"`` or ``"turn"`` (``"none"`` is refused: SAPO normalises).
       eps: added to the variance.
       axis_name: the mesh axis under ``shard_map``: the normalisation reduces across it, or
         None.
@@ -230,7 +232,7 @@ def sapo(batch: TrajectoryBatch, *, gamma: float = 1.0, lam: float = 0.95,
       ``Advantages`` as ``turn_gae``: ``turn`` [N, K] (A_hat), ``token`` [R, T] and
       ``turn_returns`` [N, K] (the targets G^lam).
     """
-    if normalize == "none":
-        raise ValueError("sapo normalises its advantages: normalize must be 'token' or 'turn'")
-    return turn_gae(batch, gamma=gamma, lam=lam, normalize=normalize, eps=eps,
+    if normalization == "none":
+        raise ValueError("sapo normalises its advantages: normalization must be 'token' or 'turn'")
+    return turn_gae(batch, gamma=gamma, lam=lam, normalization=normalization, eps=eps,
                     axis_name=axis_name)

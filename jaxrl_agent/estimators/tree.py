@@ -68,8 +68,8 @@ def _check_nonneg_finite(name, value):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
-def _check_episode(normalize, episode_weighting, eps, singleton, gamma):
-    check_choice("normalize", normalize, MODES)
+def _check_episode(normalization, episode_weighting, eps, singleton, gamma):
+    check_choice("normalization", normalization, MODES)
     check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
     check_choice("singleton", singleton, SINGLETONS)
     check_positive("eps", eps)
@@ -172,11 +172,12 @@ def _rtmc_terms(b: TrajectoryBatch, *, kappa, signature, target, gamma):
             "q": z(q)}
 
 
-@register("rtmc", aliases=("rollout_tree_monte_carlo",), renamed={"mode": "normalize"})
+@register("rtmc", aliases=("rollout_tree_monte_carlo",),
+          renamed={"normalize": "normalization", "mode": "normalization"})
 def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "history",
          target: str = "return", gamma: float = 1.0, episode_weight: float = 0.0,
-         normalize: str = "mean_std_norm", episode_weighting: str = "trajectory", eps: float = 1e-6,
-         singleton: str = "zero", axis_name=None) -> Advantages:
+         normalization: str = "mean_std_norm", episode_weighting: str = "trajectory",
+         eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
     """RTMC: Rollout-Tree Monte Carlo advantages with prior-smoothed node values. The paper's
     abstract describes the smoothing in words; the formulas of the smoothing below are our
     reading of it.
@@ -199,7 +200,7 @@ def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "histor
         return: the group mean of R for outcome rewards) for depth-0 nodes; with the state
         signature (no unique parent) every state's prior is that root prior (our choice).
     A[i, k] = Q~(s, a) - V~(s) + episode_weight A_ep(i), broadcast onto turn k's action tokens
-    (A_ep = GRPO, ``episode_advantage`` with ``normalize``, ``episode_weighting``,
+    (A_ep = GRPO, ``episode_advantage`` with ``normalization``, ``episode_weighting``,
     ``singleton``; off by default, as in the paper).
 
     Limits: kappa = 0 gives the raw first-visit MC estimate Q_hat - V_hat (whose count-weighted
@@ -217,7 +218,7 @@ def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "histor
       target: ``"return"`` or ``"outcome"`` (above).
       gamma: per-turn discount of the ``"return"`` target, in [0, 1].
       episode_weight: weight of A_ep (0 = off).
-      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
+      normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
         Former name ``mode``.
       episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
       eps: added to the std of A_ep, > 0.
@@ -232,10 +233,10 @@ def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "histor
     _check_nonneg_finite("kappa", kappa)
     check_choice("signature", signature, SIGNATURES)
     check_choice("target", target, TARGETS)
-    _check_episode(normalize, episode_weighting, eps, singleton, gamma)
+    _check_episode(normalization, episode_weighting, eps, singleton, gamma)
     b = segments.local_view(batch, axis_name)
     t = _rtmc_terms(b, kappa=kappa, signature=signature, target=target, gamma=gamma)
-    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     return combine(b, a_ep, t["q"] - t["v"], episode_weight, 1.0)
 
@@ -262,10 +263,10 @@ def _tree_terms(b: TrajectoryBatch, *, child, baseline):
             "a_proc": z(a_proc)}
 
 
-@register("tree_value", renamed={"mode": "normalize"})
+@register("tree_value", renamed={"normalize": "normalization", "mode": "normalization"})
 def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weight: float = 1.0,
                baseline: str = "parent", child: str = "history",
-               normalize: str = "mean_std_norm", episode_weighting: str = "trajectory",
+               normalization: str = "mean_std_norm", episode_weighting: str = "trajectory",
                eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
     """Tree-node value differences: TreePS-RAG, Segment-PO tree, TEMPO / P2T at turn
     granularity, TreeMem. The node values follow those papers; their combination with GRPO's
@@ -280,7 +281,7 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
       A_proc = 0 where p has a single child (TEMPO's branch gating; for ``"parent"`` this is
         what the formula gives anyway, and is kept exact);
       A[i, k] = episode_weight A_ep(i) + step_weight A_proc(i, k), broadcast onto turn k's
-        action tokens, A_ep = GRPO (``episode_advantage``: ``normalize`` ``"mean_std_norm"``
+        action tokens, A_ep = GRPO (``episode_advantage``: ``normalization`` ``"mean_std_norm"``
         GRPO, ``"mean_norm"`` Dr.GRPO; ``episode_weighting``, ``singleton``).
     Properties: tree consistency (V(p) is the leaf-count weighted mean of its children, so the
     step terms of a node sum to 0 over its trajectories for ``"parent"``); a depth-1 tree (one
@@ -297,7 +298,7 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
       step_weight: weight of A_proc.
       baseline: ``"parent"`` or ``"siblings"`` (above).
       child: ``"history"`` or ``"action"`` (module doc).
-      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
+      normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
         Former name ``mode``.
       episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
       eps: added to the std of A_ep, > 0.
@@ -310,9 +311,9 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
     """
     check_choice("baseline", baseline, BASELINES)
     check_choice("child", child, CHILDREN)
-    _check_episode(normalize, episode_weighting, eps, singleton, 1.0)
+    _check_episode(normalization, episode_weighting, eps, singleton, 1.0)
     b = segments.local_view(batch, axis_name)
-    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     t = _tree_terms(b, child=child, baseline=baseline)
     return combine(b, a_ep, t["a_proc"], episode_weight, step_weight)
@@ -322,7 +323,7 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
 
 
 def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal,
-                  prefix_normalize, eps):
+                  prefix_normalization, eps):
     """ProGPO's per-turn pieces, dict (0 on invalid turns): g [N, K] returns, phi_d and w_d
     [N, K, D + 1] depth potentials and fusion weights, phi [N, K] fused potential, credit C,
     a_pre (exact-prefix term)."""
@@ -351,25 +352,26 @@ def _progpo_terms(b: TrajectoryBatch, *, gamma, max_depth, prior_std, terminal,
         r = jnp.where(b.turn_mask, b.turn_rewards, 0.0)
         credit = r + gamma * nxt - phi
     ids = segments.turn_key_ids(b, *segments.history_keys(b))
-    a_pre = normalize_in_groups(g, ids, valid, normalize=prefix_normalize, eps=eps)
+    a_pre = normalize_in_groups(g, ids, valid, normalization=prefix_normalization, eps=eps)
     z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
     return {"g": z(g), "phi_d": jnp.where(valid[..., None], phi_d, 0.0), "w_d": w_d,
             "phi": phi, "credit": z(credit), "a_pre": a_pre}
 
 
 @register("progpo", aliases=("progress_reliability_credit",),
-          renamed={"mode": "normalize", "prefix_mode": "prefix_normalize"})
+          renamed={"normalize": "normalization", "prefix_normalize": "prefix_normalization",
+                   "mode": "normalization", "prefix_mode": "prefix_normalization"})
 def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float = 1.0,
            transition_weight: float = 1.0, max_depth: int = 2, prior_std: float = 0.5,
-           terminal: str = "outcome", normalize: str = "mean_std_norm",
-           prefix_normalize: str = "mean_norm", episode_weighting: str = "trajectory",
+           terminal: str = "outcome", normalization: str = "mean_std_norm",
+           prefix_normalization: str = "mean_norm", episode_weighting: str = "trajectory",
            eps: float = 1e-6, singleton: str = "zero", axis_name=None) -> Advantages:
     """ProGPO: Progress- and Reliability-Oriented Group PO. This is our reading of the paper,
     whose abstract describes the method in words: the formulas below are ours.
 
     G[i, k] = sum_{j >= k} gamma^(j-k) r[i, j]; keys scoped by task group.
       Exact-prefix term: A_pre(i, k) = G[i, k] - mean{G[j, l]: H(j, l) = H(i, k)} over the
-        turns with the same whole history (``prefix_normalize="mean_std_norm"``: divided
+        turns with the same whole history (``prefix_normalization="mean_std_norm"``: divided
         by std + eps, unbiased); 0 for a singleton prefix.
       Depth potentials, d = 0..D (D = ``max_depth``): key_d(i, k) = the last d turns of history
         and the current state (``segments.history_keys(depth=d)``; d = 0 the state alone);
@@ -384,8 +386,8 @@ def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float =
         C = r[i, k] + gamma Phi(s_{i,k+1}) - Phi(s_{i,k}) with Phi(terminal) = 0, which
         telescopes to G[i, 0] - Phi(s_{i,0}).
       A[i, k] = A_ep(i) + w1 A_pre(i, k) + w2 C(i, k)   (w1 = ``prefix_weight``,
-        w2 = ``transition_weight``; A_ep = GRPO via ``episode_advantage`` with ``normalize``).
-    Reductions: w2 = 0 with prefix_normalize = normalize is step_group(key="history")
+        w2 = ``transition_weight``; A_ep = GRPO via ``episode_advantage`` with ``normalization``).
+    Reductions: w2 = 0 with prefix_normalization = normalization is step_group(key="history")
     (exact-prefix GiGPO); w1 = w2 = 0 is GRPO. Degenerate cases: a lone trajectory in which no
     state recurs has every key to itself, so Phi = G and C = gamma G_{k+1} - G_k (G_K := R; 0
     for outcome-only rewards and gamma = 1); equal returns and outcomes everywhere give
@@ -402,9 +404,9 @@ def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float =
       max_depth: D, the longest history suffix of the potentials, an int >= 0.
       prior_std: s0, > 0.
       terminal: ``"outcome"`` or ``"td"`` (above).
-      normalize: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
+      normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
         Former name ``mode``.
-      prefix_normalize: the same choice for A_pre. Former name ``prefix_mode``.
+      prefix_normalization: the same choice for A_pre. Former name ``prefix_mode``.
       episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
       eps: added to the stds, > 0.
       singleton: ``"zero"`` or ``"raw"``: A_ep of a singleton task group.
@@ -415,15 +417,15 @@ def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float =
       on turn k's action tokens, 0 elsewhere).
     """
     check_choice("terminal", terminal, TERMINALS)
-    check_choice("prefix_normalize", prefix_normalize, MODES)
+    check_choice("prefix_normalization", prefix_normalization, MODES)
     check_positive("prior_std", prior_std)
     if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
-    _check_episode(normalize, episode_weighting, eps, singleton, gamma)
+    _check_episode(normalization, episode_weighting, eps, singleton, gamma)
     b = segments.local_view(batch, axis_name)
-    a_ep = episode_advantage(b, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
     t = _progpo_terms(b, gamma=gamma, max_depth=max_depth, prior_std=prior_std,
-                      terminal=terminal, prefix_normalize=prefix_normalize, eps=eps)
+                      terminal=terminal, prefix_normalization=prefix_normalization, eps=eps)
     return combine(b, a_ep, prefix_weight * t["a_pre"] + transition_weight * t["credit"],
                    1.0, 1.0)

@@ -21,7 +21,7 @@ Named arms (the credit-targeting paper's arms are compositions of registered sta
                 permuted at random within each rollout (matched-concentration shuffled control;
                 the lab draws a fresh permutation per batch, where the registered
                 ``shuffled_control`` hashes a static seed)
-    mc_minus_v  ``turn_gae(lam=1, normalize="none")`` with the exact V as the critic:
+    mc_minus_v  ``turn_gae(lam=1, normalization="none")`` with the exact V as the critic:
                 A_k = G_k - V_k(s_k), unbiased for the exact advantage (an oracle baseline)
     exact       the exact advantage A_k(s_k, a_k) itself (the ceiling; not an estimator)
 """
@@ -45,7 +45,7 @@ NAMED_ARMS = {
                  "uniform's advantage concentrated on verified-correct turns"),
     "shuffled": (dict(_UNIFORM, then=[("reallocate", {"weights": "progress_shuffled"})]),
                  "targeted's weights permuted within the rollout (matched control)"),
-    "mc_minus_v": (dict(estimator=("turn_gae", {"lam": 1.0, "normalize": "none"})),
+    "mc_minus_v": (dict(estimator=("turn_gae", {"lam": 1.0, "normalization": "none"})),
                    "return-to-go minus the exact V (oracle critic)"),
     "exact": (None, "the exact advantage (ceiling)"),
 }

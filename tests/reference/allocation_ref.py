@@ -510,7 +510,7 @@ def _tva(members):
 
 
 def adrs(records, *, teacher="teacher_logprobs", tva="step", eta=0.1, temperature=1.0, tau=2.0,
-         baseline="step", normalize="global", gate_normalize=False, gamma=1.0, ref="ref_logprobs",
+         baseline="step", normalization="global", gate_normalize=False, gamma=1.0, ref="ref_logprobs",
          target="token", update_outcome=True, gate_field=None):
     trajs = parse(records)
     lp = [[list(t.tok[teacher]) for t in tr["turns"]] for tr in trajs]
@@ -520,11 +520,11 @@ def adrs(records, *, teacher="teacher_logprobs", tva="step", eta=0.1, temperatur
     else:
         gm = sum(all_lp) / len(all_lp)
         u = [[[x - gm for x in v] for v in rec] for rec in lp]
-    if normalize == "global":
+    if normalization == "global":
         flat = [x for rec in u for v in rec for x in v]
         s = _std1(flat) + 1e-8 if len(flat) > 1 else 1.0
         u = [[[x / s for x in v] for v in rec] for rec in u]
-    elif normalize == "per_seq":
+    elif normalization == "per_seq":
         new = []
         for rec in u:
             f = _flat(rec)

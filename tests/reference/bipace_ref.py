@@ -51,7 +51,7 @@ def union_find_clusters(trajs, tau, merge_state_keys=False, field="hidden"):
     return {v: find(v) for v in nodes}
 
 
-def pace_term(trajs, returns, clusters, *, leave_one_out=False, step_normalize="mean_norm",
+def pace_term(trajs, returns, clusters, *, leave_one_out=False, step_normalization="mean_norm",
               eps=EPS):
     """A_PACE[i][k] and its tolerance: Q_hat(c, a) - V_hat(c) over the cluster c of (i, k)."""
     members = defaultdict(list)
@@ -66,7 +66,7 @@ def pace_term(trajs, returns, clusters, *, leave_one_out=False, step_normalize="
         act = {v: trajs[v[0]].turns[v[1]].act_key for v in c}
         v_mean, v_std = mean_std(list(gs.values()))
         scale = max(abs(x) for x in gs.values())
-        denom = v_std + eps if step_normalize == "mean_std_norm" else 1.0
+        denom = v_std + eps if step_normalization == "mean_std_norm" else 1.0
         for v in c:
             peers = [u for u in c if act[u] == act[v]]
             if not leave_one_out:
@@ -83,18 +83,18 @@ def pace_term(trajs, returns, clusters, *, leave_one_out=False, step_normalize="
 
 
 def bipace(records, *, tau=0.9, sim_iters=8, merge_state_keys=False, leave_one_out=False,
-           step_normalize="mean_norm", step_weight=1.0, gamma=0.95, normalize="mean_std_norm",
+           step_normalization="mean_norm", step_weight=1.0, gamma=0.95, normalization="mean_std_norm",
            episode_weighting="trajectory", eps=EPS, singleton="zero"):
     """A = A_ep + w (Q_hat(c, a) - V_hat(c)) [/ (std_c + eps)], clusters by union-find
     (``sim_iters`` is the library's iteration budget: the reference is always exact)."""
     del sim_iters
     trajs = parse_steps(records)
-    a_ep, tol_ep = episode_term(trajs, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep, tol_ep = episode_term(trajs, normalization=normalization, weighting=episode_weighting, eps=eps,
                                 singleton=singleton)
     returns = [discounted([t.reward for t in tr.turns], gamma) for tr in trajs]
     clusters = union_find_clusters(trajs, tau, merge_state_keys)
     a_st, tol_st = pace_term(trajs, returns, clusters, leave_one_out=leave_one_out,
-                             step_normalize=step_normalize, eps=eps)
+                             step_normalization=step_normalization, eps=eps)
     return combined(trajs, a_ep, tol_ep, a_st, tol_st, 1.0, step_weight)
 
 

@@ -471,9 +471,9 @@ def _turn_values(tr: Traj):
     return [t.value for t in tr.turns]
 
 
-def turn_gae(records, *, gamma=1.0, lam=1.0, normalize="token", eps=1e-8) -> RefOut:
+def turn_gae(records, *, gamma=1.0, lam=1.0, normalization="token", eps=1e-8) -> RefOut:
     """delta_k = r_k + gamma V_{k+1} - V_k (V past the last turn 0); A_k = delta_k +
-    gamma lam A_{k+1}; returns = A + V. normalize: "token" (weights = action tokens of the
+    gamma lam A_{k+1}; returns = A + V. normalization: "token" (weights = action tokens of the
     turn), "turn" (weights 1 per valid turn), "none"; (A - mu) / sqrt(var + eps)."""
     trajs = parse(records)
     adv, ret, scales = [], [], []
@@ -490,10 +490,10 @@ def turn_gae(records, *, gamma=1.0, lam=1.0, normalize="token", eps=1e-8) -> Ref
         ret.append([x + y for x, y in zip(a, v)])
         scales.append(sum(abs(x) for x in r) + 2 * sum(abs(x) for x in v))
     rtol = _plain_tol(ret)
-    if normalize == "none":
+    if normalization == "none":
         out, tol = adv, _plain_tol(adv)
     else:
-        w = [[float(len(t.action)) if normalize == "token" else 1.0 for t in tr.turns]
+        w = [[float(len(t.action)) if normalization == "token" else 1.0 for t in tr.turns]
              for tr in trajs]
         tot = sum(x for ws in w for x in ws)
         mu = sum(wi * ai for ws, aa in zip(w, adv) for wi, ai in zip(ws, aa)) / tot
@@ -505,11 +505,11 @@ def turn_gae(records, *, gamma=1.0, lam=1.0, normalize="token", eps=1e-8) -> Ref
                   tol={"token": tol, "turn": tol, "turn_returns": rtol})
 
 
-def sapo(records, *, gamma=1.0, lam=0.95, normalize="token", eps=1e-8) -> RefOut:
+def sapo(records, *, gamma=1.0, lam=0.95, normalization="token", eps=1e-8) -> RefOut:
     """SAPO: turn-level GAE with lambda-return targets (A + V), batch-normalised with token or
     turn weights -- the formula of ``turn_gae`` with SAPO's defaults."""
-    assert normalize in ("token", "turn")
-    return turn_gae(records, gamma=gamma, lam=lam, normalize=normalize, eps=eps)
+    assert normalization in ("token", "turn")
+    return turn_gae(records, gamma=gamma, lam=lam, normalization=normalization, eps=eps)
 
 
 def lambda_returns(records, *, gamma=1.0, lam=1.0, level="turn") -> RefOut:

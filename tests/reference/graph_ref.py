@@ -99,7 +99,7 @@ def _td_scale(trajs, gs, v, v_next):
 # ----------------------------------------------------------------------------- estimators
 
 
-def g2po(records, *, gamma=1.0, normalize="group", episode_weight=0.0,
+def g2po(records, *, gamma=1.0, normalization="group", episode_weight=0.0,
          episode_weighting="trajectory", eps=EPS) -> RefOut:
     """delta = r + gamma V(s') - V(s) (V(TERMINAL) = 0) standardised over the task group's (or
     the batch's) edges, plus episode_weight * GRPO."""
@@ -107,7 +107,7 @@ def g2po(records, *, gamma=1.0, normalize="group", episode_weight=0.0,
     gs, v, v_next = grouped_values(trajs, gamma)
     delta = [[t.reward + gamma * v_next[i][k] - v[i][k] for k, t in enumerate(tr.turns)]
              for i, tr in enumerate(trajs)]
-    a, tol = standardize(trajs, delta, _td_scale(trajs, gs, v, v_next), normalize, eps)
+    a, tol = standardize(trajs, delta, _td_scale(trajs, gs, v, v_next), normalization, eps)
     a_ep, tol_ep = episode_term(trajs, weighting=episode_weighting, eps=eps)
     return _out(trajs, a, tol, a_ep, tol_ep, episode_weight, 1.0)
 
@@ -180,7 +180,7 @@ def graphgpo(records, *, omega=0.1, success_reward=10.0, success_threshold=0.5,
     return _out(trajs, a, tol, a_ep, tol_ep, episode_weight, graph_weight)
 
 
-def gagpo(records, *, gamma=1.0, lam=0.95, normalize="group", eps=EPS) -> RefOut:
+def gagpo(records, *, gamma=1.0, lam=0.95, normalization="group", eps=EPS) -> RefOut:
     """Turn GAE over the grouped value proxy, normalised per task group (or batch / none);
     turn_returns = GAE + V_hat(s)."""
     trajs = parse_steps(records)
@@ -195,7 +195,7 @@ def gagpo(records, *, gamma=1.0, lam=0.95, normalize="group", eps=EPS) -> RefOut
             out.append(acc)
         raw.append(out[::-1])
         scale.append([sum(td_scale[i][k:]) for k in range(len(tr.turns))])
-    a, tol = standardize(trajs, raw, scale, normalize, eps)
+    a, tol = standardize(trajs, raw, scale, normalization, eps)
     ret = [[raw[i][k] + v[i][k] for k in range(len(tr.turns))] for i, tr in enumerate(trajs)]
     tol_ret = [BASE_ATOL + BASE_RTOL * max(abs(x) for x in row) + 16 * U32 * max(sc)
                for row, sc in zip(ret, scale)]

@@ -118,17 +118,17 @@ def _standardise(per, name, label, normalize, eps):
 
 
 def hae(records, *, gamma=1.0, lam_turn=1.0, lam_seg=0.95, switch_stream="auto",
-        normalize="none", eps=1e-8) -> RefOut:
+        normalization="none", eps=1e-8) -> RefOut:
     per = streams(records, gamma=gamma, lam_turn=lam_turn, lam_seg=lam_seg,
                   switch_stream=switch_stream)
     scale = max(p["scale"] for p in per)
     fns, tol_of = {}, {}
     for name, label in ((LOW, LOW), (HIGH, HIGH), (TERM, TERM)):
-        if normalize == "none":
+        if normalization == "none":
             fns[label] = lambda x: x
             tol_of[label] = lambda x, p: BASE_ATOL + BASE_RTOL * p["scale"]
             continue
-        fn, denom, n, _ = _standardise(per, name, label, normalize, eps)
+        fn, denom, n, _ = _standardise(per, name, label, normalization, eps)
         fns[label] = fn
         if n == 0:
             tol_of[label] = lambda x, p: BASE_ATOL + BASE_RTOL * p["scale"]

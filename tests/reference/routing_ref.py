@@ -228,10 +228,10 @@ def echo(records, base, *, selected="selected", eta=1.0, normalize=False):
 
 
 def skillgate(records, base, *, skill_mask="skill_mask", read_correct="read_correct",
-              normalize="group", eps=1e-6):
+              normalization="group", eps=1e-6):
     x = [_traj_x(r, read_correct) for r in records]
     a_sel, tol = list(x), [0.0] * len(records)
-    if normalize == "group":
+    if normalization == "group":
         for i, rec in enumerate(records):
             g = [x[j] for j, r in enumerate(records) if r["group"] == rec["group"]]
             if len(g) < 2:

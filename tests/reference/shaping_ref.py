@@ -251,7 +251,7 @@ def reward_to_go(records, *, score="outcome", baseline="cohort", normalize=False
     return _out(records, out)
 
 
-def pica(records, *, potential="potential", gamma=1.0, normalize="separate",
+def pica(records, *, potential="potential", gamma=1.0, normalization="separate",
          std_normalize=True, f1_weight=1.0, ig_weight=1.0, eps=1e-6):
     trajs = parse_steps(records)
     f1 = [tr.outcome for tr in trajs]
@@ -284,7 +284,7 @@ def pica(records, *, potential="potential", gamma=1.0, normalize="separate",
 
     out = []
     for i, tr in enumerate(trajs):
-        if normalize == "separate":
+        if normalization == "separate":
             sf, si = stats(pools_f[tr.group]), stats(pools_i[tr.group])
         else:
             sf = si = stats(pools_f[tr.group] + pools_i[tr.group])
@@ -302,14 +302,14 @@ def pica(records, *, potential="potential", gamma=1.0, normalize="separate",
 
 
 def trace(records, base, *, potential="potential", final_potential="final_potential", beta=0.5,
-          normalize="cohort", accumulate=False, length=None, eps=1e-6):
+          normalization="cohort", accumulate=False, length=None, eps=1e-6):
     r = []
     for rec in records:
         d = _diffs(_te(rec, potential), _tr(rec, final_potential))
         if length is not None:
             d = [x / max(_tr(rec, length), 1.0) for x in d]
         r.append(d)
-    z = _normalize(records, r, normalize, True, eps)
+    z = _normalize(records, r, normalization, True, eps)
     if accumulate:
         z = [[sum(v[k:]) for k in range(len(v))] for v in z]
     return _out(records, _add(base, [[beta * x for x in v] for v in z]))
@@ -378,9 +378,9 @@ def vtca_credit(rec, progress="progress", final_progress="final_progress", edges
 
 
 def vtca(records, base, *, progress="progress", final_progress="final_progress", edges="edges",
-         rho=0.3, eta=1.0, normalize="none", eps=1e-6):
+         rho=0.3, eta=1.0, normalization="none", eps=1e-6):
     c = [vtca_credit(rec, progress, final_progress, edges, rho) for rec in records]
-    c = _normalize(records, c, normalize, True, eps)
+    c = _normalize(records, c, normalization, True, eps)
     return _out(records, _add(base, [[eta * x for x in v] for v in c]))
 
 
@@ -417,13 +417,13 @@ def a2tgpo_clip_range(records, *, potential="potential", final_potential="final_
 
 
 def cast(records, base, *, oracle="oracle_advantage", alpha=0.3, transform="asinh",
-         normalize="rms", eps=1e-8):
+         normalization="rms", eps=1e-8):
     fn = {"asinh": math.asinh, "identity": lambda a: a,
           "signed_log": lambda a: math.copysign(math.log1p(abs(a)), a) if a else 0.0}[transform]
     g = [[fn(a) for a in _te(rec, oracle)] for rec in records]
     allg = [x for v in g for x in v]
     rms = math.sqrt(sum(x * x for x in allg) / len(allg)) if allg else 1.0
-    scale = 1.0 / (rms + eps) if normalize == "rms" else 1.0
+    scale = 1.0 / (rms + eps) if normalization == "rms" else 1.0
     return _out(records, _add(base, [[alpha * x * scale for x in v] for v in g]))
 
 

@@ -97,7 +97,7 @@ def discounted(rewards, gamma):
     return out[::-1]
 
 
-def episode_term(trajs, *, normalize="mean_std_norm", weighting="trajectory", reward="outcome",
+def episode_term(trajs, *, normalization="mean_std_norm", weighting="trajectory", reward="outcome",
                  eps=EPS, singleton="zero"):
     """Per trajectory (A_ep, tol): GRPO over each task group; ``weighting="steps"`` repeats
     each trajectory once per turn in the statistics (verl-agent's per-step rows)."""
@@ -107,7 +107,7 @@ def episode_term(trajs, *, normalize="mean_std_norm", weighting="trajectory", re
         if len(members) == 1:
             i = members[0]
             if singleton == "raw":
-                a[i] = rs[i] / (1 + eps) if normalize == "mean_std_norm" else rs[i]
+                a[i] = rs[i] / (1 + eps) if normalization == "mean_std_norm" else rs[i]
             tol[i] = BASE_ATOL + BASE_RTOL * abs(a[i])
             continue
         vals = []
@@ -116,13 +116,13 @@ def episode_term(trajs, *, normalize="mean_std_norm", weighting="trajectory", re
         m, s = mean_std(vals)
         scale = max(abs(v) for v in vals)
         for i in members:
-            a[i] = (rs[i] - m) / (s + eps) if normalize == "mean_std_norm" else rs[i] - m
-            denom = s + eps if normalize == "mean_std_norm" else 1.0
+            a[i] = (rs[i] - m) / (s + eps) if normalization == "mean_std_norm" else rs[i] - m
+            denom = s + eps if normalization == "mean_std_norm" else 1.0
             tol[i] = _std_tol(scale, denom, len(vals), a[i])
     return a, tol
 
 
-def normalize_groups(trajs, values, keyfn, *, normalize="mean_std_norm", eps=EPS, singleton="zero"):
+def normalize_groups(trajs, values, keyfn, *, normalization="mean_std_norm", eps=EPS, singleton="zero"):
     """values[i][k] normalised over {(j, l): group(j) = group(i), keyfn(j, l) = keyfn(i, k)}.
     Returns (A[i][k], tol[i][k])."""
     buckets: dict = defaultdict(list)
@@ -136,12 +136,12 @@ def normalize_groups(trajs, values, keyfn, *, normalize="mean_std_norm", eps=EPS
         if len(members) == 1:
             i, k = members[0]
             if singleton == "raw":
-                a[i][k] = xs[0] / (1 + eps) if normalize == "mean_std_norm" else xs[0]
+                a[i][k] = xs[0] / (1 + eps) if normalization == "mean_std_norm" else xs[0]
             tol[i][k] = BASE_ATOL + BASE_RTOL * abs(a[i][k])
             continue
         m, s = mean_std(xs)
         scale = max(abs(x) for x in xs)
-        denom = s + eps if normalize == "mean_std_norm" else 1.0
+        denom = s + eps if normalization == "mean_std_norm" else 1.0
         for (i, k), x in zip(members, xs):
             a[i][k] = (x - m) / denom
             tol[i][k] = _std_tol(scale, denom, len(xs), a[i][k])
@@ -177,27 +177,27 @@ def _keyfn(trajs, key):
 
 
 def step_group(records, *, key="state", target="return", gamma=1.0, episode_weight=1.0,
-               step_weight=1.0, normalize="mean_std_norm", episode_weighting="trajectory",
+               step_weight=1.0, normalization="mean_std_norm", episode_weighting="trajectory",
                episode_reward="outcome", combine_as="sum", eps=EPS, singleton="zero",
                step_singleton="zero") -> RefOut:
     """A = we A_ep + ws A_step (or their weighted mean), A_step normalised over
     (task group, key) buckets of the target."""
     trajs = parse_steps(records)
-    a_ep, tol_ep = episode_term(trajs, normalize=normalize, weighting=episode_weighting,
+    a_ep, tol_ep = episode_term(trajs, normalization=normalization, weighting=episode_weighting,
                                 reward=episode_reward, eps=eps, singleton=singleton)
     ys = [_target(tr, target, gamma) for tr in trajs]
-    a_st, tol_st = normalize_groups(trajs, ys, _keyfn(trajs, key), normalize=normalize, eps=eps,
+    a_st, tol_st = normalize_groups(trajs, ys, _keyfn(trajs, key), normalization=normalization, eps=eps,
                                     singleton=step_singleton)
     return combined(trajs, a_ep, tol_ep, a_st, tol_st, episode_weight, step_weight, combine_as)
 
 
-def gigpo(records, *, gamma=0.95, step_weight=1.0, normalize="mean_std_norm",
+def gigpo(records, *, gamma=0.95, step_weight=1.0, normalization="mean_std_norm",
           episode_weighting="trajectory", anchor="exact", eps=EPS, singleton="zero",
           **_unused) -> RefOut:
     """GiGPO: GRPO episode term + w * anchor-state group normalisation of the discounted step
     returns (exact anchors: equal observations; 'bucket': equal rounded features)."""
     trajs = parse_steps(records)
-    a_ep, tol_ep = episode_term(trajs, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep, tol_ep = episode_term(trajs, normalization=normalization, weighting=episode_weighting, eps=eps,
                                 singleton=singleton)
     ys = [_target(tr, "return", gamma) for tr in trajs]
     if anchor == "exact":
@@ -210,7 +210,7 @@ def gigpo(records, *, gamma=0.95, step_weight=1.0, normalize="mean_std_norm",
             return tuple(round(f32(x) / f32(w)) for x in f)
     else:
         keyfn = similar_anchor(trajs, _unused.get("sim_threshold", 0.95))
-    a_st, tol_st = normalize_groups(trajs, ys, keyfn, normalize=normalize, eps=eps)
+    a_st, tol_st = normalize_groups(trajs, ys, keyfn, normalization=normalization, eps=eps)
     return combined(trajs, a_ep, tol_ep, a_st, tol_st, 1.0, step_weight)
 
 

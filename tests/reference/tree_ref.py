@@ -51,7 +51,7 @@ def _group_scale(trajs, values):
 
 
 def rtmc(records, *, kappa=1.0, signature="history", target="return", gamma=1.0,
-         episode_weight=0.0, normalize="mean_std_norm", episode_weighting="trajectory", eps=EPS,
+         episode_weight=0.0, normalization="mean_std_norm", episode_weighting="trajectory", eps=EPS,
          singleton="zero") -> RefOut:
     """First-visit MC: N(s), sum G over first visits of s and of (s, a) per trajectory;
     V~(s) = (sum G + kappa V_prior) / (N + kappa), V_prior = V~(parent history) or the group
@@ -105,7 +105,7 @@ def rtmc(records, *, kappa=1.0, signature="history", target="return", gamma=1.0,
     scale = _group_scale(trajs, G)
     depth = max(len(tr.turns) for tr in trajs)
     step_tol = [32 * U32 * s * (depth + 2) for s in scale]
-    a_ep, tol_ep = episode_term(trajs, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep, tol_ep = episode_term(trajs, normalization=normalization, weighting=episode_weighting, eps=eps,
                                 singleton=singleton)
     return _out(trajs, turn, step_tol, a_ep, tol_ep, episode_weight, 1.0)
 
@@ -134,7 +134,7 @@ def tree_nodes(trajs, child="history"):
 
 
 def tree_value(records, *, episode_weight=1.0, step_weight=1.0, baseline="parent",
-               child="history", normalize="mean_std_norm", episode_weighting="trajectory", eps=EPS,
+               child="history", normalization="mean_std_norm", episode_weighting="trajectory", eps=EPS,
                singleton="zero") -> RefOut:
     """V(u) = mean R over the trajectories through u; A_proc = V(child) - V(node) (or minus
     the plain mean of V over the node's distinct children); 0 where the node has one child."""
@@ -164,7 +164,7 @@ def tree_value(records, *, episode_weight=1.0, step_weight=1.0, baseline="parent
         turn.append(out)
     scale = _group_scale(trajs, [[tr.outcome] for tr in trajs])
     step_tol = [16 * U32 * s for s in scale]
-    a_ep, tol_ep = episode_term(trajs, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep, tol_ep = episode_term(trajs, normalization=normalization, weighting=episode_weighting, eps=eps,
                                 singleton=singleton)
     return _out(trajs, turn, step_tol, a_ep, tol_ep, episode_weight, step_weight)
 
@@ -217,8 +217,8 @@ def progpo_terms(trajs, *, gamma=1.0, max_depth=2, prior_std=0.5, terminal="outc
 
 
 def progpo(records, *, gamma=1.0, prefix_weight=1.0, transition_weight=1.0, max_depth=2,
-           prior_std=0.5, terminal="outcome", normalize="mean_std_norm",
-           prefix_normalize="mean_norm", episode_weighting="trajectory", eps=EPS,
+           prior_std=0.5, terminal="outcome", normalization="mean_std_norm",
+           prefix_normalization="mean_norm", episode_weighting="trajectory", eps=EPS,
            singleton="zero") -> RefOut:
     """A = A_ep + w1 (G - mean over the same history) + w2 (gamma Phi' - Phi), Phi the
     inverse-variance fusion of the depth-d means of G."""
@@ -226,7 +226,7 @@ def progpo(records, *, gamma=1.0, prefix_weight=1.0, transition_weight=1.0, max_
     G, _, _, _, credit = progpo_terms(trajs, gamma=gamma, max_depth=max_depth,
                                       prior_std=prior_std, terminal=terminal)
     a_pre, tol_pre = normalize_groups(trajs, G, lambda i, k: trajs[i].history(k),
-                                      normalize=prefix_normalize, eps=eps)
+                                      normalization=prefix_normalization, eps=eps)
     step = [[prefix_weight * p + transition_weight * c for p, c in zip(a_pre[i], credit[i])]
             for i in range(len(trajs))]
     scale = [max(s, abs(tr.outcome)) for s, tr in zip(_group_scale(trajs, G), trajs)]
@@ -235,7 +235,7 @@ def progpo(records, *, gamma=1.0, prefix_weight=1.0, transition_weight=1.0, max_
     fuse = [64 * U32 * s * (1 + s * s / prior_std ** 2) for s in scale]
     step_tol = [abs(prefix_weight) * max(tol_pre[i] + [0.0]) + abs(transition_weight) * fuse[i]
                 for i in range(len(trajs))]
-    a_ep, tol_ep = episode_term(trajs, normalize=normalize, weighting=episode_weighting, eps=eps,
+    a_ep, tol_ep = episode_term(trajs, normalization=normalization, weighting=episode_weighting, eps=eps,
                                 singleton=singleton)
     return _out(trajs, step, step_tol, a_ep, tol_ep, 1.0, 1.0)
 
