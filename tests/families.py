@@ -43,3 +43,53 @@ def assert_placed(tag: str, adv, placed: dict, layout: str, fields=("token", "tu
             p = tuple(int(i) for i in np.argwhere(err > tol)[0])
             raise AssertionError(f"{tag}.{f} [{layout}] at {p}: got {got[p]}, "
                                  f"expected {exp[p]} (tol {tol[p]:.3g})")
+
+
+def assert_each(checks) -> None:
+    """Runs every ``(tag, check)`` (a no-argument callable) and fails once, listing every
+    failing check's message (prefixed with its tag when one is given), so one failing setting
+    does not hide the others."""
+    failures = []
+    for tag, check in checks:
+        try:
+            check()
+        except AssertionError as e:
+            failures.append(f"{tag} {e}" if tag else str(e))
+    assert not failures, "\n".join(failures)
+
+
+def assert_layouts_agree(run_all, pack, recs, ids, pick=lambda out: out.turn) -> None:
+    """The per-turn outputs (``pick``) of the settings ``ids`` agree between the records
+    packed as one row per trajectory and as one row per turn (trajectory order and the turn
+    level do not depend on the layout)."""
+    import numpy as np
+
+    a = run_all(pack(recs, "concatenated")[0])
+    c = run_all(pack(recs, "per_step")[0])
+    for cid in ids:
+        np.testing.assert_allclose(pick(a[cid]), pick(c[cid]), atol=1e-6, err_msg=cid)
+
+
+def colliding_records(seed: int, turn, finish=None, num_traj: int = 8, groups: int = 3) -> list:
+    """Deterministic records whose states collide (for plain, non-hypothesis tests): each of
+    ``num_traj`` trajectories joins one of ``groups`` task groups, and half of those with an
+    earlier member of their group start with a copy of a prefix of its turns (shared
+    histories), then add turns ``turn(rng)`` up to 1-4 in all. ``finish(rng, record)`` may
+    complete each record (outcome, extras) and returns it."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    recs = []
+    for _ in range(num_traj):
+        g = int(rng.integers(groups))
+        earlier = [r for r in recs if r["group"] == g]
+        k = int(rng.integers(1, 5))
+        turns = []
+        if earlier and rng.random() < 0.5:
+            src = earlier[int(rng.integers(len(earlier)))]["turns"]
+            turns = [dict(t) for t in src[:int(rng.integers(1, min(k, len(src)) + 1))]]
+        while len(turns) < k:
+            turns.append(turn(rng))
+        rec = {"group": g, "task": g, "turns": turns}
+        recs.append(finish(rng, rec) if finish else rec)
+    return recs

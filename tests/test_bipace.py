@@ -34,7 +34,7 @@ from jaxrl_agent.batch import LAYOUTS
 from tests.reference import bipace_ref
 from tests.reference import estimators_ref as ref
 from tests.reference import step_ref
-from tests.families import assert_placed, packer, shapes_of
+from tests.families import assert_each, assert_layouts_agree, assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 # (the package re-exports the function ``bipace`` under the module's name)
@@ -169,13 +169,8 @@ def test_matches_reference(layout, recs):
     with and without merged state keys) against the reference partition."""
     batch, index = pack(recs, layout)
     out = run_all(batch)
-    failures = []
-    for cid in CONFIGS:
-        try:
-            check(cid, out[cid]["adv"], recs, index, batch)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, "\n".join(failures)
+    assert_each(("", functools.partial(check, cid, out[cid]["adv"], recs, index, batch))
+                for cid in CONFIGS)
     check_partition(out["clusters_wide"], recs, index, 0.6, False, "clusters")
     check_partition(out["clusters_wide_merge"], recs, index, 0.6, True, "merged clusters")
 
@@ -263,11 +258,7 @@ def test_plain_step_term_sums_to_zero_in_each_cluster(layout, recs):
 @EX
 @given(recs=records())
 def test_layouts_agree(recs):
-    a = run_all(pack(recs, "concatenated")[0])
-    c = run_all(pack(recs, "per_step")[0])
-    for cid in CONFIGS:
-        np.testing.assert_allclose(a[cid]["adv"].turn, c[cid]["adv"].turn, atol=1e-6,
-                                   err_msg=cid)
+    assert_layouts_agree(run_all, pack, recs, CONFIGS, pick=lambda out: out["adv"].turn)
 
 
 # --------------------------------------------------------------- no gradient into hidden states

@@ -37,7 +37,7 @@ from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.rollout.records import pack_records
 from tests.reference import estimators_ref as ref
-from tests.families import shapes_of
+from tests.families import assert_each, shapes_of
 from tests.strategies import PAD
 from tests.strategies import records as records_st
 
@@ -363,14 +363,9 @@ def test_matches_reference(layout, data):
     state = data.draw(spo_states(), label="state")
     recs, batch, index = pack(records, layout)
     out = run_all(batch, state)
-    failures = []
-    for c in CONFIGS:
-        try:
-            check_ref(c.id, out, reference(c, recs, layout, state, index.task_index),
-                      index, batch)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, "\n".join(failures)
+    assert_each(("", functools.partial(
+        check_ref, c.id, out, reference(c, recs, layout, state, index.task_index), index, batch))
+        for c in CONFIGS)
 
 
 def test_public_compute_path_matches_reference():

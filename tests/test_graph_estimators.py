@@ -29,7 +29,7 @@ from jaxrl_agent.estimators.graph import graph_distances
 from tests.reference import estimators_ref as ref
 from tests.reference import graph_ref
 from tests.reference.step_ref import parse_steps
-from tests.families import assert_placed, packer, shapes_of
+from tests.families import assert_each, assert_layouts_agree, assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -128,13 +128,8 @@ def per_turn(adv_turn, index, recs):
 def test_matches_reference(layout, recs):
     batch, index = pack(recs, layout)
     out = run_all(batch)
-    failures = []
-    for cid in OWN:
-        try:
-            check(cid, out[cid], recs, index, batch)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, "\n".join(failures)
+    assert_each(("", functools.partial(check, cid, out[cid], recs, index, batch))
+                for cid in OWN)
 
 
 # ----------------------------------------------------------------------------- (2) properties
@@ -330,10 +325,7 @@ def test_arbitrary_key_values(seed):
 @EX
 @given(recs=step_records())
 def test_layouts_agree(recs):
-    a = run_all(pack(recs, "concatenated")[0])
-    c = run_all(pack(recs, "per_step")[0])
-    for cid in OWN:
-        np.testing.assert_allclose(a[cid].turn, c[cid].turn, atol=1e-6, err_msg=cid)
+    assert_layouts_agree(run_all, pack, recs, OWN)
 
 
 # ----------------------------------------------------------------------------- (4) degenerate

@@ -28,7 +28,7 @@ from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.estimators.hierarchical import hae_streams
 from tests.reference import estimators_ref as ref
 from tests.reference import hae_ref
-from tests.families import assert_placed, packer, shapes_of
+from tests.families import assert_each, assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -170,18 +170,10 @@ def check_streams(sid, s, recs, index):
 def test_matches_reference(layout, recs):
     batch, index = pack(recs, layout)
     out = run_all(batch)
-    failures = []
-    for cid in CONFIGS:
-        try:
-            check(cid, out[cid], recs, index, batch)
-        except AssertionError as e:
-            failures.append(str(e))
-    for sid in STREAMS:
-        try:
-            check_streams(sid, out[sid], recs, index)
-        except AssertionError as e:
-            failures.append(f"[{layout}] {e}")
-    assert not failures, "\n".join(failures)
+    assert_each([("", functools.partial(check, cid, out[cid], recs, index, batch))
+                 for cid in CONFIGS]
+                + [(f"[{layout}]", functools.partial(check_streams, sid, out[sid], recs, index))
+                   for sid in STREAMS])
 
 
 def test_public_compute_path_and_registry():

@@ -35,7 +35,7 @@ from tests.registered import defined_in
 from jaxrl_agent.estimators import routing
 from tests.reference import estimators_ref as ref
 from tests.reference import routing_ref
-from tests.families import assert_placed, packer, shapes_of
+from tests.families import assert_each, assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=15, deadline=None)
@@ -204,22 +204,18 @@ def test_matches_reference(layout, recs):
     batch, index = pack(recs, layout)
     out = run_all(batch)
     shapes = shapes_of(batch)
-    failures = []
+    checks = []
     for kind in BASES:
         base = per_record_tokens(out[f"base@{kind}"].token, index)
-        for cid, (name, hp) in CONFIGS.items():
-            exp = ref.place(routing_ref.REFERENCES[name](recs, base, **hp), index, shapes)
-            try:
-                _compare(f"{cid}@{kind}", out[f"{cid}@{kind}"], exp, batch)
-            except AssertionError as e:
-                failures.append(str(e))
-    for cid, (name, hp) in ESTIMATOR_CONFIGS.items():
-        exp = ref.place(routing_ref.REFERENCES[name](recs, **hp), index, shapes)
-        try:
-            _compare(cid, out[cid], exp, batch)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, "\n".join(failures)
+        checks += [("", functools.partial(
+            _compare, f"{cid}@{kind}", out[f"{cid}@{kind}"],
+            ref.place(routing_ref.REFERENCES[name](recs, base, **hp), index, shapes), batch))
+            for cid, (name, hp) in CONFIGS.items()]
+    checks += [("", functools.partial(
+        _compare, cid, out[cid], ref.place(routing_ref.REFERENCES[name](recs, **hp), index,
+                                           shapes), batch))
+        for cid, (name, hp) in ESTIMATOR_CONFIGS.items()]
+    assert_each(checks)
 
 
 def test_registry_and_pipeline():

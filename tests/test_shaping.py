@@ -27,7 +27,7 @@ from jaxrl_agent.estimators import shaping as S
 from tests.registered import defined_in
 from tests.reference import estimators_ref as eref
 from tests.reference import shaping_ref as ref
-from tests.families import packer, shapes_of
+from tests.families import colliding_records, assert_each, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=12, deadline=None)
@@ -182,24 +182,16 @@ def records(**kw):
 
 
 def np_records(seed, num_traj=8, groups=3):
-    rng = np.random.default_rng(seed)
-    recs = []
-    for _ in range(num_traj):
-        g = int(rng.integers(groups))
-        earlier = [r for r in recs if r["group"] == g]
-        k = int(rng.integers(1, 5))
-        turns = []
-        if earlier and rng.random() < 0.5:
-            src = earlier[int(rng.integers(len(earlier)))]["turns"]
-            turns = [dict(t) for t in src[:int(rng.integers(1, min(k, len(src)) + 1))]]
-        while len(turns) < k:
-            turns.append({"observation": [int(rng.integers(3))],
-                          "action": [int(x) for x in rng.integers(0, 2, rng.integers(1, 3))],
-                          "reward": float(rng.choice([-1.0, 0.0, 0.5, 1.0]))})
-        rec = {"group": g, "task": g, "turns": turns}
+    def turn(rng):
+        return {"observation": [int(rng.integers(3))],
+                "action": [int(x) for x in rng.integers(0, 2, rng.integers(1, 3))],
+                "reward": float(rng.choice([-1.0, 0.0, 0.5, 1.0]))}
+
+    def finish(rng, rec):
         fill_extras(rng, rec)
-        recs.append(rec)
-    return recs
+        return rec
+
+    return colliding_records(seed, turn, finish, num_traj, groups)
 
 
 pack = packer(PAD)
@@ -258,13 +250,8 @@ def test_matches_reference(layout, recs):
     batch, index = pack(recs, layout)
     out = run_all(batch)
     base = eref.grpo(recs).turn
-    failures = []
-    for cid in configs_of(out):
-        try:
-            check(cid, out[cid], recs, index, batch, base)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, "\n".join(failures)
+    assert_each(("", functools.partial(check, cid, out[cid], recs, index, batch, base))
+                for cid in configs_of(out))
 
 
 def test_every_registered_name_has_a_reference_and_a_config():

@@ -24,7 +24,7 @@ from jaxrl_agent import segments
 from jaxrl_agent.batch import LAYOUTS
 from tests.reference import estimators_ref as ref
 from tests.reference import step_ref
-from tests.families import assert_placed, packer, shapes_of
+from tests.families import colliding_records, assert_each, assert_layouts_agree, assert_placed, packer, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -86,26 +86,16 @@ def records(**kw):
 
 def np_records(seed, num_traj=8, groups=3):
     """Deterministic colliding records (tiny alphabets, shared prefixes) for plain tests."""
-    rng = np.random.default_rng(seed)
-    recs = []
-    for _ in range(num_traj):
-        g = int(rng.integers(groups))
-        earlier = [r for r in recs if r["group"] == g]
-        k = int(rng.integers(1, 5))
-        turns = []
-        if earlier and rng.random() < 0.5:
-            src = earlier[int(rng.integers(len(earlier)))]["turns"]
-            turns = [dict(t) for t in src[:int(rng.integers(1, min(k, len(src)) + 1))]]
-        while len(turns) < k:
-            obs = int(rng.integers(3))
-            turns.append({"observation": [obs], "action": [int(x) for x in
-                                                           rng.integers(0, 2, rng.integers(1, 3))],
-                          "reward": float(rng.choice([-1.0, 0.0, 0.5, 1.0])),
-                          "turn_key": int(rng.integers(3)),
-                          "turn_extras": {"state_features": [float(x) * 2
-                                                             for x in DIRECTIONS[obs]]}})
-        recs.append({"group": g, "task": g, "outcome": float(rng.integers(2)), "turns": turns})
-    return recs
+    def turn(rng):
+        obs = int(rng.integers(3))
+        return {"observation": [obs],
+                "action": [int(x) for x in rng.integers(0, 2, rng.integers(1, 3))],
+                "reward": float(rng.choice([-1.0, 0.0, 0.5, 1.0])),
+                "turn_key": int(rng.integers(3)),
+                "turn_extras": {"state_features": [float(x) * 2 for x in DIRECTIONS[obs]]}}
+
+    return colliding_records(seed, turn, lambda rng, rec: dict(rec, outcome=float(
+        rng.integers(2))), num_traj, groups)
 
 
 pack = packer(PAD)
@@ -126,13 +116,8 @@ def check(cid, adv, recs, index, batch):
 def test_matches_reference(layout, recs):
     batch, index = pack(recs, layout)
     out = run_all(batch)
-    failures = []
-    for cid in CONFIGS:
-        try:
-            check(cid, out[cid], recs, index, batch)
-        except AssertionError as e:
-            failures.append(str(e))
-    assert not failures, "\n".join(failures)
+    assert_each(("", functools.partial(check, cid, out[cid], recs, index, batch))
+                for cid in CONFIGS)
 
 
 def test_public_compute_path():
@@ -269,10 +254,7 @@ def test_matchtir_is_the_mean_of_grpo_and_turn_cohorts():
 @EX
 @given(recs=records())
 def test_layouts_agree(recs):
-    a = run_all(pack(recs, "concatenated")[0])
-    c = run_all(pack(recs, "per_step")[0])
-    for cid in CONFIGS:
-        np.testing.assert_allclose(a[cid].turn, c[cid].turn, atol=1e-6, err_msg=cid)
+    assert_layouts_agree(run_all, pack, recs, CONFIGS)
 
 
 # ----------------------------------------------------------------------------- degenerate
