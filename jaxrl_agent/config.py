@@ -769,11 +769,14 @@ def dump_yaml(cfg: RunConfig, path) -> None:
 
 
 def check_choice(value, choices, key):
+    """``ConfigError`` naming ``key`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {value!r}")
 
 
 def check_positive(section, prefix, *names, allow_zero=False):
+    """``ConfigError`` naming ``prefix.name`` unless each field ``names`` of ``section`` is a
+    finite number > 0 (>= 0 with ``allow_zero``)."""
     for n in names:
         v = getattr(section, n)
         if not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
@@ -794,6 +797,8 @@ def _check_branching(r: "RolloutSection") -> None:
 
 
 def check_params(params: dict, allowed, key: str, what: str):
+    """``ConfigError`` naming the first key of ``params`` not in ``allowed`` (with a
+    suggestion) for ``what`` (e.g. ``estimator 'grpo'``)."""
     bad = sorted(set(params) - set(allowed))
     if bad:
         raise ConfigError(f"unknown key '{key}.{bad[0]}' for {what}; valid keys: "

@@ -45,7 +45,6 @@ def _kwonly(fn, exclude=()) -> list[str]:
 def load_imports(cfg: RunConfig) -> None:
     """Imports the run's plug-in modules (``cfg.imports``); ``ConfigError`` naming the item
     when one cannot be found or fails to import."""
-
     for i, item in enumerate(cfg.imports):
         try:
             registry.load_imports([item])
@@ -58,7 +57,6 @@ def canonical_params(cfg: RunConfig) -> RunConfig:
     loss replaced by the current ones (``registry.Entry.renamed``), so configs written before a
     rename keep working and the run records today's names. Names not registered (yet) and
     malformed stages pass unchanged (validation reports them)."""
-
     def fix(name, params, kind, key):
         e = registry.find(name, kind) if isinstance(name, str) else None
         if e is None or not isinstance(params, dict):
@@ -89,7 +87,6 @@ def with_env_base_dir(cfg: RunConfig, base_dir: str) -> RunConfig:
     """An environment whose constructor takes ``base_dir`` (files it reads, such as a task
     file, relative to it) gets the config file's directory unless the config sets it, so a
     config finds its files from any working directory (and the run records the path)."""
-
     if "base_dir" in cfg.env.kwargs:
         return cfg
     try:
@@ -121,7 +118,7 @@ def check_env(cfg: RunConfig) -> None:
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD
                    for p in inspect.signature(env_cls).parameters.values()):
             config.check_params(cfg.env.kwargs, [p.name for p in params], "env.kwargs",
-                          f"environment {cfg.env.name!r}")
+                                f"environment {cfg.env.name!r}")
         for p in params:
             if p.default is inspect.Parameter.empty and p.name not in cfg.env.kwargs:
                 raise ConfigError(f"env.kwargs.{p.name} is required for environment "
@@ -134,9 +131,10 @@ def check_estimator(cfg: RunConfig) -> None:
     known = estimators.names()
     entry = registry.find(est.name, "estimator") if isinstance(est.name, str) else None
     if entry is None or entry.kind != "estimator":
-        raise ConfigError(f"estimator.name: unknown estimator {est.name!r} (known: {', '.join(known)})")
-    config.check_params(est.params, list(estimators.spec(est.name).hyper_params), "estimator.params",
-                  f"estimator {est.name!r}")
+        raise ConfigError(f"estimator.name: unknown estimator {est.name!r} (known: "
+                          f"{', '.join(known)})")
+    config.check_params(est.params, list(estimators.spec(est.name).hyper_params),
+                        "estimator.params", f"estimator {est.name!r}")
 
 
 def check_loss(cfg: RunConfig) -> None:
@@ -146,10 +144,12 @@ def check_loss(cfg: RunConfig) -> None:
     if lo.policy not in loss_names:
         raise ConfigError(f"loss.policy: unknown policy loss {lo.policy!r}; known: "
                           f"{', '.join(loss_names)}")
-    config.check_params(lo.params, _kwonly(losses.get(lo.policy), _TRAINER_SUPPLIED), "loss.params",
-                  f"loss {lo.policy!r}")
+    config.check_params(lo.params, _kwonly(losses.get(lo.policy), _TRAINER_SUPPLIED),
+                        "loss.params", f"loss {lo.policy!r}")
     config.check_choice(lo.agg, losses.AGG_MODES, "loss.agg")
-    config.check_choice(lo.kl_estimator, [k for k in config.KL_ESTIMATORS if k in losses.names()], "loss.kl_estimator")
+    config.check_choice(lo.kl_estimator,
+                        [k for k in config.KL_ESTIMATORS if k in losses.names()],
+                        "loss.kl_estimator")
     config.check_positive(lo, "loss", "kl_coef", "entropy_coef", "value_coef", allow_zero=True)
     config.check_choice(lo.is_weights, config.IS_WEIGHTS, "loss.is_weights")
     config.check_choice(lo.is_level, config.IS_LEVELS, "loss.is_level")
@@ -182,7 +182,6 @@ def check_methods(cfg: RunConfig) -> None:
     (``estimators.check_hyper_params``), then one trace (``jax.eval_shape``, seconds) on a tiny
     batch like the loop's, so the ranges and choices each function checks itself, and the
     inputs it reads, fail here with the key named instead of inside the first jitted step."""
-
     est = cfg.estimator
     try:
         estimators.check_hyper_params(est.name, est.params)
@@ -196,7 +195,7 @@ def check_methods(cfg: RunConfig) -> None:
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None
             config.check_params(dict(params), list(stage_spec.hyper_params),
-                          f"{key}.params", f"{kind} {name!r}")
+                                f"{key}.params", f"{kind} {name!r}")
             try:
                 estimators.check_hyper_params(name, dict(params))
             except ValueError as e:
@@ -232,7 +231,6 @@ def check_methods(cfg: RunConfig) -> None:
 def check_reads(cfg: RunConfig) -> None:
     """Every input the pipeline reads is one the training loop supplies, from a part this run
     has (a value head for critics); otherwise a ConfigError naming the method and the input."""
-
     pipe = config.pipeline(cfg)
     for name, params in (*pipe.shaping, pipe.estimator, *pipe.then):
         for field in estimators.spec(name).inputs(dict(params)):
@@ -251,7 +249,6 @@ def dry_batch(cfg: RunConfig, group_size: int = 2):
     """A tiny batch shaped like the loop's (``trainer.layout``; 2 tasks, 2 turns each), with
     stand-ins for the inputs the training loop supplies to this pipeline
     (``train.inputs.LOOP_INPUTS``: values, hidden states, subgoal switches)."""
-
     turn = {"observation": [1, 5], "action": [2, 3], "logprobs": [-1.0, -0.5]}
     outcomes = [0.0, 1.0, 0.5, 2.0][: 2 * group_size] if group_size > 1 else [0.0, 1.0]
     recs = [{"group": i // group_size, "outcome": o, "turns": [turn, turn]}

@@ -22,7 +22,9 @@ from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.estimators import allocation as A
+from jaxrl_agent.estimators import outcome as O
 from jaxrl_agent.estimators import primitives as P
+from jaxrl_agent.estimators import shaping as S
 from tests.reference import allocation_ref as aref
 from tests.registered import defined_in
 from tests.reference import estimators_ref as ref
@@ -271,7 +273,9 @@ def test_matches_reference(recs, layout):
 
 
 def test_every_registered_name_has_a_reference_and_two_settings():
-    names = set(defined_in(A))
+    # adrs (a shaping rule, shaping.py) and r3l (an outcome estimator, outcome.py) are tested
+    # here, beside the reference code they share with the re-allocation rules (allocation_ref)
+    names = set(defined_in(A)) | {"adrs", "r3l"}
     assert names == set(aref.REFERENCES)
     for name in names:
         assert sum(n == name for n, _ in CONFIGS.values()) >= 2, name
@@ -532,9 +536,9 @@ def test_reductions_and_degenerate_inputs():
 
 @jax.jit
 def _r3l_and_adrs0(batch):
-    r3l = A.positive_amplified_outcome
+    r3l = O.positive_amplified_outcome
     return (r3l(batch, alpha=1.0, r_max=None).turn, r3l(batch, alpha=3.0, r_max=None).turn,
-            r3l(batch).turn, A.gated_teacher_reward(batch, eta=0.0))
+            r3l(batch).turn, S.gated_teacher_reward(batch, eta=0.0))
 
 
 def test_r3l_amplification_and_adrs_eta_zero():
@@ -645,7 +649,7 @@ def test_clear_errors():
         with pytest.raises(ValueError, match="teacher_logprobs"):
             E.get(name)(adv, no_teacher)
     with pytest.raises(ValueError, match="teacher_logprobs"):
-        A.gated_teacher_reward(no_teacher)
+        S.gated_teacher_reward(no_teacher)
     with pytest.raises(ValueError, match="entropy"):
         A.tail_risk_damping(adv, b.replace(extras={}))
     with pytest.raises(ValueError, match="nope"):
@@ -657,7 +661,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match=r"extras\['w'\] must have shape \[R, T\]"):
         A.rubric_token_reweight(adv, b, teacher="w")
     with pytest.raises(ValueError, match="ref_logprobs"):
-        A.gated_teacher_reward(
+        S.gated_teacher_reward(
             b.replace(extras={k: v for k, v in b.extras.items() if k != "ref_logprobs"}), tva="pas")
     cases = [
         (A.rubric_token_reweight, dict(w_min=0.0)),
@@ -688,10 +692,10 @@ def test_clear_errors():
     for hp in (dict(tva="L3"), dict(baseline="x"), dict(normalization="x"), dict(target="x"),
                dict(eta=-1.0)):
         with pytest.raises(ValueError, match=next(iter(hp))):
-            A.gated_teacher_reward(b, **hp)
+            S.gated_teacher_reward(b, **hp)
     for hp in (dict(baseline="max"), dict(tau=0.0), dict(score="tw")):
         with pytest.raises(ValueError, match=next(iter(hp)) if "score" not in hp else "tw"):
-            A.positive_amplified_outcome(b, **hp)
+            O.positive_amplified_outcome(b, **hp)
     with pytest.raises(ValueError, match="shape"):
         P.token_weights(jnp.ones((3, 3)), b)
     with pytest.raises(ValueError, match="per='token'"):

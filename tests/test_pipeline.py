@@ -84,7 +84,7 @@ def test_former_hyper_parameter_names_map_in_configs_and_pipelines():
     assert cfg.estimator.then == [{"name": "trial", "params": {"weight": 0.5}}]
     d["estimator"]["params"] = {"mode": "mean_norm", "normalization": "mean_std_norm"}
     with pytest.raises(config_lib.ConfigError,
-                       match=r"^estimator.params: .*give 'normalize' only \('mode' is its"):
+                       match=r"^estimator.params: .*give 'normalization' only \('mode' is its"):
         config_lib.from_dict(d)
     assert E.Pipeline.build("gigpo", {"mode": "mean_norm"}) == \
         E.Pipeline.build("gigpo", {"normalization": "mean_norm"})
