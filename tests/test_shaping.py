@@ -1,4 +1,5 @@
-"""Dense reward / potential shaping (jaxrl_agent/estimators/shaping.py).
+"""Dense reward / potential shaping and per-turn credit transforms
+(jaxrl_agent/estimators/shaping.py, turn_credit.py).
 
 Every registered name is compared with the loop references of tests/reference/shaping_ref.py
 on hypothesis batches (both layouts; colliding states from tests.strategies.step_records,
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.estimators import shaping as S
+from jaxrl_agent.estimators import turn_credit as T
 from tests.registered import defined_in
 from tests.reference import estimators_ref as eref
 from tests.reference import shaping_ref as ref
@@ -255,7 +257,8 @@ def test_matches_reference(layout, recs):
 
 
 def test_every_registered_name_has_a_reference_and_a_config():
-    mine = set(defined_in(S)) - {"adrs"}  # adrs: tested in test_allocation.py (its reference)
+    # adrs: tested in test_allocation.py (beside its reference)
+    mine = (set(defined_in(S)) | set(defined_in(T))) - {"adrs"}
     assert mine == set(ref.REFERENCES)
     assert mine == {name for name, _ in CONFIGS.values()}
     for name in mine:
@@ -309,7 +312,7 @@ def test_pbrs_leaves_grpo_unchanged_when_the_group_shares_s0():
 def test_trace_rewards_telescope_and_ignore_shifts_and_duplicates():
     recs = np_records(11)
     b = pack(recs, "concatenated")[0]
-    f = jax.jit(S.trace_rewards)
+    f = jax.jit(T.trace_rewards)
     r = np.asarray(f(b))
     phi = np.asarray(b.extras["potential"])
     fin = np.asarray(b.extras["final_potential"])
@@ -381,7 +384,7 @@ def test_verifier_density():
 # ----------------------------------------------------------------------------- method props
 
 
-_vtca_credit = jax.jit(S.vtca_credit, static_argnames=("rho",))
+_vtca_credit = jax.jit(T.vtca_credit, static_argnames=("rho",))
 
 
 @pytest.mark.parametrize("rho", [0.0, 0.3, 0.5, 1.0])
@@ -448,9 +451,9 @@ def test_pica_gamma_zero_gives_own_info_gain_plus_outcome():
 
 def test_spae_potential_is_bounded_and_minus_one_when_confident_and_wrong():
     a, c = np.meshgrid(np.linspace(0, 1, 41), np.linspace(0, 1, 41))
-    phi = np.asarray(S.spae_potential(a, c))
+    phi = np.asarray(T.spae_potential(a, c))
     assert phi.min() >= -1 - 1e-6 and phi.max() <= 1 + 1e-6
-    assert float(S.spae_potential(0.0, 1.0)) == -1.0 and float(S.spae_potential(1.0, 1.0)) == 1.0
+    assert float(T.spae_potential(0.0, 1.0)) == -1.0 and float(T.spae_potential(1.0, 1.0)) == 1.0
 
 
 def test_a2tgpo_variance_does_not_drift_with_depth():
@@ -460,7 +463,7 @@ def test_a2tgpo_variance_does_not_drift_with_depth():
     lens = rng.integers(1, k + 1, size=n)
     valid = np.arange(k)[None, :] < lens[:, None]
     for gamma in (1.0, 0.9, 0.5):
-        a = np.asarray(S.variance_rescaled_returns(jnp.asarray(x), jnp.asarray(valid), gamma))
+        a = np.asarray(T.variance_rescaled_returns(jnp.asarray(x), jnp.asarray(valid), gamma))
         for j in range(k):
             v = a[valid[:, j], j]
             assert abs(v.var() - 1.0) < 0.05, (gamma, j, v.var())
@@ -470,7 +473,7 @@ def test_a2tgpo_variance_does_not_drift_with_depth():
     assert plain[lens == k, 0].var() > 4
 
 
-_clip = jax.jit(S.a2tgpo_clip_range, static_argnames=("eps0", "kappa", "eps_min", "eps_max"))
+_clip = jax.jit(T.a2tgpo_clip_range, static_argnames=("eps0", "kappa", "eps_min", "eps_max"))
 
 
 def test_a2tgpo_clip_range_matches_reference_is_bounded_and_monotone():
@@ -632,4 +635,4 @@ def test_bad_schedule_and_clip_arguments(full):
     with pytest.raises(ValueError, match="must exceed warmup"):
         S.decay_weight(0, total_steps=10, warmup=10)
     with pytest.raises(ValueError, match="eps_min <= eps_max"):
-        S.a2tgpo_clip_range(full, eps_min=0.3, eps_max=0.2)
+        T.a2tgpo_clip_range(full, eps_min=0.3, eps_max=0.2)

@@ -14,7 +14,8 @@ Where is what (family file: registered names by kind; family files import only
 ``primitives``      shared kernels: ``traj_advantages``, ``episode_advantage``,
                     ``step_returns``, ``normalize_in_groups``, ``combine``, ``token_weights``,
                     ``apply_token_weights``, ``normalize_weights``, ``shuffle_weights``,
-                    ``valid_tokens``, ``token_trajectories``
+                    ``valid_tokens``, ``token_trajectories``, ``potential_differences``,
+                    ``potential_terms``, ``normalize_turns``, ``cohort_ids``
 ``outcome``         trajectory-level baselines: grpo, dr_grpo, rloo, reinforce_pp,
                     reinforce_pp_baseline, rollout_level, spo, spo_pp, r3l
 ``temporal``        returns and critics: returns, gae, turn_gae, lambda_returns, sapo
@@ -24,9 +25,9 @@ Where is what (family file: registered names by kind; family files import only
 ``tree``            rollout trees: rtmc, tree_value, progpo
 ``bipace``          hidden-state clusters with peer baselines: bipace
 ``shaping``         dense rewards before an estimator (pbrs, uniform, spa, rebel, red, vpr,
-                    nasa, v_rubrics, adrs), estimators built on them (reward_to_go, pica),
-                    transforms
-                    (trace, spae, efca, vtca, procredit, a2tgpo, cast, oprl, step_gain, ups, capo)
+                    nasa, v_rubrics, adrs) and estimators built on them (reward_to_go, pica)
+``turn_credit``     per-turn terms and factors on a base advantage (trace, spae, efca, vtca,
+                    procredit, a2tgpo, cast, oprl, step_gain, ups, capo)
 ``allocation``      re-allocation transforms (reallocate, trial, stepopsd, cort, rvco,
                     agentopsd, pbsd, dcsd, verpo, taco, eapo, fipo, craft_cti,
                     shuffled_control)
@@ -50,7 +51,8 @@ from jaxrl_agent.estimators.outcome import (
     SPOState, check_spo_state, group_centered_outcome, group_normalized_outcome, leave_one_out_outcome,
     reinforce_pp, reinforce_pp_baseline, rollout_level, single_stream, single_stream_pp,
     spo_init)
-from jaxrl_agent.estimators import allocation, distill, primitives, routing, shaping
+from jaxrl_agent.estimators import (allocation, distill, primitives, routing, shaping,
+                                    turn_credit)
 from jaxrl_agent.estimators.allocation import reallocate, shuffled_control
 from jaxrl_agent.estimators.bipace import bipace
 from jaxrl_agent.estimators.graph import g2po, gagpo, graphgpo
@@ -64,7 +66,8 @@ from jaxrl_agent.estimators.temporal import (
 from jaxrl_agent.estimators.tree import progpo, rtmc, tree_value
 
 __all__ = [
-    "KINDS", "Pipeline", "allocation", "distill", "primitives", "routing", "shaping", "normalize_weights",
+    "KINDS", "Pipeline", "allocation", "distill", "primitives", "routing", "shaping", "turn_credit",
+    "normalize_weights",
     "reallocate", "shuffle_weights", "shuffled_control", "token_weights",
     "bipace", "episode_advantage", "g2po", "gagpo", "gigpo", "graphgpo", "hae", "hae_streams", "matchtir",
     "normalize_in_groups", "progpo", "rtmc", "step_group", "step_returns", "tree_value",

@@ -10,6 +10,8 @@ import from here, never from each other).
   and exact-mass clipping), ``token_weights`` (raw per-turn or per-token weights to per-token
   weights of mean 1 per trajectory / turn / group), ``apply_token_weights`` (A'_t = A_t w_t),
   ``shuffle_weights`` (the matched-concentration control) and their ``LEVELS``.
+* Per-turn signals: ``potential_differences`` / ``potential_terms`` (PBRS terms from a
+  potential), ``normalize_turns`` over a peer set (``NORMS``; ``cohort_ids``).
 * Token masks: ``valid_tokens`` (action tokens of real trajectories), ``token_trajectories``
   (each token's trajectory index).
 
@@ -24,7 +26,7 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.checks import check_choice, check_unit
+from jaxrl_agent.checks import check_choice, check_unit, traj_field, turn_field
 
 MODES = ("mean_std_norm", "mean_norm")
 EPISODE_WEIGHTINGS = ("trajectory", "steps")
@@ -378,3 +380,73 @@ def token_trajectories(b: TrajectoryBatch):
     """[R, T] int32: each token's trajectory index (its row's ``row_traj``, clipped into
     ``[0, N)`` for padding rows)."""
     return jnp.broadcast_to(jnp.clip(b.row_traj, 0, b.num_traj - 1)[:, None], b.tokens.shape)
+
+
+# ----------------------------------------------------------------------------- per-turn signals
+
+
+#: peer sets of ``normalize_turns``
+NORMS = ("cohort", "group", "state", "batch", "none")
+
+
+def potential_differences(phi, final, valid, gamma=1.0):
+    """F_k = gamma Phi_{k+1} - Phi_k over valid turns, with Phi_{K_i} = ``final`` [N].
+
+    ``phi`` [N, K]: Phi before action k. Valid turns must be a prefix of each row (the batch
+    layout). 0 on invalid turns. sum_k gamma^k F_k = gamma^{K_i} final - Phi_0 (telescoping).
+    """
+    nxt_valid = segments.next_turn(valid, False)
+    nxt = jnp.where(nxt_valid, segments.next_turn(phi), final[:, None])
+    return jnp.where(valid, gamma * nxt - phi, 0.0)
+
+
+def potential_terms(b: TrajectoryBatch, potential: str, final_potential: str, gamma: float,
+                    require_final: bool, who: str):
+    """The PBRS term F [N, K] of ``b`` (a local view) from ``extras[potential]`` [N, K] (Phi
+    before action k) and ``extras[final_potential]`` [N] (Phi after the last turn; absent ->
+    0 unless ``require_final``), read without gradient; ``who`` names the method in errors.
+    ``potential_differences`` of the two."""
+    phi = turn_field(b, potential, who, "Phi(s_k) before action k, [N, K]", stop_gradient=True)
+    final = traj_field(b, final_potential, who, "Phi after the last turn, [N]",
+                       default=None if require_final else 0.0, stop_gradient=True)
+    return potential_differences(phi, final, segments.valid_turns(b), gamma)
+
+
+def cohort_ids(b: TrajectoryBatch):
+    """[N, K] int: one id per (task group, turn index): the cohort of ``normalize_turns``."""
+    n, k = b.turn_mask.shape
+    return jnp.clip(b.group_ids, 0, n - 1)[:, None] * k + jnp.arange(k)[None, :]
+
+
+def normalize_turns(x, b, *, by: str = "cohort", scale_std: bool = True, eps: float = 1e-6,
+                    ddof: int = 1, axis_name=None):
+    """(x - mean_S) / (std_S + eps) (or x - mean_S) over the peer set S of each valid turn.
+
+    ``by``: ``"cohort"`` S = turns of the same task group and turn index (g, k);
+    ``"group"`` all valid turns of the task group pooled; ``"state"`` turns of the group with
+    the same ``state_keys`` (GiGPO's anchor); ``"batch"`` all valid turns of the batch
+    (psum over ``axis_name``); ``"none"`` x itself. std with ``ddof`` (1 = unbiased). A
+    singleton peer set gives 0; equal values give exactly 0. [N, K], 0 off valid turns.
+    """
+    valid = segments.valid_turns(b)
+    x = jnp.where(valid, x, 0.0)
+    if by == "none":
+        return x
+    n, k = x.shape
+    if by == "batch":
+        mean, var = segments.masked_mean_var(x, valid, axis_name, ddof)
+        std = segments.safe_sqrt(var)
+        count = segments.psum(jnp.sum(valid.astype(jnp.float32)), axis_name)
+    elif by == "group":
+        gid = jnp.broadcast_to(jnp.clip(b.group_ids, 0, n - 1)[:, None], (n, k))
+        m_s, s_s, c_s = segments.segment_stats(x.reshape(-1), gid.reshape(-1),
+                                               valid.reshape(-1), n, ddof)
+        mean, std, count = m_s[gid], s_s[gid], c_s[gid]
+    else:
+        ids = (cohort_ids(b) if by == "cohort"
+               else segments.turn_key_ids(b, b.state_keys, valid=valid))
+        mean, std, count = segments.key_stats(x, ids, valid, ddof)
+    a = x - mean
+    if scale_std:
+        a = a / (std + eps)
+    return jnp.where(valid & (count > 1), a, 0.0)
