@@ -97,10 +97,12 @@ def signal_records(seed=0, num_groups=4, group_size=4, max_turns=4, max_act=3, m
 
 
 def family_names() -> list:
-    """Every registered name of the shaping, re-allocation and distillation modules."""
-    from jaxrl_agent.estimators import allocation, distill, routing, shaping
+    """Every registered name of the shaping, per-turn credit, re-allocation, routing and
+    distillation modules."""
+    from jaxrl_agent.estimators import allocation, distill, routing, shaping, turn_credit
     from tests.registered import defined_in
-    return sorted({n for m in (shaping, allocation, routing, distill) for n in defined_in(m)})
+    return sorted({n for m in (shaping, turn_credit, allocation, routing, distill)
+                   for n in defined_in(m)})
 
 
 # Names that cannot run on records alone, with the reason (their inputs are no record field).
