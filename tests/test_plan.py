@@ -221,6 +221,7 @@ def test_cli_plan_prints_the_table(capsys, tmp_path):
     (["--topology", "cpu:8", "--hf-config", "qwen2.5-0.5b", "--set", "mesh.data=1", "--set",
       "mesh.tensor=4"], "mesh.tensor=4 must divide the model's attention heads (14)"),
     (["--topology", "cpu:8", "--hf-config", "no/such/folder"], "no model config"),
+    (["--topology", "cpu:8", "--set", "trainer.attention=splash"], "splash is a TPU kernel"),
 ])
 def test_user_mistakes_exit_2_with_one_line(capsys, args, words):
     rc = cli.main(["plan", *args, "--set", "rollout.max_context_tokens=32"])

@@ -74,6 +74,16 @@ def test_an_estimator_hyper_parameter_one_level_too_high_gets_a_did_you_mean(tmp
     assert "did you mean estimator.params.gamma?" in p.stderr
 
 
+def test_the_tpu_attention_kernel_off_a_tpu_is_one_line(tmp_path):
+    """trainer.attention: splash on this CPU (and with prefix trees) names the key to change."""
+    p = _train(tmp_path, "trainer.attention=splash")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "splash is a TPU kernel" in p.stderr and "trainer.attention: blocked" in p.stderr
+    p = _train(tmp_path, "trainer.attention=splash", "trainer.prefix_sharing=true")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "prefix_sharing" in p.stderr
+
+
 def test_a_failed_start_does_not_block_the_corrected_command(tmp_path):
     """A wrong reward path fails the start after config.yaml was written; the corrected
     command runs (the run had no checkpoint, nothing to keep), and so does --resume of a run

@@ -1105,6 +1105,10 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
                         "them all (set one mesh axis to -1)")
     if mesh.size < len(devices):
         notes.append(f"the mesh uses {mesh.size} of the topology's {len(devices)} devices")
+    if cfg.trainer.attention == "splash" and devices[0].platform != "tpu":
+        raise PlanError(f"trainer.attention: splash is a TPU kernel and {topology} has "
+                        f"{devices[0].platform} devices: plan it on a TPU topology, or set "
+                        "trainer.attention: blocked")
     mc = model_config(cfg, hf_config, notes)
     tp = mesh.shape["tensor"]
     if mc.num_heads % tp or mc.num_kv_heads % tp:
