@@ -13,9 +13,12 @@ mass exactly and never flips a sign. The primitive is ``reallocate``; the named 
 compute raw weights (or the add-on) from their signal and hand them to it.
 
 Shapes: N trajectories of at most K turns, stored as R token rows of length T (see
-``jaxrl_agent.batch``). Every transform returns ``Advantages`` whose ``token`` [R, T] is zero
-off the action tokens and whose ``turn`` [N, K] is the token mean of ``token`` over each turn;
-value targets pass through unchanged.
+``jaxrl_agent.batch``). Every transform takes ``adv``, the base ``Advantages`` (``token`` [R, T],
+``turn`` [N, K]), and ``axis_name``, the mesh axis a sharded batch is split over (or None), and
+returns ``adv`` with ``token`` [R, T] = A' (zero off the action tokens) and ``turn`` [N, K] the
+token mean of ``token`` over each turn; value targets pass through unchanged. A transform with
+a ``shuffle`` flag permutes its raw weights first (the matched-concentration shuffled control,
+which any targeting claim must beat), with the permutation's seed ``seed``.
 
 Composition: ``reallocate(grpo(batch), batch, weights="w")`` in code, ``estimator.then`` in a
 config, ``jaxrl-agent credit --estimator grpo --then trial`` on the command line.
@@ -64,12 +67,9 @@ def reallocate(adv: Advantages, batch: TrajectoryBatch, *, weights: str = "weigh
       clip_min, clip_max: optional bounds on w' (clip_min <= clip_max); the mean stays 1 where
         the bounds allow it (see ``normalize_weights``).
       shuffle: permute the raw weights within each trajectory (within each turn at
-        ``level="turn"``) first: the shuffled control.
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
+        ``level="turn"``) first.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A w' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     _check_bounds(clip_min, clip_max)
     b = segments.local_view(batch, axis_name)
@@ -189,6 +189,13 @@ def _turn_max(x, b):
     return jnp.where(b.action_mask, top[jnp.clip(idx, 0, n * k - 1)], 0.0)
 
 
+def _check_signed_credit(mode, alpha, w_min, w_max, eps):
+    check_choice("mode", mode, ("reweight", "additive"))
+    check_nonneg("alpha", alpha)
+    _check_weight_bounds(w_min, w_max)
+    check_positive("eps", eps)
+
+
 def _signed_turn_credit(adv, batch, b, x, *, alpha, w_min, w_max, eps, mode, shuffle, seed,
                         axis_name):
     """Turn score x [N, K] -> credit. z_k = x_k / (std_k x + eps) within the trajectory;
@@ -224,19 +231,14 @@ def hindsight_gap_bonus(adv: Advantages, batch: TrajectoryBatch, *,
     scaling g. ``weight = 0`` gives the base advantage bit for bit.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads the two log-prob fields below, [R, T] each.
       teacher: the hindsight (teacher) log-probs: the name of an [R, T] extra, or
         ``"old_logprobs"`` for ``batch.old_logprobs``.
       student: the ordinary log-probs, named the same way (default the rollout's).
       weight: >= 0, the coefficient of the add-on.
-      shuffle: permute the turn magnitudes M within each trajectory first (the shuffled
-        control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
+      shuffle: permute the turn magnitudes M within each trajectory first.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("weight", weight)
     b = segments.local_view(batch, axis_name)
@@ -274,7 +276,6 @@ def step_gap_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     trajectory's valid turns; A_k is ``adv.turn`` (the token mean per turn when it is None).
 
     Args:
-      adv: the base advantages (``token`` [R, T], ``turn`` [N, K]).
       batch: the batch; reads the two log-prob fields below, [R, T] each.
       teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
       student: the student log-probs, named the same way (default the rollout's).
@@ -282,13 +283,9 @@ def step_gap_reweight(adv: Advantages, batch: TrajectoryBatch, *,
       alpha_clip: in [0, 1], the half-width of the multiplier's bounds.
       eps: > 0, added to the std.
       token_dist: also distribute each step's credit over its tokens (w_t above).
-      shuffle: permute the step multipliers within each trajectory first (the shuffled
-        control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
+      shuffle: permute the step multipliers within each trajectory first.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_unit("alpha_clip", alpha_clip)
     check_nonneg("lambda_mix", lambda_mix)
@@ -328,7 +325,6 @@ def rubric_token_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     estimator (kappa = 0 gives A bit for bit); the weights are monotone in c.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads the two log-prob fields below, [R, T] each.
       teacher: the rubric-conditioned log-probs: the name of an [R, T] extra, or
         ``"old_logprobs"``.
@@ -337,13 +333,9 @@ def rubric_token_reweight(adv: Advantages, batch: TrajectoryBatch, *,
       tau: > 0, the temperature of the tanh.
       w_min, w_max: the weight bounds, 0 < w_min <= 1 <= w_max.
       absolute: use |c_t| (any contrast raises the weight).
-      shuffle: permute the raw token weights within each response first (the shuffled
-        control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
+      shuffle: permute the raw token weights within each response first.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A w and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("kappa", kappa)
     check_positive("tau", tau)
@@ -399,7 +391,6 @@ def visual_evidence_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     tau -> 0 is hard selection of the argmax, tau -> inf uniform.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads the two log-prob fields below, [R, T] each.
       teacher: the log-probs given the image: the name of an [R, T] extra, or
         ``"old_logprobs"``.
@@ -408,13 +399,9 @@ def visual_evidence_reweight(adv: Advantages, batch: TrajectoryBatch, *,
       beta: in [0, 1], the uniform floor of the weights.
       absolute: use |teacher - student| (False: the signed difference).
       eps: > 0, added to the MAD.
-      shuffle: permute the raw token weights within each trajectory first (the shuffled
-        control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
+      shuffle: permute the raw token weights within each trajectory first.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A w and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_positive("tau", tau)
     check_unit("beta", beta)
@@ -485,7 +472,6 @@ def belief_revision_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     preservation in ``reweight`` mode.
 
     Args:
-      adv: the base advantages (``token`` [R, T], ``turn`` [N, K]).
       batch: the batch; reads the two log-prob fields below, [R, T] each (and ``outcome`` [N]
         with ``p0=None``).
       teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
@@ -496,21 +482,14 @@ def belief_revision_reweight(adv: Advantages, batch: TrajectoryBatch, *,
       w_min, w_max: the weight bounds of ``reweight``, 0 < w_min <= 1 <= w_max.
       eps: > 0, added to the std.
       mode: ``"reweight"`` or ``"additive"``.
-      shuffle: permute the turn weights within each trajectory first (the shuffled control;
-        ``reweight`` only).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
+      shuffle: permute the turn weights within each trajectory first (``reweight`` only).
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
-    check_choice("mode", mode, ("reweight", "additive"))
+    _check_signed_credit(mode, alpha, w_min, w_max, eps)
     if p0 is not None and not 0.0 < p0 < 1.0:
         raise ValueError(f"p0 must lie in (0, 1) or be None (group success rate), got {p0}")
-    check_nonneg("alpha", alpha)
     check_nonneg("rho", rho)
-    _check_weight_bounds(w_min, w_max)
-    check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     e = segments.token_to_turn(_gap(b, teacher, student, "agentopsd"), b, "sum")
     if p0 is None:
@@ -550,27 +529,15 @@ def privileged_gap_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     s = 0 and A bit for bit.
 
     Args:
-      adv: the base advantages (``token`` [R, T], ``turn`` [N, K]).
       batch: the batch; reads the two log-prob fields below, [R, T] each.
       teacher: the answer-conditioned log-probs: the name of an [R, T] extra, or
         ``"old_logprobs"``.
       student: the student log-probs, named the same way (default the rollout's).
-      alpha: >= 0, the strength of the credit.
-      w_min, w_max: the weight bounds of ``reweight``, 0 < w_min <= 1 <= w_max.
-      eps: > 0, added to the std.
-      mode: ``"reweight"`` or ``"additive"``.
-      shuffle: permute the turn weights within each trajectory first (the shuffled control;
-        ``reweight`` only).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
+      alpha, w_min, w_max, eps, mode, shuffle: as in ``belief_revision_reweight``.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
-    check_choice("mode", mode, ("reweight", "additive"))
-    check_nonneg("alpha", alpha)
-    _check_weight_bounds(w_min, w_max)
-    check_positive("eps", eps)
+    _check_signed_credit(mode, alpha, w_min, w_max, eps)
     b = segments.local_view(batch, axis_name)
     s = segments.token_to_turn(_gap(b, teacher, student, "pbsd"), b, "sum")
     return _signed_turn_credit(adv, batch, b, s, alpha=alpha, w_min=w_min, w_max=w_max, eps=eps,
@@ -600,7 +567,6 @@ def probe_directed_bonus(adv: Advantages, batch: TrajectoryBatch, *,
     for bit. Sign-changing by design (an add-on, not sign preservation).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads the two log-prob fields below, [R, T] each, and
         ``extras[probe]`` [N, K].
       teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
@@ -609,10 +575,8 @@ def probe_directed_bonus(adv: Advantages, batch: TrajectoryBatch, *,
       q_init: the probe's value before the first step.
       weight: >= 0, the coefficient of the add-on.
       temperature: > 0, the softmax temperature within a step.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("weight", weight)
     check_positive("temperature", temperature)
@@ -657,17 +621,14 @@ def accepted_evidence_bonus(adv: Advantages, batch: TrajectoryBatch, *,
     the teacher field.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads the two log-prob fields below, [R, T] each.
       teacher: the evidence-conditioned log-probs: the name of an [R, T] extra, or
         ``"old_logprobs"``.
       student: the log-probs without the evidence, named the same way.
       eta: >= 0, the size of the correction.
       shrink: >= 0, how strongly large contrasts are shrunk (the cost term).
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("eta", eta)
     check_nonneg("shrink", shrink)
@@ -699,17 +660,14 @@ def tail_risk_damping(adv: Advantages, batch: TrajectoryBatch, *,
     A dampening, not a re-allocation: no mass conservation. damping = 0 gives A bit for bit.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads the two fields below, [R, T] each.
       logprobs: the log-probs of the sampled tokens: the name of an [R, T] extra, or
         ``"old_logprobs"`` (the repository uses the current forward pass, detached).
       entropy: the name of the policy-entropy extra at each token, [R, T].
       alpha: in (0, 1], the tail threshold (risk > 0 where pi(y_t) e^{H_t} < alpha).
       damping: in [0, 1], the largest fraction of a positive advantage removed.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
@@ -744,17 +702,12 @@ def entropy_reweight(adv: Advantages, batch: TrajectoryBatch, *, entropy: str = 
     gives A bit for bit).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[entropy]`` [R, T].
       entropy: the name of the policy-entropy extra at each token.
       a: >= 0, the strength of the weights.
-      shuffle: permute the raw token weights within each response first (the shuffled
-        control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
+      shuffle: permute the raw token weights within each response first.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A w and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("a", a)
     b = segments.local_view(batch, axis_name)
@@ -795,7 +748,6 @@ def future_kl_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     <= 1 keeps signs (sign preservation). Not mass-conserving.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``old_logprobs`` and the ``current`` field, [R, T] each.
       current: the current policy's log-probs of the sampled tokens (detached): the name of
         an [R, T] extra, or ``"old_logprobs"``.
@@ -804,10 +756,8 @@ def future_kl_reweight(adv: Advantages, batch: TrajectoryBatch, *,
       clip: > 0, the bound on the standardised influence F_t / s.
       kl: ``"k1"`` or ``"k3"``, the per-token KL estimator.
       eps: > 0, added to s.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_choice("kl", kl, ("k1", "k3"))
     check_unit("gamma", gamma)
@@ -860,7 +810,6 @@ def counterfactual_importance_bonus(adv: Advantages, batch: TrajectoryBatch, *,
     A_m is ``adv.turn`` (the token mean per turn when it is None); g_t = lp_T - lp_S.
 
     Args:
-      adv: the base advantages (``token`` [R, T], ``turn`` [N, K]).
       batch: the batch; reads the two log-prob fields below, [R, T] each, ``group_ids`` [N]
         and (``anchor="state"``) ``state_keys`` [N, K].
       teacher: the teacher log-probs: the name of an [R, T] extra, or ``"old_logprobs"``.
@@ -869,10 +818,8 @@ def counterfactual_importance_bonus(adv: Advantages, batch: TrajectoryBatch, *,
       weight: >= 0, the coefficient of the add-on.
       anchor: ``"state"`` or ``"step"``, the anchor groups above.
       scale: ``"sign"`` or ``"relative"``, how CTI is spread over a turn's tokens.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_positive("temperature", temperature)
     check_nonneg("weight", weight)

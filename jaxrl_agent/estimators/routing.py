@@ -11,6 +11,12 @@ Shapes: N trajectories of at most K turns, stored as R token rows of length T (s
 the action tokens and whose ``turn`` [N, K] is the token mean of ``token`` over each turn
 (the per-agent estimators: each turn's advantage); value targets of a base pass through.
 
+Every transform takes ``adv``, the base ``Advantages`` (``token`` [R, T]), and ``axis_name``,
+the mesh axis a sharded batch is split over (or None); a re-allocation transform also takes
+``shuffle`` (permute its raw weights within each trajectory first: the matched-concentration
+control) and ``seed`` (of that permutation). Each returns ``adv`` with ``token`` [R, T] = A'
+and ``turn`` [N, K] its token mean per turn.
+
 Kinds (Python name, with the registry name in parentheses):
 
 * re-allocation transforms ``f(adv, batch, *, ..., axis_name=None) -> Advantages``:
@@ -27,7 +33,11 @@ Kinds (Python name, with the registry name in parentheses):
   ``divergence_step_blame`` (``neos``) and ``redundant_credit_pruning`` (``ggpo``)
   (sign-consistent masks).
 * estimators (multi-agent, they replace the base): ``counterfactual_agent_advantage``
-  (``ccpo``), ``shapley_agent_advantage`` (``sharp``).
+  (``ccpo``), ``shapley_agent_advantage`` (``sharp``). Both read ``extras[agent]`` [N, K],
+  the agent acting at each turn (integer ids 0..A-1; others count as unknown), build a reward
+  per agent R_a [N, A] and run GRPO of R_a per (group, agent) (``per_agent_group_advantage``,
+  std with ``ddof``, plus ``eps``): each turn gets its acting agent's advantage (0 for an
+  unknown agent), ``turn`` [N, K] and ``token`` [R, T] (the turn's value on its tokens).
 * plain functions: ``triage_constants`` (the projection form of TRIAGE),
   ``shapley_values`` (exact Shapley values from coalition values), ``grse_credit``.
 
@@ -174,16 +184,11 @@ def supported_citation_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     base exactly (reduction to the base estimator).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[citations]`` [N, K].
       citations: the name of that extra.
       alpha: >= 0, the strength of the modulation.
-      shuffle: permute the raw weights within each trajectory first (the shuffled control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``shuffle``, ``seed``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -252,18 +257,13 @@ def influence_graph_reweight(adv: Advantages, batch: TrajectoryBatch, *, edges: 
     exactly (reduction to the base estimator).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[edges]`` [N, E, 3] int.
       edges: the name of that extra.
       alpha: >= 0, the weight of an out-degree.
       beta: >= 0, the weight of the final action (success) or of an in-degree (failure).
       dedup: count a repeated edge once.
-      shuffle: permute the raw weights within each trajectory first (the shuffled control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``shuffle``, ``seed``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("alpha", alpha)
     check_nonneg("beta", beta)
@@ -336,7 +336,6 @@ def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
     keeps w = 1 in successful rollouts.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[cite]`` [N, K], ``action_keys`` [N, K] and
         ``group_ids`` [N].
       cite: the name of the citation extra.
@@ -345,12 +344,8 @@ def self_credit(adv: Advantages, batch: TrajectoryBatch, *, cite: str = "cite",
       w_min: in [0, 1], the smallest weight of a cited turn in a failed rollout.
       variant: ``"reweight"`` (weights as they are) or ``"conserve"`` (weights at token mean
         1 per trajectory).
-      shuffle: permute the turn weights within each trajectory first (the shuffled control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``shuffle``, ``seed``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("alpha", alpha)
     check_nonneg("alpha_fail", alpha_fail)
@@ -404,17 +399,14 @@ def segment_role_bonus(adv: Advantages, batch: TrajectoryBatch, *, role: str = "
     the base estimator). The data-driven constants are ``triage_constants``.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[role]`` [N, K] (integers 0..3).
       role: the name of that extra.
       bound: >= 0, b: the largest change of an advantage.
       c_progress, c_exploration, c_infrastructure, c_regression: each in [-1, 1], the
         constant of each role, in units of ``bound``.
       sign_consistent: clip A' to the sign of A_i (above).
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("bound", bound)
     for name, v in (("c_progress", c_progress), ("c_exploration", c_exploration),
@@ -481,16 +473,11 @@ def environment_relevance_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     (reduction to the base estimator).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[relevance]``, per turn [N, K] or per token [R, T].
       relevance: the name of that extra.
       alpha: >= 0, the strength of the weights.
-      shuffle: permute the raw weights within each trajectory first (the shuffled control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``shuffle``, ``seed``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -521,17 +508,12 @@ def verifier_trace_reweight(adv: Advantages, batch: TrajectoryBatch, *, atoms: s
     alpha = 0 give the base exactly).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[atoms]`` [N, K] and ``extras[complete]`` [N].
       atoms: the name of the atom-count extra.
       complete: the name of the trace-complete extra, or None.
       alpha: >= 0, the weight of an atom.
-      shuffle: permute the raw weights within each trajectory first (the shuffled control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``shuffle``, ``seed``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -564,17 +546,12 @@ def selected_source_boost(adv: Advantages, batch: TrajectoryBatch, *,
     preservation; failed trajectories are unchanged bit for bit.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[selected]`` [N, K].
       selected: the name of that extra.
       eta: >= 0, the boost of a selected turn.
       normalize: rescale w to token mean 1 per trajectory (mass conservation).
-      shuffle: permute the raw weights within each trajectory first (the shuffled control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``shuffle``, ``seed``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("eta", eta)
     b = segments.local_view(batch, axis_name)
@@ -609,17 +586,14 @@ def skill_channel_credit(adv: Advantages, batch: TrajectoryBatch, *,
     (``skillgate_channels`` returns them).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[skill_mask]`` [R, T], ``extras[read_correct]`` [N]
         and ``group_ids`` [N].
       skill_mask: the name of the skill-token mask extra.
       read_correct: the name of the skill-read score extra.
       normalization: ``"group"`` (standardise x within each group) or ``"raw"``.
       eps: > 0, added to the group std.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_choice("normalization", normalization, ("group", "raw"))
     _check_eps(eps)
@@ -670,18 +644,13 @@ def progress_aware_reweight(adv: Advantages, batch: TrajectoryBatch, *,
     beta <= 1).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[reasonable]`` and ``extras[deviation]``, [N, K] each.
       reasonable: the name of the reasonable-transition extra.
       deviation: the name of the deviation-count extra (negative values count as 0).
       alpha: >= 0, the weight of a downstream deviation (failed rollouts).
       beta: in [0, 1], the cut of a reasonable, non-deviating action (failed rollouts).
-      shuffle: permute the APR weights within each trajectory first (the shuffled control).
-      seed: the seed of that permutation.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``shuffle``, ``seed``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("alpha", alpha)
     check_unit("beta", beta)
@@ -724,14 +693,11 @@ def divergence_step_blame(adv: Advantages, batch: TrajectoryBatch, *,
     signs are kept (sign preservation).
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[divergence]`` [N] (rounded to an integer turn index).
       divergence: the name of that extra.
       after: ``"keep"`` or ``"zero"``: the credit of the turns after the divergence step.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_choice("after", after, ("keep", "zero"))
     b = segments.local_view(batch, axis_name)
@@ -761,13 +727,10 @@ def redundant_credit_pruning(adv: Advantages, batch: TrajectoryBatch, *,
     kept. Sign preservation.
 
     Args:
-      adv: the base advantages (``token`` [R, T]).
       batch: the batch; reads ``extras[redundant]``, per turn [N, K] or per token [R, T].
       redundant: the name of that extra.
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      ``adv`` with ``token`` [R, T] = A' and ``turn`` [N, K] its token mean per turn.
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     b = segments.local_view(batch, axis_name)
     red = _turn_signal(b, redundant, "ggpo", "1 on pruned redundant turns [N, K] or tokens "
@@ -808,8 +771,19 @@ def per_agent_group_advantage(rewards, agent_ids, known, b: TrajectoryBatch, *,
     return turn
 
 
-def _agent_advantages(turn, b):
+def _agent_advantages(b, role_rewards, agent, eps, ddof, who):
+    """The shared tail of ``ccpo`` and ``sharp``: GRPO of the role rewards [N, A] per (group,
+    acting agent), as ``Advantages`` (each turn gets its acting agent's advantage ``turn``
+    [N, K], 0 for an unknown agent, and ``token`` [R, T] the turn's value on its tokens)."""
+    ag, known = _agents(b, agent, role_rewards.shape[1], who)
+    turn = per_agent_group_advantage(role_rewards, ag, known, b, eps=eps, ddof=ddof)
     return Advantages(token=segments.turn_to_token(turn, b), turn=turn)
+
+
+def _check_group_std(eps, ddof):
+    _check_eps(eps)
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof}")
 
 
 @register("ccpo", renamed={"lam": "weight"})
@@ -834,28 +808,20 @@ def counterfactual_agent_advantage(batch: TrajectoryBatch, *, agent: str = "agen
     Args:
       batch: the batch; reads ``outcome`` [N], ``group_ids`` [N], ``extras[agent]`` [N, K]
         and ``extras[counterfactual]`` [N, A].
-      agent: the name of the acting-agent extra (integer ids; others count as unknown).
       counterfactual: the name of the team-outcome-without-each-agent extra.
       weight: >= 0, the weight of the counterfactual contribution c_a.
-      eps: > 0, added to the group std.
-      ddof: 0 or 1, the std's delta degrees of freedom (1: unbiased).
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      Advantages: ``turn`` [N, K] (each turn gets its acting agent's advantage, 0 for an
-      unknown agent) and ``token`` [R, T] (the turn's value on its action tokens).
+    ``agent``, ``eps`` (> 0, added to the group std), ``ddof`` (0 or 1), ``axis_name`` and the
+    result (``turn`` [N, K] each turn's acting agent's advantage, ``token`` [R, T]): the
+    multi-agent section of the module docstring.
     """
     check_nonneg("weight", weight)
-    _check_eps(eps)
-    if ddof not in (0, 1):
-        raise ValueError(f"ddof must be 0 or 1, got {ddof}")
+    _check_group_std(eps, ddof)
     b = segments.local_view(batch, axis_name)
     without = _traj_signal(batch, axis_name, counterfactual, "ccpo",
                            "team outcome without agent a, [N, A]", vector=True)
     r = jax.lax.stop_gradient(b.outcome)[:, None]
-    ra = r + weight * (r - without)
-    ag, known = _agents(b, agent, without.shape[1], "ccpo")
-    return _agent_advantages(per_agent_group_advantage(ra, ag, known, b, eps=eps, ddof=ddof), b)
+    return _agent_advantages(b, r + weight * (r - without), agent, eps, ddof, "ccpo")
 
 
 def _shapley_matrix(n: int) -> np.ndarray:
@@ -913,24 +879,18 @@ def shapley_agent_advantage(batch: TrajectoryBatch, *, agent: str = "agent",
       batch: the batch; reads ``outcome`` [N], ``group_ids`` [N], ``extras[agent]`` [N, K],
         ``extras[coalition_values]`` [N, 2^n] (1 <= n <= 16) and, if named,
         ``extras[tool_rewards]`` [N, n].
-      agent: the name of the acting-agent extra (integer ids; others count as unknown).
       coalition_values: the name of the coalition-value extra.
       beta: >= 0, the weight of the Shapley value.
       tool_rewards: the name of the per-agent tool-reward extra, or None.
       delta: >= 0, the weight of the tool reward.
-      eps: > 0, added to the group std.
-      ddof: 0 or 1, the std's delta degrees of freedom (1: unbiased).
-      axis_name: the mesh axis a sharded batch is split over, or None.
 
-    Returns:
-      Advantages: ``turn`` [N, K] (each turn gets its acting agent's advantage, 0 for an
-      unknown agent) and ``token`` [R, T] (the turn's value on its action tokens).
+    ``agent``, ``eps`` (> 0, added to the group std), ``ddof`` (0 or 1), ``axis_name`` and the
+    result (``turn`` [N, K] each turn's acting agent's advantage, ``token`` [R, T]): the
+    multi-agent section of the module docstring.
     """
     check_nonneg("beta", beta)
     check_nonneg("delta", delta)
-    _check_eps(eps)
-    if ddof not in (0, 1):
-        raise ValueError(f"ddof must be 0 or 1, got {ddof}")
+    _check_group_std(eps, ddof)
     b = segments.local_view(batch, axis_name)
     v = _traj_signal(batch, axis_name, coalition_values, "sharp",
                      "coalition values v(S) per bitmask S, [N, 2^n]", vector=True)
@@ -943,8 +903,7 @@ def shapley_agent_advantage(batch: TrajectoryBatch, *, agent: str = "agent",
             raise ValueError(f"sharp: extras['{tool_rewards}'] must have shape {phi.shape} "
                              f"(one entry per agent), got {tool.shape}")
         ra = ra + delta * tool
-    ag, known = _agents(b, agent, phi.shape[1], "sharp")
-    return _agent_advantages(per_agent_group_advantage(ra, ag, known, b, eps=eps, ddof=ddof), b)
+    return _agent_advantages(b, ra, agent, eps, ddof, "sharp")
 
 
 def grse_credit(batch: TrajectoryBatch, *, active: str = "pair_active", axis_name=None):

@@ -16,10 +16,19 @@ in padded entries changes nothing, neither the value nor the gradient (padding i
 
 The same teacher signals as advantages (estimators ``opd``, ``credit``; transforms ``seed``,
 ``cny``) live in ``jaxrl_agent.estimators.distill``. Here, the losses ``f(logprobs, batch, *,
-hp, agg="token_mean", agg_constant=None, axis_name=None) -> (sum, denominator)``, aggregated
-by ``aggregation.aggregate`` (add the pairs over micro-batches and devices, divide once),
-registered under the names ``sdl``, ``sdar``, ``edge``, ``ucob``, ``icsd``, ``craft``,
-``treeopsd``, ``t_reg`` and ``weighted_sft`` (ASPO / InT / ABC-SFT).
+hp, agg="token_mean", agg_constant=None, axis_name=None) -> (sum, denominator)``, registered
+under the names ``sdl``, ``sdar``, ``edge``, ``ucob``, ``icsd``, ``craft``, ``treeopsd``,
+``t_reg`` and ``weighted_sft`` (ASPO / InT / ABC-SFT). Every one of them shares these arguments:
+
+* ``logprobs`` [R, T]: lp_S, the student's current log-probs of the sampled tokens.
+* ``agg``: the aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``);
+  ``agg_constant``: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
+* ``axis_name``: the mesh axis under ``shard_map``: trajectory indices are made block-local
+  and the pair returned is this shard's share (add the pairs over the axis yourself).
+
+and returns ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
+``action_mask`` (or the subset a docstring names) by ``aggregation.aggregate``; add the pairs
+over micro-batches and devices, then divide once.
 
 Shapes: N trajectories x K turns ([N, K]), stored as R token rows of length T ([R, T]).
 
@@ -109,22 +118,16 @@ def ratio_weighted_reverse_kl(logprobs, batch: TrajectoryBatch, *,
     loss >= 0, and 0 with zero gradient iff lp_S = lp_T on the sampled tokens.
 
     Args:
-      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
-        input that carries gradient).
+      logprobs: [R, T] lp_S (the only input that carries gradient).
       batch: a ``TrajectoryBatch``; reads ``action_mask``, ``row_traj`` [R, T],
         extras[``teacher``] [R, T] and ``behavior`` [R, T].
       teacher: extras field of lp_T [R, T].
       behavior: field of lp_old [R, T] (default ``batch.old_logprobs``).
       teacher_logprobs: optional [R, T] array of lp_T used instead of extras[``teacher``].
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
-        the pair returned is this shard's share (add the pairs over the axis yourself).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
-      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
-      and devices, then divide once).
+      ``(sum, denominator)`` of the per-token loss (module docstring).
     """
     check_mode(agg)
     b = segments.local_view(batch, axis_name)
@@ -171,8 +174,7 @@ def confidence_gated_distillation(logprobs, batch: TrajectoryBatch, *,
     public implementation TU2021/UCOB ``verl/trainer/ppo/sdar_utils.py::compute_sdar_loss``.
 
     Args:
-      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
-        input that carries gradient).
+      logprobs: [R, T] lp_S (the only input that carries gradient).
       batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
         ``turn_mask`` [N, K], ``traj_mask`` [N], extras[``teacher``] [R, T] and the optional
         fields below.
@@ -191,15 +193,10 @@ def confidence_gated_distillation(logprobs, batch: TrajectoryBatch, *,
       teacher_logprobs: optional [R, T] array of lp_T used instead of extras[``teacher``].
       gate_values: optional array of the external gate ([R, T], [N, K] or [N]) used instead
         of extras[``gate_field``].
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
-        the pair returned is this shard's share (add the pairs over the axis yourself).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
-      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
-      and devices, then divide once).
+      ``(sum, denominator)`` of the per-token loss (module docstring).
 
     Props: g in (0, 1); |d loss_t / d lp_S| = w g_t; lp_S = lp_T gives loss 0 but gradient
     -w g_t (the gate is 1/2 there): SDAR keeps pulling toward the teacher's sampled tokens.
@@ -290,16 +287,11 @@ def gain_gated_experience_distillation(logprobs, batch: TrajectoryBatch, *, view
       teacher: field of lp_T [R, T] (default ``batch.old_logprobs``).
       above_f_mean: also require R_i > mean_F R for an E-trajectory to be distilled.
       teacher_logprobs: optional [R, T] array of lp_T used instead of the ``teacher`` field.
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
-        the pair returned is this shard's share (add the pairs over the axis yourself).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated by
-      ``aggregation.aggregate`` over the action tokens of the admitted trajectories only
-      (add the pairs over micro-batches and devices, then divide once); (0, 0) when none
-      is admitted.
+      ``(sum, denominator)`` of the per-token loss over the action tokens of the admitted
+      trajectories only (module docstring); (0, 0) when none is admitted.
 
     Props: no distillation (0, 0) when no group has Delta_g > 0; loss and gradient 0 when the
     experience does not change the log-probs (lp_S,noexp = lp_T).
@@ -357,15 +349,10 @@ def return_gap_bidirectional_distillation(logprobs, batch: TrajectoryBatch, *,
       gate_beta: sharpness of the sigmoid gate, > 0.
       other_logprobs: optional [R, T] array of lp_b used instead of extras[``other``]; it
         keeps its gradient.
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
-        the pair returned is this shard's share (add the pairs over the axis yourself).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
-      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
-      and devices, then divide once).
+      ``(sum, denominator)`` of the per-token loss (module docstring).
     """
     check_mode(agg)
     check_choice("gate", gate, UCOB_GATES)
@@ -451,8 +438,7 @@ def influence_weighted_distillation(logprobs, batch: TrajectoryBatch, *, advanta
     The batch std of u is psummed over ``axis_name`` (shard-invariant).
 
     Args:
-      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
-        input that carries gradient).
+      logprobs: [R, T] lp_S (the only input that carries gradient).
       batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
         ``turn_mask`` [N, K], ``traj_mask`` [N], extras[``teacher``] [R, T], ``behavior``
         [R, T] and, without ``advantages=``, extras[``advantage_field``].
@@ -466,15 +452,11 @@ def influence_weighted_distillation(logprobs, batch: TrajectoryBatch, *, advanta
       w_min: lower clip of the weights, in [0, 1].
       eps: > 0, added to the batch std of u.
       teacher_logprobs: optional [R, T] array of lp_T used instead of extras[``teacher``].
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: the batch std of u is psummed over it and
-        trajectory indices are made block-local; the pair returned is this shard's share.
+      agg, agg_constant, axis_name: the aggregation (module docstring); the batch std of
+        u is also psummed over ``axis_name``.
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
-      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
-      and devices, then divide once).
+      ``(sum, denominator)`` of the per-token loss (module docstring).
     """
     check_mode(agg)
     w, c = icsd_weights(logprobs, batch, advantages=advantages, advantage_field=advantage_field,
@@ -639,8 +621,7 @@ def counterfactual_sign_aware_distillation(logprobs, batch: TrajectoryBatch, *,
     Teacher = student gives zero loss and zero gradient.
 
     Args:
-      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
-        input that carries gradient).
+      logprobs: [R, T] lp_S (the only input that carries gradient).
       batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
         ``turn_mask``, ``state_keys`` (``level="step"``) [N, K], ``group_ids``, ``traj_mask``
         [N], extras[``teacher``] [R, T] and, with ``cti`` and without ``advantages=``,
@@ -657,15 +638,10 @@ def counterfactual_sign_aware_distillation(logprobs, batch: TrajectoryBatch, *,
       credit: ``"sign"`` or ``"scaled"`` (see ``craft_credit``).
       controller_state: a ``CraftState`` (``craft_init`` / ``craft_controller``).
       teacher_logprobs: optional [R, T] array of lp_T used instead of extras[``teacher``].
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
-        the pair returned is this shard's share (add the pairs over the axis yourself).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
-      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
-      and devices, then divide once).
+      ``(sum, denominator)`` of the per-token loss (module docstring).
     """
     check_mode(agg)
     if controller and controller_state is None:
@@ -721,8 +697,7 @@ def tree_credit_log_ratio_regression(logprobs, batch: TrajectoryBatch, *, advant
     vanishes once the ratio reaches the target (no overshoot across mini-batches).
 
     Args:
-      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
-        input that carries gradient).
+      logprobs: [R, T] lp_S (the only input that carries gradient).
       batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
         ``turn_mask`` [N, K], ``traj_mask`` [N], ``behavior`` [R, T] and, without
         ``advantages=``, extras[``credit``].
@@ -732,15 +707,10 @@ def tree_credit_log_ratio_regression(logprobs, batch: TrajectoryBatch, *, advant
       behavior: field of lp_b [R, T] (default ``batch.old_logprobs``).
       beta: > 0, temperature of the target (c / beta).
       delta: > 0, bound of the target log-ratio.
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
-        the pair returned is this shard's share (add the pairs over the axis yourself).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
-      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
-      and devices, then divide once).
+      ``(sum, denominator)`` of the per-token loss (module docstring).
     """
     check_mode(agg)
     check_positive("beta", beta)
@@ -795,8 +765,7 @@ def token_reward_regularizer(logprobs, batch: TrajectoryBatch, *,
     ``reference=None``: lp_ref = 0 (the gradient is the same). Uniform r gives w = 1.
 
     Args:
-      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
-        input that carries gradient).
+      logprobs: [R, T] lp_S (the only input that carries gradient).
       batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
         ``turn_mask`` [N, K], ``traj_mask`` [N], extras[``good``], extras[``bad``],
         extras[``reference``] [R, T] and ``sign``.
@@ -806,15 +775,10 @@ def token_reward_regularizer(logprobs, batch: TrajectoryBatch, *,
       sign: field whose sign is s_i: ``"outcome"`` (``batch.outcome``) or an extras field
         ([N], [N, K] or [R, T]).
       temperature: > 0, of the token-weight softmax.
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
-        the pair returned is this shard's share (add the pairs over the axis yourself).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated over
-      ``action_mask`` by ``aggregation.aggregate`` (add the pairs over micro-batches
-      and devices, then divide once).
+      ``(sum, denominator)`` of the per-token loss (module docstring).
     """
     check_mode(agg)
     check_positive("temperature", temperature)
@@ -846,22 +810,17 @@ def weighted_sft(logprobs, batch: TrajectoryBatch, *, weights=None, mask=None,
       teacher's log-probs.
 
     Args:
-      logprobs: [R, T] the student's current log-probs lp_S of the sampled tokens (the only
-        input that carries gradient).
+      logprobs: [R, T] lp_S (the only input that carries gradient).
       batch: a ``TrajectoryBatch``; reads ``action_mask``, ``turn_ids``, ``row_traj`` [R, T],
         ``turn_mask`` [N, K], ``traj_mask`` [N] and the optional fields below.
       weights: optional extras field of w ([R, T], [N, K] or [N]; stop-gradient); None = 1.
       mask: optional extras field of a token mask [R, T] (bool, or > 0.5); None = every
         action token.
-      agg: aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``).
-      agg_constant: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
-      axis_name: mesh axis under ``shard_map``: trajectory indices are made block-local;
-        the pair returned is this shard's share (add the pairs over the axis yourself).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
 
     Returns:
-      ``(sum, denominator)``, float32 scalars: the per-token loss aggregated by
-      ``aggregation.aggregate`` over the action tokens of ``mask`` only (add the pairs over
-      micro-batches and devices, then divide once).
+      ``(sum, denominator)`` of the per-token loss over the action tokens of ``mask`` only
+      (module docstring).
     """
     check_mode(agg)
     b = segments.local_view(batch, axis_name)
