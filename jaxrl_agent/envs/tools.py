@@ -224,22 +224,13 @@ def _call_from_value(value: Any, where: str) -> ToolCall:
     return ToolCall(name.strip(), args)
 
 
+#: Python type -> JSON Schema type name, most specific first (a bool is an int in Python).
+_JSON_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"),
+               (str, "string"), (list, "array"), (dict, "object"))
+
+
 def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for t, name in _JSON_TYPES if isinstance(value, t)), type(value).__name__)
 
 
 # --- tools and schemas -------------------------------------------------------------------------

@@ -14,6 +14,12 @@ components of the union graph.
 
 (ii) PACE: inside a cluster the step credit is a local Q(s, a) - V(s) estimate from peers
 (action-conditioned peer baselines) instead of "return minus state mean".
+
+Groups are whole on one shard, so everything here is shard-local. The estimator takes
+``axis_name``, the mesh axis under ``shard_map`` (or None), and returns ``Advantages`` with
+``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k] on turn k's action
+tokens, 0 elsewhere). The arguments of GRPO's episode term (``normalization``,
+``episode_weighting``, ``singleton``) are those of ``primitives.check_episode_args``.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
+from jaxrl_agent.checks import check_choice, check_positive, require
 from jaxrl_agent.estimators.primitives import (
-    EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine, episode_advantage, step_returns)
+    MODES, check_episode_args, combine, episode_advantage, step_returns)
 from jaxrl_agent.registry import register
 
 
@@ -170,15 +176,10 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
       gamma: per-turn discount of G, in [0, 1].
       normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of the episode
         term. Former name ``mode``.
-      episode_weighting: ``"trajectory"`` or ``"steps"`` (``primitives.episode_advantage``).
       eps: added to the stds, > 0.
-      singleton: ``"zero"`` or ``"raw"``: the episode term of a singleton task group.
-      axis_name: the mesh axis under ``shard_map`` (groups are whole on one shard, so
-        everything stays shard-local), or None.
+      episode_weighting, singleton: the episode term's (``primitives.check_episode_args``).
 
-    Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
-      on turn k's action tokens, 0 elsewhere).
+    ``axis_name`` and the result: see the module docstring.
     """
     check_positive("tau", tau)
     if not isinstance(sim_iters, numbers.Integral) or isinstance(sim_iters, bool) or sim_iters < 1:
@@ -186,11 +187,7 @@ def bipace(batch: TrajectoryBatch, *, tau: float = 0.9, sim_iters: int = 32,
     check_choice("merge_state_keys", merge_state_keys, (False, True))
     check_choice("leave_one_out", leave_one_out, (False, True))
     check_choice("step_normalization", step_normalization, MODES)
-    check_choice("normalization", normalization, MODES)
-    check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
-    check_choice("singleton", singleton, SINGLETONS)
-    check_positive("eps", eps)
-    check_unit("gamma", gamma)
+    check_episode_args(normalization, episode_weighting, eps, singleton, gamma)
     b = segments.local_view(batch, axis_name)
     clusters = cluster_ids(b, tau=tau, sim_iters=sim_iters, merge_state_keys=merge_state_keys)
     valid = segments.valid_turns(b)

@@ -12,6 +12,10 @@ except the optional batch-wide normalisation (``normalization="batch"``), which 
 Turns are a prefix of each trajectory (as ``pack_records`` makes them); a turn whose
 successor is missing is treated as the last one.
 
+Every estimator here takes ``axis_name``, the mesh axis under ``shard_map`` (or None), and
+returns ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+on turn k's action tokens, 0 elsewhere).
+
   ``g2po``      TD error of the grouped state values, standardised over the group's edges;
   ``graphgpo``  distance-to-success return omega^d(next), standardised per source state, plus
                 GRPO's episode term;
@@ -273,11 +277,8 @@ def graphgpo(batch: TrajectoryBatch, *, omega: float = 0.1, success_reward: floa
       episode_weighting: ``"trajectory"`` or ``"steps"``.
       max_iters: None (exact distances) or a positive int of Bellman-Ford rounds.
       eps: added to the std, > 0.
-      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
 
-    Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
-      on turn k's action tokens, 0 elsewhere).
+    ``axis_name`` and the result: see the module docstring.
     """
     check_unit("omega", omega)
     check_positive("success_reward", success_reward)

@@ -76,12 +76,9 @@ def group_centered_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
     ``seq_mean_token_sum_norm`` loss aggregation). Liu et al. 2025, "Understanding R1-Zero".
 
     Args:
-      batch: reads ``outcome`` [N], ``group_ids`` [N] and ``traj_mask`` [N].
       singleton: ``"zero"`` (a lone member gets 0) or ``"raw"`` (it gets R).
-      axis_name: the mesh axis under ``shard_map`` (statistics stay shard-local), or None.
 
-    Returns:
-      ``Advantages``: ``turn`` [N, K] and ``token`` [R, T], a_i broadcast as in ``grpo``.
+    ``batch``, ``axis_name`` and the result (a_i broadcast): as in ``grpo``.
     """
     check_choice("singleton", singleton, _SINGLETON)
     b = segments.local_view(batch, axis_name)
@@ -97,12 +94,9 @@ def leave_one_out_outcome(batch: TrajectoryBatch, *, singleton: str = "zero",
     Ahmadian et al. 2024; verl ``compute_rloo_outcome_advantage`` (singleton: ``"raw"`` = R).
 
     Args:
-      batch: reads ``outcome`` [N], ``group_ids`` [N] and ``traj_mask`` [N].
       singleton: ``"zero"`` (a lone member gets 0) or ``"raw"`` (it gets R, as verl).
-      axis_name: the mesh axis under ``shard_map`` (statistics stay shard-local), or None.
 
-    Returns:
-      ``Advantages``: ``turn`` [N, K] and ``token`` [R, T], a_i broadcast as in ``grpo``.
+    ``batch``, ``axis_name`` and the result (a_i broadcast): as in ``grpo``.
     """
     check_choice("singleton", singleton, _SINGLETON)
     b = segments.local_view(batch, axis_name)

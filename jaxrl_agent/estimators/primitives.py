@@ -5,7 +5,8 @@ import from here, never from each other).
 * Group statistics of step-level methods: ``episode_advantage`` (GRPO's episode term),
   ``step_returns`` (discounted per-turn returns), ``normalize_in_groups`` (normalisation within
   the key groups of turns), ``combine`` (episode + step terms onto the tokens); the modes they
-  take (``MODES``, ``EPISODE_WEIGHTINGS``, ``SINGLETONS``).
+  take (``MODES``, ``EPISODE_WEIGHTINGS``, ``SINGLETONS``) and their checks
+  (``check_episode_args``).
 * Re-weighting: ``normalize_weights`` (non-negative weights to mean 1 per segment, with floor
   and exact-mass clipping), ``token_weights`` (raw per-turn or per-token weights to per-token
   weights of mean 1 per trajectory / turn / group), ``apply_token_weights`` (A'_t = A_t w_t),
@@ -26,11 +27,29 @@ from jax import lax
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.checks import check_choice, check_unit, traj_field, turn_field
+from jaxrl_agent.checks import check_choice, check_positive, check_unit, traj_field, turn_field
 
 MODES = ("mean_std_norm", "mean_norm")
 EPISODE_WEIGHTINGS = ("trajectory", "steps")
 SINGLETONS = ("zero", "raw")
+
+
+def check_episode_args(normalization, episode_weighting, eps, singleton, gamma=1.0):
+    """Trace-time checks of the arguments the step-level estimators share (``step_group``,
+    ``gigpo``, the tree estimators, BiPACE): GRPO's episode term (``episode_advantage``) and
+    the discount.
+
+    normalization: one of ``MODES``, ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre
+      only); episode_weighting: one of ``EPISODE_WEIGHTINGS``, ``"trajectory"`` (each
+      trajectory counts once in the group statistics) or ``"steps"`` (once per valid turn);
+      eps: > 0, added to the stds; singleton: one of ``SINGLETONS``, the episode term of a
+      task group with one trajectory, ``"zero"`` or ``"raw"`` (R); gamma: in [0, 1].
+    """
+    check_choice("normalization", normalization, MODES)
+    check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
+    check_choice("singleton", singleton, SINGLETONS)
+    check_positive("eps", eps)
+    check_unit("gamma", gamma)
 
 
 # ----------------------------------------------------------------------------- trajectory credit

@@ -10,11 +10,14 @@ key variants of the literature (A2Agent, A^3, DiDPO, ReBel, ASPO) are settings o
 Keys are always scoped by ``group_ids``: turns of different tasks are never peers. Under
 ``jax.shard_map`` groups are whole on one shard, so every statistic here is shard-local.
 
-Shared pieces, used by the other step-level modules too:
-  ``episode_advantage``  GRPO's trajectory term, one count per trajectory or per step;
-  ``step_returns``       discounted per-turn reward-to-go;
-  ``normalize_in_groups`` (x - mean_S) [/ (std_S + eps)] over key groups, singletons 0;
-  ``combine``            episode + step terms -> ``Advantages``.
+Every estimator here takes ``axis_name``, the mesh axis under ``shard_map`` (or None), and
+returns ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+on turn k's action tokens, 0 elsewhere). The arguments of GRPO's episode term
+(``normalization``, ``episode_weighting``, ``singleton``) are those of
+``primitives.check_episode_args``.
+
+The pieces the step-level families share (``episode_advantage``, ``step_returns``,
+``normalize_in_groups``, ``combine``) are in ``primitives``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import jax.numpy as jnp
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.checks import check_choice, check_positive, check_unit, require
-from jaxrl_agent.estimators.primitives import (EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine,
+from jaxrl_agent.checks import check_choice, check_positive, require
+from jaxrl_agent.estimators.primitives import (SINGLETONS, check_episode_args, combine,
                                                episode_advantage, normalize_in_groups,
                                                step_returns)
 from jaxrl_agent.registry import register
@@ -60,14 +63,6 @@ def _target(b: TrajectoryBatch, target: str, gamma):
     if target == "reward":
         return jnp.where(b.turn_mask, b.turn_rewards, 0.0).astype(jnp.float32)
     return jnp.where(b.turn_mask, b.outcome[:, None], 0.0).astype(jnp.float32)
-
-
-def _check_common(normalization, episode_weighting, eps, singleton, gamma):
-    check_choice("normalization", normalization, MODES)
-    check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
-    check_choice("singleton", singleton, SINGLETONS)
-    check_positive("eps", eps)
-    check_unit("gamma", gamma)
 
 
 # ----------------------------------------------------------------------------- estimators
@@ -128,21 +123,15 @@ def step_group(batch: TrajectoryBatch, *, key: str = "state", target: str = "ret
       step_weight: ws, the weight of the step term.
       normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only), for both
         terms. Former name ``mode``.
-      episode_weighting: ``"trajectory"`` (each trajectory once) or ``"steps"`` (once per
-        valid turn) in the episode statistics.
       episode_reward: ``"outcome"`` or ``"reward_sum"`` (the sum of turn rewards).
       combine_as: ``"sum"`` or ``"mean"``.
       eps: added to the std, > 0.
-      singleton: ``"zero"`` or ``"raw"``: the episode term of a singleton task group.
+      episode_weighting, singleton: the episode term's (``primitives.check_episode_args``).
       step_singleton: ``"zero"`` or ``"raw"``: the step term of a singleton key group.
-      axis_name: the mesh axis under ``shard_map`` (groups are whole on one shard, so
-        everything stays shard-local), or None.
 
-    Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
-      on turn k's action tokens, 0 elsewhere).
+    ``axis_name`` and the result: see the module docstring.
     """
-    _check_common(normalization, episode_weighting, eps, singleton, gamma)
+    check_episode_args(normalization, episode_weighting, eps, singleton, gamma)
     check_choice("step_singleton", step_singleton, SINGLETONS)
     check_choice("key", key, KEYS)
     check_choice("target", target, TARGETS)
@@ -223,20 +212,16 @@ def gigpo(batch: TrajectoryBatch, *, gamma: float = 0.95, step_weight: float = 1
       step_weight: w, the weight of the step term.
       normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only), for both
         terms. Former name ``mode``.
-      episode_weighting: ``"trajectory"`` or ``"steps"`` (above).
       anchor: ``"exact"``, ``"bucket"`` or ``"similar"`` (above).
       bucket_width: grid step of the ``"bucket"`` anchors, > 0.
       sim_threshold: cosine threshold of the ``"similar"`` anchors.
       sim_iters: most label-propagation rounds of the ``"similar"`` anchors.
       eps: added to the std, > 0.
-      singleton: ``"zero"`` or ``"raw"``: the episode term of a singleton task group.
-      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
+      episode_weighting, singleton: the episode term's (``primitives.check_episode_args``).
 
-    Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
-      on turn k's action tokens, 0 elsewhere).
+    ``axis_name`` and the result: see the module docstring.
     """
-    _check_common(normalization, episode_weighting, eps, singleton, gamma)
+    check_episode_args(normalization, episode_weighting, eps, singleton, gamma)
     check_choice("anchor", anchor, ("exact", "bucket", "similar"))
     check_positive("bucket_width", bucket_width)
     b = segments.local_view(batch, axis_name)
@@ -266,11 +251,8 @@ def matchtir(batch: TrajectoryBatch, *, gamma: float = 0.9, eps: float = 1e-6,
         ``traj_mask`` [N].
       gamma: per-turn discount of G, in [0, 1]. Former name ``lam``.
       eps: added to the std, > 0.
-      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
 
-    Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
-      on turn k's action tokens, 0 elsewhere).
+    ``axis_name`` and the result: see the module docstring.
     """
     return step_group(batch, key="turn", target="return", gamma=gamma, combine_as="mean",
                       episode_reward="reward_sum", singleton="raw", step_singleton="raw",

@@ -31,6 +31,12 @@ level [N, K] and broadcasts to the action tokens, so both layouts give the same 
 Turns are expected to be a prefix 0..K_i - 1 of each trajectory (as ``pack_records`` builds
 them); a missing turn ends the trajectory's path for ``is_last``.
 
+Every estimator here takes ``axis_name``, the mesh axis under ``shard_map`` (or None), and
+returns ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
+on turn k's action tokens, 0 elsewhere). The arguments of GRPO's episode term
+(``normalization``, ``episode_weighting``, ``singleton``) are those of
+``primitives.check_episode_args``.
+
 Private helpers (candidates for ``segments``): ``_first_of`` (first member of every id),
 ``_first_visits`` (first visit of a key per trajectory), ``_stats`` (segment mean/count over
 ids from any range), ``_tree_ids`` (node and child ids).
@@ -46,10 +52,9 @@ import jax.numpy as jnp
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.checks import check_choice, check_positive, check_unit
+from jaxrl_agent.checks import check_choice, check_positive
 from jaxrl_agent.estimators.primitives import (
-    EPISODE_WEIGHTINGS, MODES, SINGLETONS, combine, episode_advantage, normalize_in_groups,
-    step_returns)
+    MODES, check_episode_args, combine, episode_advantage, normalize_in_groups, step_returns)
 from jaxrl_agent.registry import register
 
 SIGNATURES = ("history", "state")
@@ -66,14 +71,6 @@ def _check_nonneg_finite(name, value):
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and \
             not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-
-
-def _check_episode(normalization, episode_weighting, eps, singleton, gamma):
-    check_choice("normalization", normalization, MODES)
-    check_choice("episode_weighting", episode_weighting, EPISODE_WEIGHTINGS)
-    check_choice("singleton", singleton, SINGLETONS)
-    check_positive("eps", eps)
-    check_unit("gamma", gamma)
 
 
 # ----------------------------------------------------------------------------- tree helpers
@@ -220,20 +217,15 @@ def rtmc(batch: TrajectoryBatch, *, kappa: float = 1.0, signature: str = "histor
       episode_weight: weight of A_ep (0 = off).
       normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
         Former name ``mode``.
-      episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
       eps: added to the std of A_ep, > 0.
-      singleton: ``"zero"`` or ``"raw"``: A_ep of a singleton task group.
-      axis_name: the mesh axis under ``shard_map`` (groups are whole on one shard, so
-        everything stays shard-local), or None.
+      episode_weighting, singleton: the episode term's (``primitives.check_episode_args``).
 
-    Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
-      on turn k's action tokens, 0 elsewhere).
+    ``axis_name`` and the result: see the module docstring.
     """
     _check_nonneg_finite("kappa", kappa)
     check_choice("signature", signature, SIGNATURES)
     check_choice("target", target, TARGETS)
-    _check_episode(normalization, episode_weighting, eps, singleton, gamma)
+    check_episode_args(normalization, episode_weighting, eps, singleton, gamma)
     b = segments.local_view(batch, axis_name)
     t = _rtmc_terms(b, kappa=kappa, signature=signature, target=target, gamma=gamma)
     a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting, eps=eps,
@@ -300,18 +292,14 @@ def tree_value(batch: TrajectoryBatch, *, episode_weight: float = 1.0, step_weig
       child: ``"history"`` or ``"action"`` (module doc).
       normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
         Former name ``mode``.
-      episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
       eps: added to the std of A_ep, > 0.
-      singleton: ``"zero"`` or ``"raw"``: A_ep of a singleton task group.
-      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
+      episode_weighting, singleton: the episode term's (``primitives.check_episode_args``).
 
-    Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
-      on turn k's action tokens, 0 elsewhere).
+    ``axis_name`` and the result: see the module docstring.
     """
     check_choice("baseline", baseline, BASELINES)
     check_choice("child", child, CHILDREN)
-    _check_episode(normalization, episode_weighting, eps, singleton, 1.0)
+    check_episode_args(normalization, episode_weighting, eps, singleton, 1.0)
     b = segments.local_view(batch, axis_name)
     a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting, eps=eps,
                              singleton=singleton)
@@ -407,21 +395,17 @@ def progpo(batch: TrajectoryBatch, *, gamma: float = 1.0, prefix_weight: float =
       normalization: ``"mean_std_norm"`` (z-score) or ``"mean_norm"`` (centre only) of A_ep.
         Former name ``mode``.
       prefix_normalization: the same choice for A_pre. Former name ``prefix_mode``.
-      episode_weighting: ``"trajectory"`` or ``"steps"`` (``episode_advantage``).
       eps: added to the stds, > 0.
-      singleton: ``"zero"`` or ``"raw"``: A_ep of a singleton task group.
-      axis_name: the mesh axis under ``shard_map`` (everything stays shard-local), or None.
+      episode_weighting, singleton: the episode term's (``primitives.check_episode_args``).
 
-    Returns:
-      ``Advantages`` with ``turn`` [N, K] (A, 0 on missing turns) and ``token`` [R, T] (A[i, k]
-      on turn k's action tokens, 0 elsewhere).
+    ``axis_name`` and the result: see the module docstring.
     """
     check_choice("terminal", terminal, TERMINALS)
     check_choice("prefix_normalization", prefix_normalization, MODES)
     check_positive("prior_std", prior_std)
     if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
-    _check_episode(normalization, episode_weighting, eps, singleton, gamma)
+    check_episode_args(normalization, episode_weighting, eps, singleton, gamma)
     b = segments.local_view(batch, axis_name)
     a_ep = episode_advantage(b, normalization=normalization, weighting=episode_weighting, eps=eps,
                              singleton=singleton)

@@ -9,6 +9,10 @@ A'[i, k] = A[i, k] + w d[i, k] or A[i, k] f[i, k], from a per-turn signal the ba
 ``capo``. The dense rewards that go *before* an estimator (PBRS and its relatives) are in
 ``shaping``; the re-allocations of a fixed advantage mass in ``allocation``.
 
+Every transform takes ``adv``, the base ``Advantages`` (``token`` [R, T], ``turn`` [N, K] or
+None), and ``axis_name``, the mesh axis of a sharded batch (or None), and returns ``adv`` with
+``token`` [R, T] and ``turn`` [N, K] replaced (value targets pass through).
+
 Shapes: N trajectories, K turns, R token rows of length T (see ``jaxrl_agent.batch``).
 Potentials and progress follow the PBRS layout of ``shaping``: ``extras['potential']`` [N, K]
 is Phi(s_k) before action k and ``extras['final_potential']`` [N] Phi after the last turn
@@ -113,7 +117,6 @@ def gold_logprob_turn_credit(adv: Advantages, batch: TrajectoryBatch, *,
     a redundant tool call (unchanged evidence) gives r = 0. Compose with ``grpo``.
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[potential]`` [N, K] (lp_gold before action k),
         ``extras[final_potential]`` [N] (required) and, with ``length``, ``extras[length]``
         [N]; ``group_ids`` [N] and ``state_keys`` [N, K] for the peer sets.
@@ -127,8 +130,7 @@ def gold_logprob_turn_credit(adv: Advantages, batch: TrajectoryBatch, *,
       eps: > 0, added to the std.
       axis_name: mesh axis; ``normalization="batch"`` reduces over it.
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv`` and the result (A + the term): see the module docstring.
     """
     check_nonneg("beta", beta)
     _check_norm(normalization)
@@ -172,7 +174,6 @@ def step_potential_advantage(adv: Advantages, batch: TrajectoryBatch, *,
     c_sat = 1 give the base exactly (reduction to the base estimator).
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[potential]`` [N, K], or ``extras[acc]`` and ``extras[conf]``
         [N, K] (in [0, 1]) with ``potential=None``.
       potential: extras name of Phi after step k, [N, K]; None computes it from acc, conf.
@@ -181,10 +182,8 @@ def step_potential_advantage(adv: Advantages, batch: TrajectoryBatch, *,
       alpha: >= 0, weight of the potential difference.
       c_sat: factor on the advantage of steps after saturation.
       saturation: potential threshold that marks the solution reached.
-      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K].
+    ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_nonneg("alpha", alpha)
     b = segments.local_view(batch, axis_name)
@@ -262,7 +261,6 @@ def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
     <= 1 <= w_max.
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[feedback]`` [N, K] in {-1, 0, 1}, ``state_keys`` and
         ``action_keys`` [N, K].
       feedback: extras name of the parsed environment feedback, [N, K].
@@ -272,10 +270,8 @@ def feedback_weighted_advantage(adv: Advantages, batch: TrajectoryBatch, *,
       w_min: lower clip of w, >= 0.
       w_max: upper clip of w, >= w_min.
       normalize: rescale w to token mean 1 per trajectory.
-      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K], reweighted.
+    ``adv``, ``axis_name`` and the result (A reweighted): see the module docstring.
     """
     b = segments.local_view(batch, axis_name)
     w = efca_weights(b, feedback=feedback, fb_coef=fb_coef, loop_coef=loop_coef, window=window,
@@ -347,7 +343,6 @@ def prerequisite_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
     base estimator).
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[progress]`` [N, K] (p_k before action k),
         ``extras[final_progress]`` [N] (required) and ``extras[edges]`` [N, E, 3]
         (src turn, dst turn, type; rows of -1 are padding).
@@ -360,8 +355,7 @@ def prerequisite_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
       eps: > 0, added to the std.
       axis_name: mesh axis; ``normalization="batch"`` reduces over it.
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv`` and the result (A + the term): see the module docstring.
     """
     _check_norm(normalization)
     check_positive("eps", eps)
@@ -390,7 +384,6 @@ def remaining_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
     all-failed groups still get signal through progress.
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[progress]`` [N, K] (p_k before action k) and
         ``extras[final_progress]`` [N] (required); ``group_ids`` [N], ``state_keys`` [N, K].
       progress: extras name of p_k, [N, K].
@@ -400,10 +393,8 @@ def remaining_progress_credit(adv: Advantages, batch: TrajectoryBatch, *,
         ``"state"`` (same task group and state key, as GiGPO's anchor).
       normalize: divide by the peer std + eps (False: centre only).
       eps: > 0, added to the std.
-      axis_name: mesh axis of a sharded batch (groups are whole per shard).
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv``, ``axis_name`` and the result (A + the term): see the module docstring.
     """
     check_choice("cohort", cohort, ("cohort", "state"))
     check_positive("eps", eps)
@@ -450,7 +441,6 @@ def rescaled_info_gain_credit(adv: Advantages, batch: TrajectoryBatch, *,
     ``losses.policy.ppo(clip_low=, clip_high=)``.
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[potential]`` [N, K] (log pi(gt | h) before action k) and
         ``extras[final_potential]`` [N] (after the last turn, required); ``group_ids`` [N].
       potential: extras name of the gold-answer log-prob before action k, [N, K].
@@ -458,10 +448,8 @@ def rescaled_info_gain_credit(adv: Advantages, batch: TrajectoryBatch, *,
       gamma: discount of the rescaled accumulation, in [0, 1].
       weight: weight of the term (0 gives the base).
       eps: > 0, added to the std.
-      axis_name: mesh axis of a sharded batch (groups are whole per shard).
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv``, ``axis_name`` and the result (A + the term): see the module docstring.
     """
     check_unit("gamma", gamma)
     check_positive("eps", eps)
@@ -522,7 +510,6 @@ def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
     where |A_i| is small are allowed.
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[oracle]`` [N, K].
       oracle: extras name of the solver's oracle advantage per turn, [N, K].
       alpha: weight of the term.
@@ -531,8 +518,7 @@ def solver_oracle_credit(adv: Advantages, batch: TrajectoryBatch, *,
       eps: > 0, added to the RMS.
       axis_name: mesh axis; the RMS reduces over it.
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv`` and the result (A + the term): see the module docstring.
     """
     check_choice("transform", transform, ("asinh", "identity", "signed_log"))
     check_choice("normalization", normalization, ("rms", "none"))
@@ -582,7 +568,6 @@ def implicit_process_reward_credit(adv: Advantages, batch: TrajectoryBatch, *,
     (reduction to the base estimator).
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[prm]`` and ``extras[ref]`` [R, T] (``old_logprobs`` [R, T] when
         ``ref="old_logprobs"``); ``group_ids`` [N], ``state_keys`` [N, K].
       prm: extras name of the implicit PRM's log-probs of the sampled tokens, [R, T].
@@ -590,14 +575,9 @@ def implicit_process_reward_credit(adv: Advantages, batch: TrajectoryBatch, *,
         batch's behaviour log-probs.
       beta: scale of the implicit reward.
       weight: weight of the term (0 gives the base).
-      cohort: step groups: ``"cohort"`` (same task and turn index) or ``"state"`` (same
-        task group and state key).
-      normalize: divide by the peer std + eps (False: centre only).
-      eps: > 0, added to the std.
-      axis_name: mesh axis of a sharded batch (groups are whole per shard).
+      cohort, normalize, eps: the peer set and its standardisation, as in ``procredit``.
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv``, ``axis_name`` and the result (A + the term): see the module docstring.
     """
     check_choice("cohort", cohort, ("cohort", "state"))
     check_positive("eps", eps)
@@ -622,7 +602,6 @@ def step_gain(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "pote
     singleton 0); A' = A + weight g~.
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[potential]`` [N, K] (R_hat before action k) and
         ``extras[final_potential]`` [N] (R_hat_K, required); ``group_ids`` [N].
       potential: extras name of R_hat before action k, [N, K].
@@ -630,10 +609,8 @@ def step_gain(adv: Advantages, batch: TrajectoryBatch, *, potential: str = "pote
       weight: weight of the term (0 gives the base).
       normalize: divide by the cohort std + eps (False: centre only).
       eps: > 0, added to the std.
-      axis_name: mesh axis of a sharded batch (groups are whole per shard).
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv``, ``axis_name`` and the result (A + the term): see the module docstring.
     """
     check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
@@ -657,15 +634,12 @@ def centered_alignment_credit(adv: Advantages, batch: TrajectoryBatch, *,
     task group's turns (``"group"``).
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[align]`` [N, K]; ``group_ids`` [N] with ``center="group"``.
       align: extras name of the alignment reward per turn, [N, K].
       weight: weight of the centred alignment term (0 gives the base).
       center: ``"trajectory"`` or ``"group"`` (above).
-      axis_name: mesh axis of a sharded batch (groups are whole per shard).
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv``, ``axis_name`` and the result (A + the term): see the module docstring.
     """
     check_choice("center", center, ("trajectory", "group"))
     b = segments.local_view(batch, axis_name)
@@ -695,16 +669,13 @@ def step_verdict_penalty(adv: Advantages, batch: TrajectoryBatch, *,
     kappa = 0 gives the base.
 
     Args:
-      adv: the base advantage (``token`` [R, T], ``turn`` [N, K] or None).
       batch: reads ``extras[verdict]`` [N, K] in {-1, 0, 1} and ``outcome`` [N].
       verdict: extras name of the majority-vote step verdict, [N, K].
       kappa: >= 0, size of the penalty (and bonus).
       reward_correct: also add kappa to steps voted correct in failed responses.
       fail_below: outcome below which a response counts as failed.
-      axis_name: mesh axis of a sharded batch (no cross-shard statistic is used).
 
-    Returns:
-      ``Advantages``: ``token`` [R, T] and ``turn`` [N, K] with the term added.
+    ``adv``, ``axis_name`` and the result (A + the term): see the module docstring.
     """
     check_nonneg("kappa", kappa)
     b = segments.local_view(batch, axis_name)

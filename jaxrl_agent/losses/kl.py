@@ -88,41 +88,27 @@ def _kl_loss(fn, name, logprobs, batch, ref_logprobs, agg, agg_constant, axis_na
     return aggregate(fn(lp, ref), batch, agg, constant=agg_constant, axis_name=axis_name)
 
 
-@register("k1", kind="loss")
-def k1(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
-       agg_constant=None, axis_name=None):
-    """KL penalty with ``kl_k1``: ``(sum, denominator)`` of lp - sg(ref) over action tokens."""
-    return _kl_loss(kl_k1, "k1", logprobs, batch, ref_logprobs, agg, agg_constant, axis_name)
+def _kl_penalty(name, per_token, doc):
+    """The registered loss ``name``: ``per_token`` (one of the ``kl_*`` above) between the
+    current and the reference log-probs, aggregated over the action tokens."""
+    def loss(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
+             agg_constant=None, axis_name=None):
+        return _kl_loss(per_token, name, logprobs, batch, ref_logprobs, agg, agg_constant,
+                        axis_name)
+
+    loss.__name__ = loss.__qualname__ = name
+    loss.__doc__ = doc
+    return register(name, kind="loss")(loss)
 
 
-@register("k2", kind="loss")
-def k2(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
-       agg_constant=None, axis_name=None):
-    """KL penalty with ``kl_k2``: 0.5 (lp - sg(ref))^2."""
-    return _kl_loss(kl_k2, "k2", logprobs, batch, ref_logprobs, agg, agg_constant, axis_name)
-
-
-@register("k3", kind="loss")
-def k3(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
-       agg_constant=None, axis_name=None):
-    """KL penalty with ``kl_k3`` (low-variance, >= 0; GRPO's KL term)."""
-    return _kl_loss(kl_k3, "k3", logprobs, batch, ref_logprobs, agg, agg_constant, axis_name)
-
-
-@register("k1_st", kind="loss")
-def k1_st(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
-          agg_constant=None, axis_name=None):
-    """KL penalty valued as k1, differentiated as k2 (``kl_k1_st``)."""
-    return _kl_loss(kl_k1_st, "k1_st", logprobs, batch, ref_logprobs, agg, agg_constant,
-                    axis_name)
-
-
-@register("k3_st", kind="loss")
-def k3_st(logprobs, batch: TrajectoryBatch, *, ref_logprobs=None, agg="token_mean",
-          agg_constant=None, axis_name=None):
-    """KL penalty valued as k3, differentiated as k2 (``kl_k3_st``)."""
-    return _kl_loss(kl_k3_st, "k3_st", logprobs, batch, ref_logprobs, agg, agg_constant,
-                    axis_name)
+k1 = _kl_penalty("k1", kl_k1, "KL penalty with ``kl_k1``: ``(sum, denominator)`` of lp - sg(ref) "
+                 "over action tokens.")
+k2 = _kl_penalty("k2", kl_k2, "KL penalty with ``kl_k2``: 0.5 (lp - sg(ref))^2.")
+k3 = _kl_penalty("k3", kl_k3, "KL penalty with ``kl_k3`` (low-variance, >= 0; GRPO's KL term).")
+k1_st = _kl_penalty("k1_st", kl_k1_st,
+                    "KL penalty valued as k1, differentiated as k2 (``kl_k1_st``).")
+k3_st = _kl_penalty("k3_st", kl_k3_st,
+                    "KL penalty valued as k3, differentiated as k2 (``kl_k3_st``).")
 
 
 # ----------------------------------------------------------------------------- entropy
