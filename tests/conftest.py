@@ -46,6 +46,29 @@ def tiny_checkpoint(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def one_turn_batch():
+    """One trajectory of one turn and no extras, packed in the concatenated layout at the
+    shapes of ``tests.strategies.PAD``."""
+    from tests.families import packer
+    from tests.strategies import PAD
+
+    recs = [{"group": 0, "outcome": 1.0, "turns": [{"observation": [1], "action": [1]}]}]
+    return packer(PAD)(recs, "concatenated")[0]
+
+
+@pytest.fixture(scope="module")
+def fast_compiles():
+    """XLA's backend optimisations off (``jax_disable_most_optimizations``) for the module
+    that asks, restored after it."""
+    import jax
+
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop JAX's compiled programs after every test module: the suite compiles thousands of

@@ -705,6 +705,18 @@ def _seq(*builders):
     return build
 
 
+def _cast(field, dtype):
+    """A VALIDATE_ERRORS row: ``field`` cast to ``dtype`` (one it must not have)."""
+    return (f"{field}_{np.dtype(dtype).name}", _mod(field, lambda a: a.astype(dtype)),
+            f"{field} must have dtype")
+
+
+# a dtype each field must not have
+WRONG_DTYPES = {"tokens": np.float32, "action_mask": np.int32, "turn_ids": np.float32,
+                "row_traj": np.float64, "old_logprobs": np.int32, "turn_mask": np.float32,
+                "turn_rewards": np.int32, "state_keys": np.float32, "group_ids": bool,
+                "traj_mask": np.int8, "outcome": np.int32}
+
 VALIDATE_ERRORS = [
     # shapes
     ("tokens_1d", _mod("tokens", lambda a: a[0]), r"tokens must be \[R, T\]"),
@@ -727,24 +739,7 @@ VALIDATE_ERRORS = [
     ("traj_mask_shape", _mod("traj_mask", lambda a: a[:3]), r"traj_mask must have shape \[N\]"),
     ("outcome_shape", _mod("outcome", lambda a: a[:7]), r"outcome must have shape \[N\]"),
     # dtypes
-    ("tokens_float", _mod("tokens", lambda a: a.astype(np.float32)), "tokens must have dtype"),
-    ("action_mask_int", _mod("action_mask", lambda a: a.astype(np.int32)),
-     "action_mask must have dtype"),
-    ("turn_ids_float", _mod("turn_ids", lambda a: a.astype(np.float32)),
-     "turn_ids must have dtype"),
-    ("row_traj_float", _mod("row_traj", lambda a: a.astype(np.float64)),
-     "row_traj must have dtype"),
-    ("old_logprobs_int", _mod("old_logprobs", lambda a: a.astype(np.int32)),
-     "old_logprobs must have dtype"),
-    ("turn_mask_float", _mod("turn_mask", lambda a: a.astype(np.float32)),
-     "turn_mask must have dtype"),
-    ("turn_rewards_int", _mod("turn_rewards", lambda a: a.astype(np.int32)),
-     "turn_rewards must have dtype"),
-    ("state_keys_float", _mod("state_keys", lambda a: a.astype(np.float32)),
-     "state_keys must have dtype"),
-    ("group_ids_bool", _mod("group_ids", lambda a: a.astype(bool)), "group_ids must have dtype"),
-    ("traj_mask_int", _mod("traj_mask", lambda a: a.astype(np.int8)), "traj_mask must have dtype"),
-    ("outcome_int", _mod("outcome", lambda a: a.astype(np.int32)), "outcome must have dtype"),
+    *(_cast(field, dtype) for field, dtype in WRONG_DTYPES.items()),
     # index ranges
     ("row_traj_too_big", _mod("row_traj", _at(1, 8)),
      r"row_traj\[1\] = 8 is out of range \[0, 8\)"),
@@ -821,7 +816,7 @@ def test_validate_turn_split_across_rows():
         b.replace(turn_ids=tid).validate()
     # concatenated: two rows of one trajectory holding the same turn
     b = _base()
-    rt, am, tid = np.array(b.row_traj), np.array(b.action_mask), np.array(b.turn_ids)
+    rt = np.array(b.row_traj)
     rt[1] = 0  # row 1 (turn 0 of traj 1) now claims to be trajectory 0's turn 0 too
     with pytest.raises(ValueError, match="turn 0 of trajectory 0 is split across rows 0 and 1"):
         b.replace(row_traj=rt).validate()

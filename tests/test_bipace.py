@@ -32,9 +32,9 @@ from jaxrl_agent import estimators as E
 from jaxrl_agent import segments
 from jaxrl_agent.batch import LAYOUTS
 from tests.reference import bipace_ref
-from tests.reference import estimators_ref as ref
 from tests.reference import step_ref
-from tests.families import assert_each, assert_layouts_agree, assert_placed, packer, shapes_of
+from tests.families import (assert_matches, layouts_agree_test, on_host, packer,
+                            reference_test, unique_keys)
 from tests.strategies import PAD, step_records
 
 # (the package re-exports the function ``bipace`` under the module's name)
@@ -91,11 +91,7 @@ def _estimate(ids, batch, extra=False):
     return out
 
 
-_run_all = jax.jit(functools.partial(_estimate, tuple(CONFIGS), extra=True))
-
-
-def run_all(batch):
-    return jax.tree.map(np.asarray, _run_all(batch))
+run_all = on_host(jax.jit(functools.partial(_estimate, tuple(CONFIGS), extra=True)))
 
 
 def add_hidden(draw, rec):
@@ -133,11 +129,6 @@ def rng_records(rng, group_sizes):
 pack = packer(PAD)
 
 
-def check(cid, adv, recs, index, batch):
-    placed = ref.place(bipace_ref.bipace(recs, **CONFIGS[cid]), index, shapes_of(batch))
-    assert_placed(cid, adv, placed, batch.layout)
-
-
 def clusters_of(recs, tau, merge=False):
     """Reference clusters: list of [(record, turn)] lists."""
     trajs = step_ref.parse_steps(recs)
@@ -161,28 +152,27 @@ def check_partition(labels, recs, index, tau, merge, what):
 # ----------------------------------------------------------------------------- vs reference
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@EX
-@given(recs=records())
-def test_matches_reference(layout, recs):
+def reference_checks(out, recs, index, batch):
     """Every setting against the union-find reference; the estimator's clusters (tau 0.6,
     with and without merged state keys) against the reference partition."""
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
-    assert_each(("", functools.partial(check, cid, out[cid]["adv"], recs, index, batch))
-                for cid in CONFIGS)
-    check_partition(out["clusters_wide"], recs, index, 0.6, False, "clusters")
-    check_partition(out["clusters_wide_merge"], recs, index, 0.6, True, "merged clusters")
+    return ([("", functools.partial(assert_matches, cid, out[cid]["adv"],
+                                    bipace_ref.bipace(recs, **CONFIGS[cid]), index, batch))
+             for cid in CONFIGS]
+            + [("", functools.partial(check_partition, out["clusters_wide"], recs, index, 0.6,
+                                      False, "clusters")),
+               ("", functools.partial(check_partition, out["clusters_wide_merge"], recs, index,
+                                      0.6, True, "merged clusters"))])
+
+
+test_matches_reference = reference_test(EX, records(), pack, run_all, reference_checks)
 
 
 # ----------------------------------------------------------------------------- reductions
 
 
-def _unique(recs, field):
-    recs = copy.deepcopy(recs)
-    for n, t in enumerate(t for r in recs for t in r["turns"]):
-        t[field] = f"unique-{n}"
-    return recs
+def assert_same_tokens(a, b):
+    """Two advantages' per-token values agree (to 1e-6)."""
+    np.testing.assert_allclose(a.token, b.token, atol=1e-6)
 
 
 def _same_actions(recs):
@@ -202,10 +192,9 @@ def test_tau_above_one_gives_the_episode_term(layout, recs):
     (here mean_norm: Dr.GRPO)."""
     out = run_all(pack(recs, layout)[0])
     assert (out["none"]["pace"] == 0).all()
-    np.testing.assert_allclose(out["none"]["adv"].token, out["dr_grpo"].token, atol=1e-6)
-    dist = run_all(pack(_unique(recs, "state_key"), layout)[0])
-    np.testing.assert_allclose(out["none"]["adv"].token, dist["gigpo_mean_norm"].token,
-                               atol=1e-6)
+    assert_same_tokens(out["none"]["adv"], out["dr_grpo"])
+    dist = run_all(pack(unique_keys(recs, "state_key"), layout)[0])
+    assert_same_tokens(out["none"]["adv"], dist["gigpo_mean_norm"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -215,14 +204,12 @@ def test_merged_keys_with_distinct_actions_is_gigpo(layout, recs):
     """tau > 1 with merge_state_keys: clusters are GiGPO's exact anchor groups; with every
     action distinct Q_hat(c, a) = G, so A_PACE = G - V_hat(c) is GiGPO's step term (mean_norm;
     step_normalize mean_std_norm: its z-score). With one shared action it is 0 instead."""
-    out = run_all(pack(_unique(recs, "action_key"), layout)[0])
+    out = run_all(pack(unique_keys(recs, "action_key"), layout)[0])
     np.testing.assert_allclose(out["merge_only_std"]["adv"].turn, out["gigpo_steps"].turn,
                                atol=1e-5)
-    np.testing.assert_allclose(out["merge_only_mean"]["adv"].token,
-                               out["gigpo_mean_norm"].token, atol=1e-6)
+    assert_same_tokens(out["merge_only_mean"]["adv"], out["gigpo_mean_norm"])
     out = run_all(pack(_same_actions(recs), layout)[0])
-    np.testing.assert_allclose(out["merge_only_mean"]["adv"].token, out["dr_grpo"].token,
-                               atol=1e-6)
+    assert_same_tokens(out["merge_only_mean"]["adv"], out["dr_grpo"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -255,10 +242,8 @@ def test_plain_step_term_sums_to_zero_in_each_cluster(layout, recs):
 # ----------------------------------------------------------------------------- invariances
 
 
-@EX
-@given(recs=records())
-def test_layouts_agree(recs):
-    assert_layouts_agree(run_all, pack, recs, CONFIGS, pick=lambda out: out["adv"].turn)
+test_layouts_agree = layouts_agree_test(EX, records(), run_all, pack, CONFIGS,
+                                        pick=lambda out: out["adv"].turn)
 
 
 # --------------------------------------------------------------- no gradient into hidden states
@@ -287,7 +272,7 @@ def test_no_gradient_into_hidden_states():
     assert np.isfinite(gr).all() and np.abs(gr).max() > 0
     # two peers in one cluster with distinct actions: A_PACE(0, 0) = G0 - (G0 + G1) / 2, and
     # w picks turn (0, 0)'s only action token, so the loss is A(0, 0)
-    uniq = pack(_unique([{"group": 0, "outcome": o, "turns": [
+    uniq = pack(unique_keys([{"group": 0, "outcome": o, "turns": [
         {"observation": [0], "action": [1], "reward": o,
          "turn_extras": {"hidden": [1.0, 0.0, 0.0]}}]} for o in (0.0, 1.0)], "action_key"),
         "concatenated")[0]

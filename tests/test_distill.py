@@ -126,6 +126,13 @@ def with_signals(batch, seed, *, lp_noise=0.3):
     return jax.tree.map(jnp.asarray, b), jnp.asarray(lp)
 
 
+def signal_batch(recs, layout, seed):
+    """``with_signals`` on the records' batch in ``layout``: (batch, lp, the batch's host copy
+    for the references)."""
+    batch, lp = with_signals(make_batch(recs, layout), seed)
+    return batch, lp, ref.host(batch)
+
+
 def _fixed(layout="concatenated", seed=0, num_traj=8):
     recs = random_records(np.random.default_rng(seed), num_traj=num_traj, num_groups=3)
     return with_signals(make_batch(recs, layout), seed)
@@ -175,8 +182,7 @@ def _close(actual, desired, rtol=2e-4, atol=2e-4):
 @settings(max_examples=10)
 @given(recs=step_records(min_traj=2), seed=st.integers(0, 2**31 - 1))
 def test_losses_match_reference(layout, recs, seed):
-    batch, lp = with_signals(make_batch(recs, layout), seed)
-    nb = ref.host(batch)
+    batch, lp, nb = signal_batch(recs, layout, seed)
     lp64 = np.asarray(lp, np.float64)
     for (name, hp), (pairs, grad) in zip(SETTINGS, _losses(lp, batch)):
         kw = _ref_kw(name, hp)
@@ -194,8 +200,7 @@ def test_losses_match_reference(layout, recs, seed):
 @settings(max_examples=10)
 @given(recs=step_records(min_traj=1), seed=st.integers(0, 2**31 - 1))
 def test_advantages_match_reference(layout, recs, seed):
-    batch, _ = with_signals(make_batch(recs, layout), seed)
-    nb = ref.host(batch)
+    batch, _, nb = signal_batch(recs, layout, seed)
     base, outs = _advantages(batch)
     base = np.asarray(base, np.float64)
     for (name, hp), (tok, turn) in zip(EST_SETTINGS, outs):

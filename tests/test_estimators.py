@@ -37,7 +37,8 @@ from jaxrl_agent import estimators as E
 from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.rollout.records import pack_records
 from tests.reference import estimators_ref as ref
-from tests.families import assert_each, shapes_of
+from tests import families
+from tests.families import assert_each, assert_same_records, shapes_of
 from tests.strategies import PAD
 from tests.strategies import records as records_st
 
@@ -169,6 +170,13 @@ def pack(records, layout, pad=None, task_index=None):
     return recs, batch, index
 
 
+def pack_and_run(records, layout, state=None):
+    """(filled records, batch, RecordIndex, ``run_all``'s outputs) of ``records`` packed in
+    ``layout``."""
+    recs, batch, index = pack(records, layout)
+    return recs, batch, index, run_all(batch, state)
+
+
 _f32 = st.floats(-3, 3, allow_nan=False, width=32)
 
 
@@ -257,47 +265,9 @@ def check_ref(cid, out, refout, index, batch):
                                    err_msg=f"{cid}: tracker beta")
 
 
-def per_record(adv, index, n=None):
-    """field -> list over records of 1-D arrays (turn values; action-token values in order)."""
-    n = len(index.traj) if n is None else n
-    res = {}
-    for f in FIELDS:
-        x = getattr(adv, f)
-        if x is None:
-            res[f] = None
-        elif f.startswith("turn"):
-            res[f] = [x[index.traj[i], :len(index.spans[i])] for i in range(n)]
-        else:
-            res[f] = [np.concatenate([x[r, s:e] for r, s, e in index.spans[i]])
-                      for i in range(n)]
-    return res
-
-
-def assert_same_records(a, b, refout, what, fields=FIELDS, order=None, factor=2.0):
-    """Per-record values agree within ``factor`` times the reference's float32 tolerance.
-    ``order[i]``: the record of ``b`` that corresponds to record i of ``a``."""
-    for f in fields:
-        if a[f] is None or b[f] is None:
-            assert a[f] is None and b[f] is None, f"{what}.{f}: present in one output only"
-            continue
-        for i, x in enumerate(a[f]):
-            y = b[f][i if order is None else order[i]]
-            tol = factor * refout.tol[f][i]
-            assert x.shape == y.shape, f"{what}.{f} record {i}: shapes {x.shape} {y.shape}"
-            if not np.all(np.abs(x - y) <= tol):
-                raise AssertionError(f"{what}.{f} record {i}: {x} vs {y} (tol {tol:.3g})")
-
-
-def assert_padding_zero(adv, batch, what):
-    am = np.asarray(batch.action_mask)
-    tm = np.asarray(batch.turn_mask)
-    for f in FIELDS:
-        x = getattr(adv, f)
-        if x is None:
-            continue
-        assert np.isfinite(x).all(), f"{what}.{f}: NaN/inf"
-        mask = tm if f.startswith("turn") else am
-        assert (x[~mask] == 0).all(), f"{what}.{f}: nonzero outside the mask"
+# the record helpers of tests/families.py over every output field (returns too)
+per_record = functools.partial(families.per_record, fields=FIELDS)
+assert_padding_zero = functools.partial(families.assert_padding_zero, fields=FIELDS)
 
 
 def group_members(batch):
@@ -361,8 +331,7 @@ def test_matches_reference(layout, data):
     settings on each example; the failure message lists every failing setting)."""
     records = data.draw(full_records(), label="records")
     state = data.draw(spo_states(), label="state")
-    recs, batch, index = pack(records, layout)
-    out = run_all(batch, state)
+    recs, batch, index, out = pack_and_run(records, layout, state)
     assert_each(("", functools.partial(
         check_ref, c.id, out, reference(c, recs, layout, state, index.task_index), index, batch))
         for c in CONFIGS)
@@ -398,8 +367,7 @@ def on_grid(records, step=0.25):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @given(records=full_records())
 def test_p1_zero_sum_within_groups(layout, records):
-    recs, batch, index = pack(records, layout)
-    out = run_all(batch)
+    recs, batch, index, out = pack_and_run(records, layout)
     for cid in ("grpo", "dr_grpo", "rloo", "rollout_level"):
         turn = out[cid][0].turn
         r = reference(CFG[cid], recs, layout)
@@ -584,8 +552,7 @@ def test_p7_spo_pp_equal_residuals_near_zero():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @given(records=full_records())
 def test_rloo_is_n_over_n_minus_1_dr_grpo(layout, records):
-    _, batch, _ = pack(records, layout)
-    out = run_all(batch)
+    _, batch, _, out = pack_and_run(records, layout)
     for members in group_members(batch).values():
         n = len(members)
         for cid_r, cid_d in (("rloo", "dr_grpo"), ("rloo_raw", "dr_grpo_raw")):
@@ -599,8 +566,7 @@ def test_rloo_is_n_over_n_minus_1_dr_grpo(layout, records):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @given(records=full_records())
 def test_rollout_level_unweighted_equals_grpo(layout, records):
-    _, batch, _ = pack(records, layout)
-    out = run_all(batch)
+    _, batch, _, out = pack_and_run(records, layout)
     for f in ("token", "turn"):
         np.testing.assert_array_equal(getattr(out["rollout_level"][0], f),
                                       getattr(out["grpo"][0], f))
@@ -651,8 +617,7 @@ def test_rollout_level_invariant_to_splitting_a_rollout_into_rows():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @given(records=full_records(), state=spo_states())
 def test_spo_pp_token_weighted_mean_zero_and_unit_variance(layout, records, state):
-    recs, batch, index = pack(records, layout)
-    out = run_all(batch, state)
+    recs, batch, index, out = pack_and_run(records, layout, state)
     am = np.asarray(batch.action_mask)
     for cid in ("spo_pp", "spo_pp_rho1", "reinforce_pp_baseline", "reinforce_pp",
                 "reinforce_pp_kl", "gae", "gae_turnv"):
@@ -677,8 +642,7 @@ def test_spo_pp_token_weighted_mean_zero_and_unit_variance(layout, records, stat
 @pytest.mark.parametrize("layout", LAYOUTS)
 @given(records=full_records(min_traj=2), state=spo_states())
 def test_spo_trajectory_mean_zero(layout, records, state):
-    recs, batch, index = pack(records, layout)
-    out = run_all(batch, state)
+    recs, batch, index, out = pack_and_run(records, layout, state)
     tm = np.asarray(batch.traj_mask)
     r = reference(CFG["spo"], recs, layout, state, index.task_index)
     a = out["spo"][0].turn[tm, 0]
@@ -843,8 +807,7 @@ def _rtg(r, gamma):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @given(records=full_records())
 def test_p14_gae_limits(layout, records):
-    recs, batch, index = pack(records, layout)
-    out = run_all(batch)
+    recs, batch, index, out = pack_and_run(records, layout)
     tok = {cid: per_record(out[cid][0], index) for cid in
            ("gae_nw_11", "gae_nw_lam1", "gae_nw_lam0_turnv")}
     rew = _token_streams(recs, index, batch, "reward")
@@ -890,8 +853,7 @@ def test_p14_gae_reward_to_go_with_zero_values(layout, records):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @given(records=full_records())
 def test_p14_turn_gae_limits(layout, records):
-    _, batch, _ = pack(records, layout)
-    out = run_all(batch)
+    _, batch, _, out = pack_and_run(records, layout)
     tm = np.asarray(batch.turn_mask)
     v = np.where(tm, np.asarray(batch.extras["turn_values"], np.float64), 0.0)
     r = np.where(tm, np.asarray(batch.turn_rewards, np.float64), 0.0)

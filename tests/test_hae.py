@@ -28,7 +28,7 @@ from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.estimators.hierarchical import hae_streams
 from tests.reference import estimators_ref as ref
 from tests.reference import hae_ref
-from tests.families import assert_each, assert_placed, packer, shapes_of
+from tests.families import assert_placed, on_host, packer, reference_test, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -76,11 +76,7 @@ def _estimate(ids, sids, batch, axis_name=None, flat=True):
     return out
 
 
-_run_all = jax.jit(functools.partial(_estimate, tuple(CONFIGS), tuple(STREAMS)))
-
-
-def run_all(batch):
-    return jax.tree.map(np.asarray, _run_all(batch))
+run_all = on_host(jax.jit(functools.partial(_estimate, tuple(CONFIGS), tuple(STREAMS))))
 
 
 def add_hae(draw, rec):
@@ -164,16 +160,14 @@ def check_streams(sid, s, recs, index):
 # ----------------------------------------------------------------------------- vs reference
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@EX
-@given(recs=records())
-def test_matches_reference(layout, recs):
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
-    assert_each([("", functools.partial(check, cid, out[cid], recs, index, batch))
-                 for cid in CONFIGS]
-                + [(f"[{layout}]", functools.partial(check_streams, sid, out[sid], recs, index))
-                   for sid in STREAMS])
+def reference_checks(out, recs, index, batch):
+    """Every hae setting and every hae_streams setting against the reference."""
+    return ([("", functools.partial(check, cid, out[cid], recs, index, batch)) for cid in CONFIGS]
+            + [(f"[{batch.layout}]", functools.partial(check_streams, sid, out[sid], recs, index))
+               for sid in STREAMS])
+
+
+test_matches_reference = reference_test(EX, records(), pack, run_all, reference_checks)
 
 
 def test_public_compute_path_and_registry():

@@ -3,11 +3,8 @@ real two-process ``jax.distributed`` job on localhost (gloo CPU collectives), wh
 ``tests/_multihost_child.py`` in two subprocesses with 4 CPU devices each.
 """
 
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -16,9 +13,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_agent.sharding import multihost as mh
+from tests.processes import child_env, free_port, wait_all
 
 CHILD = Path(__file__).with_name("_multihost_child.py")
-REPO = Path(__file__).resolve().parents[1]
 FULL = {"JAXRL_COORDINATOR": "localhost:1234", "JAXRL_NUM_PROCESSES": "2",
         "JAXRL_PROCESS_ID": "1"}
 
@@ -148,41 +145,20 @@ def test_global_tree_one_sharding_or_a_prefix_tree():
 # two real processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_on_localhost(tmp_path):
     """Two processes x 4 CPU devices = one 8-device job: object all-gather, global arrays,
     a jitted matmul with the weight split across hosts, host_gather, barrier (see the child)."""
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
-    start = time.monotonic()
     for pid in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-               "JAXRL_COORDINATOR": f"localhost:{port}", "JAXRL_NUM_PROCESSES": "2",
-               "JAXRL_PROCESS_ID": str(pid),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                           os.environ.get("PYTHONPATH")]))}
+        env = child_env(4, JAXRL_COORDINATOR=f"localhost:{port}", JAXRL_NUM_PROCESSES="2",
+                        JAXRL_PROCESS_ID=str(pid))
         out = open(tmp_path / f"p{pid}.log", "w+")
         logs.append(out)
         procs.append(subprocess.Popen([sys.executable, str(CHILD)], env=env, stdout=out,
                                       stderr=subprocess.STDOUT, cwd=tmp_path))
-    codes = []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=max(1.0, 120 - (time.monotonic() - start))))
-    except subprocess.TimeoutExpired:
-        codes.append("timeout")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = wait_all(procs, timeout=120)
     texts = []
     for pid, f in enumerate(logs):
         f.seek(0)

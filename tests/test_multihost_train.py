@@ -10,16 +10,13 @@ different mesh, and the run continues from it.
 """
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.processes import child_env, free_port, wait_all
 
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
         "model.num_heads=2", "model.num_kv_heads=2", "model.head_dim=16",
@@ -30,38 +27,14 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
         "optimizer.warmup_steps=0", "checkpoint.export_warmup=false"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _args(d: Path, *extra: str) -> list:
     sets = TINY + [f"run.dir={d}/run", *extra]
     return ([sys.executable, "-m", "jaxrl_agent.cli", "train"]
             + [a for s in sets for a in ("--set", s)])
 
 
-def _env(devices: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXRL_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               **extra)
-    return env
-
-
 def _wait(procs, logs, timeout):
-    start, codes = time.monotonic(), []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=max(1.0, timeout - (time.monotonic() - start))))
-    except subprocess.TimeoutExpired:
-        codes.append("timeout")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = wait_all(procs, timeout)
     texts = [Path(f).read_text() for f in logs]
     tails = "\n".join(f"--- process {i} ---\n{t[-3000:]}" for i, t in enumerate(texts))
     assert codes == [0] * len(procs), f"exit codes {codes}\n{tails}"
@@ -73,15 +46,15 @@ def _wait(procs, logs, timeout):
 def test_two_process_training_then_single_process_resume(tmp_path, lora):
     """Two processes train (data parallel), then one process with another mesh resumes: a
     full fine-tune, and LoRA adapters (checkpoints without the base, restored whole)."""
-    port = _free_port()
+    port = free_port()
     # pure data parallelism (the default mesh): parameters replicated across the two hosts
     mesh = ["mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1", "trainer.steps=2", *lora]
     procs, logs = [], []
     for pid in range(2):
         log = tmp_path / f"p{pid}.log"
         logs.append(log)
-        env = _env(4, JAXRL_COORDINATOR=f"localhost:{port}", JAXRL_NUM_PROCESSES="2",
-                   JAXRL_PROCESS_ID=str(pid))
+        env = child_env(4, JAXRL_COORDINATOR=f"localhost:{port}", JAXRL_NUM_PROCESSES="2",
+                        JAXRL_PROCESS_ID=str(pid))
         procs.append(subprocess.Popen(_args(tmp_path, *mesh), env=env, cwd=tmp_path,
                                       stdout=open(log, "w"), stderr=subprocess.STDOUT))
     p0, p1 = _wait(procs, logs, timeout=400)
@@ -98,7 +71,7 @@ def test_two_process_training_then_single_process_resume(tmp_path, lora):
     # one process, 8 devices, another layout: restore the two-process checkpoint, go on
     log = tmp_path / "resume.log"
     proc = subprocess.Popen(_args(tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                  "trainer.steps=3", *lora) + ["--resume"], env=_env(8),
+                                  "trainer.steps=3", *lora) + ["--resume"], env=child_env(8),
                             cwd=tmp_path,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     (out,) = _wait([proc], [log], timeout=300)

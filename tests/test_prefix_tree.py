@@ -59,11 +59,10 @@ GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
+def _module_compiles(fast_compiles):
+    """This module's compiles without XLA's backend optimisations; after it, its cache is
+    dropped and the largest differences seen are printed."""
     yield
-    jax.config.update("jax_disable_most_optimizations", old)
     _CACHE.clear()
     print("\nlargest differences seen:", {k: f"{v:.2g}" for k, v in sorted(_MAX_DIFF.items())})
 

@@ -33,9 +33,8 @@ from jaxrl_agent import segments
 from jaxrl_agent.batch import LAYOUTS, Advantages
 from tests.registered import defined_in
 from jaxrl_agent.estimators import routing
-from tests.reference import estimators_ref as ref
 from tests.reference import routing_ref
-from tests.families import assert_each, assert_placed, packer, shapes_of
+from tests.families import assert_matches, config_checks, on_host, packer, reference_test
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=15, deadline=None)
@@ -113,11 +112,7 @@ def _estimate(batch, axis_name=None, shuffled=True, configs=tuple(CONFIGS), base
     return out
 
 
-_run_all = jax.jit(_estimate)
-
-
-def run_all(batch):
-    return jax.tree.map(np.asarray, _run_all(batch))
+run_all = on_host(jax.jit(_estimate))
 
 
 # ----------------------------------------------------------------------------- records
@@ -190,32 +185,24 @@ def per_record_tokens(token, index):
             for spans in index.spans]
 
 
-def _compare(tag, adv, expected, batch):
-    assert_placed(tag, adv, expected, batch.layout)
-
-
 # ----------------------------------------------------------------------------- vs reference
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@EX
-@given(recs=records())
-def test_matches_reference(layout, recs):
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
-    shapes = shapes_of(batch)
+def reference_checks(out, recs, index, batch):
+    """Every transform setting on both bases and every estimator setting against its
+    reference."""
     checks = []
     for kind in BASES:
         base = per_record_tokens(out[f"base@{kind}"].token, index)
         checks += [("", functools.partial(
-            _compare, f"{cid}@{kind}", out[f"{cid}@{kind}"],
-            ref.place(routing_ref.REFERENCES[name](recs, base, **hp), index, shapes), batch))
+            assert_matches, f"{cid}@{kind}", out[f"{cid}@{kind}"],
+            routing_ref.REFERENCES[name](recs, base, **hp), index, batch))
             for cid, (name, hp) in CONFIGS.items()]
-    checks += [("", functools.partial(
-        _compare, cid, out[cid], ref.place(routing_ref.REFERENCES[name](recs, **hp), index,
-                                           shapes), batch))
-        for cid, (name, hp) in ESTIMATOR_CONFIGS.items()]
-    assert_each(checks)
+    return checks + config_checks(ESTIMATOR_CONFIGS, routing_ref.REFERENCES, ESTIMATOR_CONFIGS,
+                                  out, recs, index, batch)
+
+
+test_matches_reference = reference_test(EX, records(), pack, run_all, reference_checks)
 
 
 def test_registry_and_pipeline():
@@ -645,52 +632,44 @@ def _drop(batch, name):
     return batch.replace(extras={k: v for k, v in batch.extras.items() if k != name})
 
 
-@pytest.mark.parametrize("name,hp,drop,needle", [
-    ("stamp", {}, "supported_citations", r"extras\['supported_citations'\]"),
-    ("stamp", {"alpha": -1.0}, None, "alpha must be >= 0"),
-    ("iapo", {}, "edges", r"extras\['edges'\]"),
-    ("iapo", {"beta": -0.5}, None, "beta must be >= 0"),
-    ("self_credit", {}, "cite", r"extras\['cite'\]"),
-    ("self_credit", {"variant": "both"}, None, "variant must be one of"),
-    ("self_credit", {"w_min": 2.0}, None, "w_min must lie in"),
-    ("triage", {}, "role", r"extras\['role'\]"),
-    ("triage", {"c_progress": 1.5}, None, r"c_progress must lie in \[-1.0, 1.0\]"),
-    ("triage", {"bound": -1.0}, None, "bound must be >= 0"),
-    ("serl", {}, "relevance", r"extras\['relevance'\]"),
-    ("vict", {}, "trace_complete", r"extras\['trace_complete'\]"),
-    ("vict", {}, "atoms", r"extras\['atoms'\]"),
-    ("echo", {"eta": -1.0}, None, "eta must be >= 0"),
-    ("skillgate", {}, "skill_mask", r"extras\['skill_mask'\]"),
-    ("skillgate", {"normalization": "batch"}, None, "normalization must be one of"),
-    ("skillgate", {"eps": 0.0}, None, "eps must be > 0"),
-    ("proas", {"beta": 1.5}, None, "beta must lie in"),
-    ("proas", {}, "deviation", r"extras\['deviation'\]"),
-    ("neos", {}, "divergence_step", r"extras\['divergence_step'\]"),
-    ("neos", {"after": "all"}, None, "after must be one of"),
-    ("ggpo", {}, "redundant", r"extras\['redundant'\]"),
-])
-def test_transform_errors_name_the_problem(plain, name, hp, drop, needle):
+# registered name -> the extras it reads (a batch without one fails, naming it)
+NEEDS = {"stamp": ("supported_citations",), "iapo": ("edges",), "self_credit": ("cite",),
+         "triage": ("role",), "serl": ("relevance",), "vict": ("trace_complete", "atoms"),
+         "skillgate": ("skill_mask",), "proas": ("deviation",), "neos": ("divergence_step",),
+         "ggpo": ("redundant",), "ccpo": ("counterfactual_outcome", "agent"),
+         "sharp": ("coalition_values",)}
+# registered name -> its bad hyper-parameters, each with the message that names it
+BAD_HYPER_PARAMS = {
+    "stamp": [({"alpha": -1.0}, "alpha must be >= 0")],
+    "iapo": [({"beta": -0.5}, "beta must be >= 0")],
+    "self_credit": [({"variant": "both"}, "variant must be one of"),
+                    ({"w_min": 2.0}, "w_min must lie in")],
+    "triage": [({"c_progress": 1.5}, r"c_progress must lie in \[-1.0, 1.0\]"),
+               ({"bound": -1.0}, "bound must be >= 0")],
+    "echo": [({"eta": -1.0}, "eta must be >= 0")],
+    "skillgate": [({"normalization": "batch"}, "normalization must be one of"),
+                  ({"eps": 0.0}, "eps must be > 0")],
+    "proas": [({"beta": 1.5}, "beta must lie in")],
+    "neos": [({"after": "all"}, "after must be one of")],
+    "ccpo": [({"eps": -1.0}, "eps must be > 0")],
+    "sharp": [({"tool_rewards": "pair_active"}, "one entry per agent"),
+              ({"ddof": 2}, "ddof must be 0 or 1")],
+}
+# (name, hyper-parameters, the extra dropped from the batch or None, the message)
+ERRORS = ([(name, {}, extra, rf"extras\['{extra}'\]") for name, extras in NEEDS.items()
+           for extra in extras]
+          + [(name, hp, None, needle) for name, bad in BAD_HYPER_PARAMS.items()
+             for hp, needle in bad])
+
+
+@pytest.mark.parametrize("name,hp,drop,needle", ERRORS)
+def test_errors_name_the_problem(plain, name, hp, drop, needle):
     batch, base = plain
     if drop:
         batch = _drop(batch, drop)
+    args = (base, batch) if E.spec(name).kind == "transform" else (batch,)
     with pytest.raises(ValueError, match=needle):
-        E.get(name)(base, batch, **hp)
-
-
-@pytest.mark.parametrize("name,hp,drop,needle", [
-    ("ccpo", {}, "counterfactual_outcome", r"extras\['counterfactual_outcome'\]"),
-    ("ccpo", {}, "agent", r"extras\['agent'\]"),
-    ("ccpo", {"eps": -1.0}, None, "eps must be > 0"),
-    ("sharp", {}, "coalition_values", r"extras\['coalition_values'\]"),
-    ("sharp", {"tool_rewards": "pair_active"}, None, "one entry per agent"),
-    ("sharp", {"ddof": 2}, None, "ddof must be 0 or 1"),
-])
-def test_estimator_errors_name_the_problem(plain, name, hp, drop, needle):
-    batch, _ = plain
-    if drop:
-        batch = _drop(batch, drop)
-    with pytest.raises(ValueError, match=needle):
-        E.get(name)(batch, **hp)
+        E.get(name)(*args, **hp)
 
 
 def test_bad_shapes_are_named(plain):

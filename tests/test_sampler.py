@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent.models import ModelConfig, Transformer
-from jaxrl_agent.sampling import JaxSampler, SampleOutput, Sampler, SamplingParams
+from jaxrl_agent.sampling import JaxSampler, SamplingParams
+from tests.samplers import assert_sampler_protocol
 
 V = 128
 REF_LEN = 32      # the reference forward pass runs on rows padded to this length
@@ -101,15 +102,7 @@ def greedy_reference(ref_logits, prompts, n_new):
 
 
 def test_protocol_and_output_types(sampler):
-    assert isinstance(sampler, Sampler)
-    out = sampler.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
-    assert len(out) == 1 and isinstance(out[0], SampleOutput)
-    o = out[0]
-    assert o.prompt_token_ids == [1, 2, 3]
-    assert len(o.token_ids) == len(o.logprobs) == 4
-    assert all(isinstance(t, int) and 0 <= t < V for t in o.token_ids)
-    assert o.finish_reason == "length" and o.policy_version == sampler.policy_version
-    assert sampler.generate([], SamplingParams()) == []
+    assert_sampler_protocol(sampler, V, sampler.policy_version)
 
 
 def test_teacher_forced_logprobs(sampler, ref_logits):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from jaxrl_agent import estimators as E
@@ -29,7 +29,7 @@ from jaxrl_agent.estimators import turn_credit as T
 from tests.registered import defined_in
 from tests.reference import estimators_ref as eref
 from tests.reference import shaping_ref as ref
-from tests.families import colliding_records, assert_each, packer, shapes_of
+from tests.families import colliding_records, packer, reference_test, shapes_of
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=12, deadline=None)
@@ -245,15 +245,15 @@ def check(cid, got, recs, index, batch, base):
                                f"got {g[bad][0]}, expected {e[bad][0]}")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@EX
-@given(recs=records())
-def test_matches_reference(layout, recs):
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
+def reference_checks(out, recs, index, batch):
+    """Every setting the batch's layout runs against its reference (transforms of the
+    reference GRPO advantage)."""
     base = eref.grpo(recs).turn
-    assert_each(("", functools.partial(check, cid, out[cid], recs, index, batch, base))
-                for cid in configs_of(out))
+    return [("", functools.partial(check, cid, out[cid], recs, index, batch, base))
+            for cid in configs_of(out)]
+
+
+test_matches_reference = reference_test(EX, records(), pack, run_all, reference_checks)
 
 
 def test_every_registered_name_has_a_reference_and_a_config():

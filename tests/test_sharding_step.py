@@ -53,11 +53,9 @@ MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _fast_compiles():
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
+def _module_compiles(fast_compiles):
+    """This module's compiles without XLA's backend optimisations; its cache dropped after."""
     yield
-    jax.config.update("jax_disable_most_optimizations", old)
     _STEPS.clear()
 
 
@@ -187,23 +185,24 @@ def test_data_shards_must_match_the_mesh():
 # ----------------------------------------------------------------------------- layouts
 
 # per-device shapes by DEFAULT_RULES (embed -> fsdp; heads/kv_heads/mlp/vocab -> tensor); the
-# two decoder layers are stacked along a leading axis that is never split
-LOCAL = {
-    MIXED: {"embed_tokens.embedding": (32, 16), "layers.self_attn.q_proj.kernel": (2, 16, 16),
-            "layers.self_attn.k_proj.kernel": (2, 16, 8), "layers.self_attn.o_proj.kernel":
-            (2, 16, 16), "layers.mlp.gate_proj.kernel": (2, 16, 32),
-            "layers.mlp.down_proj.kernel": (2, 32, 16), "lm_head.kernel": (16, 32),
-            "layers.input_layernorm.weight": (2, 32), "norm.weight": (32,),
-            "layers.self_attn.q_norm.weight": (2, 8), "value_head.kernel": (16, 1),
-            "value_head.bias": (1,)},
-    FSDP8: {"embed_tokens.embedding": (64, 4), "layers.self_attn.q_proj.kernel": (2, 4, 32),
-            "layers.self_attn.k_proj.kernel": (2, 4, 16), "layers.self_attn.o_proj.kernel":
-            (2, 32, 4), "layers.mlp.gate_proj.kernel": (2, 4, 64),
-            "layers.mlp.down_proj.kernel": (2, 64, 4), "lm_head.kernel": (4, 64),
-            "layers.input_layernorm.weight": (2, 32), "norm.weight": (32,),
-            "layers.self_attn.q_norm.weight": (2, 8), "value_head.kernel": (4, 1),
-            "value_head.bias": (1,)},
+# two decoder layers are stacked along a leading axis that is never split.
+# parameter: (its shape on MIXED, on FSDP8)
+LOCAL_SHAPES = {
+    "embed_tokens.embedding": ((32, 16), (64, 4)),
+    "layers.self_attn.q_proj.kernel": ((2, 16, 16), (2, 4, 32)),
+    "layers.self_attn.k_proj.kernel": ((2, 16, 8), (2, 4, 16)),
+    "layers.self_attn.o_proj.kernel": ((2, 16, 16), (2, 32, 4)),
+    "layers.mlp.gate_proj.kernel": ((2, 16, 32), (2, 4, 64)),
+    "layers.mlp.down_proj.kernel": ((2, 32, 16), (2, 64, 4)),
+    "lm_head.kernel": ((16, 32), (4, 64)),
+    "layers.input_layernorm.weight": ((2, 32), (2, 32)),
+    "norm.weight": ((32,), (32,)),
+    "layers.self_attn.q_norm.weight": ((2, 8), (2, 8)),
+    "value_head.kernel": ((16, 1), (4, 1)),
+    "value_head.bias": ((1,), (1,)),
 }
+LOCAL = {layout: {path: shapes[j] for path, shapes in LOCAL_SHAPES.items()}
+         for j, layout in enumerate((MIXED, FSDP8))}
 
 
 @pytest.mark.parametrize("layout", [MIXED, FSDP8], ids=["dp2xfsdp2xtp2", "fsdp8"])

@@ -24,7 +24,8 @@ from jaxrl_agent import segments
 from jaxrl_agent.batch import LAYOUTS
 from tests.reference import estimators_ref as ref
 from tests.reference import step_ref
-from tests.families import colliding_records, assert_each, assert_layouts_agree, assert_placed, packer, shapes_of
+from tests.families import (colliding_records, config_checks, layouts_agree_test, on_host,
+                            packer, reference_test, shapes_of, unique_keys)
 from tests.strategies import PAD, step_records
 
 EX = settings(max_examples=20, deadline=None)
@@ -54,11 +55,7 @@ def _estimate(ids, batch):
     return {cid: E.get(CONFIGS[cid][0])(batch, **CONFIGS[cid][1]) for cid in ids}
 
 
-_run_all = jax.jit(functools.partial(_estimate, tuple(CONFIGS)))
-
-
-def run_all(batch):
-    return jax.tree.map(np.asarray, _run_all(batch))
+run_all = on_host(jax.jit(functools.partial(_estimate, tuple(CONFIGS))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,23 +98,12 @@ def np_records(seed, num_traj=8, groups=3):
 pack = packer(PAD)
 
 
-def check(cid, adv, recs, index, batch):
-    name, hp = CONFIGS[cid]
-    placed = ref.place(step_ref.REFERENCES[name](recs, **hp), index, shapes_of(batch))
-    assert_placed(cid, adv, placed, batch.layout)
-
-
 # ----------------------------------------------------------------------------- vs reference
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@EX
-@given(recs=records())
-def test_matches_reference(layout, recs):
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
-    assert_each(("", functools.partial(check, cid, out[cid], recs, index, batch))
-                for cid in CONFIGS)
+test_matches_reference = reference_test(
+    EX, records(), pack, run_all,
+    functools.partial(config_checks, CONFIGS, step_ref.REFERENCES, CONFIGS))
 
 
 def test_public_compute_path():
@@ -131,16 +117,6 @@ def test_public_compute_path():
 # ----------------------------------------------------------------------------- reductions
 
 
-def distinct_states(recs):
-    recs = copy.deepcopy(recs)
-    n = 0
-    for r in recs:
-        for t in r["turns"]:
-            t["state_key"] = f"unique-{n}"
-            n += 1
-    return recs
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @EX
 @given(recs=records())
@@ -148,7 +124,7 @@ def test_all_anchors_distinct_or_w0_equals_grpo(layout, recs):
     """The reduction lattice: distinct anchors, or step weight 0, give GRPO exactly (mean_norm:
     Dr.GRPO); singleton anchor groups contribute 0."""
     batch, _ = pack(recs, layout)
-    dist, _ = pack(distinct_states(recs), layout)
+    dist, _ = pack(unique_keys(recs), layout)
     grpo = np.asarray(est("grpo", batch).token)
     dr = np.asarray(est("dr_grpo", batch).token)
     np.testing.assert_allclose(est("gigpo", dist).token, grpo, atol=1e-6)
@@ -251,10 +227,7 @@ def test_matchtir_is_the_mean_of_grpo_and_turn_cohorts():
 # ----------------------------------------------------------------------------- invariances
 
 
-@EX
-@given(recs=records())
-def test_layouts_agree(recs):
-    assert_layouts_agree(run_all, pack, recs, CONFIGS)
+test_layouts_agree = layouts_agree_test(EX, records(), run_all, pack, CONFIGS)
 
 
 # ----------------------------------------------------------------------------- degenerate
@@ -308,12 +281,6 @@ def test_history_keys_identify_exact_histories(recs):
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.fixture(scope="module")
-def plain():
-    return pack([{"group": 0, "outcome": 1.0, "turns": [{"observation": [1], "action": [1]}]}],
-                "concatenated")[0]
-
-
 @pytest.mark.parametrize("name,hp,needle", [
     ("gigpo", {"normalization": "z"}, "normalization must be one of"),
     ("gigpo", {"anchor": "fuzzy"}, "anchor must be one of"),
@@ -325,6 +292,6 @@ def plain():
     ("step_group", {"target": "q"}, "target must be one of"),
     ("matchtir", {"eps": 0.0}, "eps must be > 0"),
 ])
-def test_errors_name_the_problem(plain, name, hp, needle):
+def test_errors_name_the_problem(one_turn_batch, name, hp, needle):
     with pytest.raises(ValueError, match=needle):
-        E.get(name)(plain, **hp)
+        E.get(name)(one_turn_batch, **hp)

@@ -31,7 +31,8 @@ from jaxrl_agent.estimators import tree as T
 from tests.reference import step_ref
 from tests.reference import tree_ref as ref
 from tests.reference.estimators_ref import place
-from tests.families import packer, shapes_of
+from tests.families import (assert_padding_zero, assert_same_records, packer, per_record,
+                            shapes_of)
 from tests.strategies import PAD, step_records
 
 FIELDS = ("token", "turn")
@@ -157,32 +158,6 @@ def check_ref(cid, out, records, index, batch):
     placed = place(reference(cid, records), index, shapes_of(batch))
     for f in FIELDS:
         assert_close(getattr(out[cid], f), *placed[f], f"{cid}.{f} [{batch.layout}]")
-
-
-def per_record(adv, index):
-    """field -> per record 1-D arrays (turn values; action-token values in order)."""
-    n = len(index.traj)
-    return {"turn": [adv.turn[index.traj[i], :len(index.spans[i])] for i in range(n)],
-            "token": [np.concatenate([adv.token[r, s:e] for r, s, e in index.spans[i]])
-                      for i in range(n)]}
-
-
-def assert_same_records(a, b, refout, what, order=None, factor=2.0):
-    for f in FIELDS:
-        for i, x in enumerate(a[f]):
-            y = b[f][i if order is None else order[i]]
-            tol = factor * refout.tol[f][i]
-            assert x.shape == y.shape, f"{what}.{f} record {i}"
-            if not np.all(np.abs(x - y) <= tol):
-                raise AssertionError(f"{what}.{f} record {i}: {x} vs {y} (tol {tol:.3g})")
-
-
-def assert_padding_zero(adv, batch, what):
-    am, tm = np.asarray(batch.action_mask), np.asarray(batch.turn_mask)
-    for f, mask in (("token", am), ("turn", tm)):
-        x = getattr(adv, f)
-        assert np.isfinite(x).all(), f"{what}.{f}: NaN/inf"
-        assert (x[~mask] == 0).all(), f"{what}.{f}: nonzero outside the mask"
 
 
 def node_members(records, index, child="history"):

@@ -26,11 +26,11 @@ if not vllm_available():  # importorskip without paying vLLM's import (6-8 s) at
                 allow_module_level=True)
 
 from jaxrl_agent.models import ModelConfig, Transformer, token_logprobs  # noqa: E402
-from jaxrl_agent.sampling import (SampleOutput, Sampler, SamplingParams,  # noqa: E402
-                                  process_logits)
+from jaxrl_agent.sampling import SamplingParams, process_logits  # noqa: E402
 from jaxrl_agent.sampling.vllm import (CPU_HEAD_DIMS, VllmSampler,  # noqa: E402
                                        WeightSyncError)
 from jaxrl_agent.train.loop import refuse_stale  # noqa: E402
+from tests.samplers import assert_sampler_protocol  # noqa: E402
 
 V = 260
 MAX_LEN = 128
@@ -167,18 +167,10 @@ def test_constructor_validation(model, kwargs, field):
 
 
 def test_protocol_version_and_output_types(engine):
-    assert isinstance(engine, Sampler)
     assert engine.policy_version == BASE_VERSION
     assert engine.last_sync["probe_error"] <= 1e-4
-    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
-    assert len(out) == 1 and isinstance(out[0], SampleOutput)
-    o = out[0]
-    assert o.prompt_token_ids == [1, 2, 3]
-    assert len(o.token_ids) == len(o.logprobs) == 4
-    assert all(isinstance(t, int) and 0 <= t < V for t in o.token_ids)
+    o = assert_sampler_protocol(engine, V, BASE_VERSION)
     assert all(isinstance(x, float) and x <= 1e-6 for x in o.logprobs)
-    assert o.finish_reason == "length" and o.policy_version == BASE_VERSION
-    assert engine.generate([], SamplingParams()) == []
 
 
 def test_logprob_parity_with_the_jax_model(engine, model):

@@ -33,7 +33,7 @@ import math
 from collections import defaultdict
 
 
-from tests.reference.estimators_ref import RefOut, f32
+from tests.reference.estimators_ref import RefOut, _unflatten, f32
 
 ATOL = 2e-4
 
@@ -85,14 +85,6 @@ def _result(records, per_token, tol_scale=None):
 
 def _flat(rec):
     return [x for v in rec for x in v]
-
-
-def _unflat(flat, like):
-    out, i = [], 0
-    for v in like:
-        out.append(flat[i:i + len(v)])
-        i += len(v)
-    return out
 
 
 # ----------------------------------------------------------------------------- the normaliser
@@ -251,7 +243,7 @@ def trial(records, base, *, teacher="teacher_logprobs", student="old_logprobs", 
         mags = _shuffle(trajs, mags, traj_index, "trajectory", seed, per_turn=True)
     out = []
     for tr, b, g, toks in zip(trajs, base, gaps, mags):
-        mu = _unflat(normalize(_flat(toks)), g)
+        mu = _unflatten(normalize(_flat(toks)), g)
         out.append([[a + weight * w * x for a, w, x in zip(bv, wv, gv)]
                     for bv, wv, gv in zip(b, mu, g)])
     return _result(records, out)
@@ -330,7 +322,7 @@ def rvco(records, base, *, teacher="teacher_logprobs", student="old_logprobs", t
         p = [math.exp(x - top) for x in z]
         n = len(p)
         w = [(1 - beta) * n * x / sum(p) + beta for x in p]
-        out.append([[a * x for a, x in zip(bv, wv)] for bv, wv in zip(b, _unflat(w, g))])
+        out.append([[a * x for a, x in zip(bv, wv)] for bv, wv in zip(b, _unflatten(w, g))])
     return _result(records, out)
 
 
@@ -435,7 +427,8 @@ def eapo(records, base, *, entropy="entropy", a=1.0, shuffle=False, seed=0, traj
         lo, hi = min(h), max(h)
         hn = [(x - lo) / (hi - lo) if hi > lo else 0.0 for x in h]
         bf = _flat(b)
-        raw.append(_unflat([1 + a * x if av > 0 else 1 + a * (1 - x) for x, av in zip(hn, bf)], b))
+        raw.append(_unflatten([1 + a * x if av > 0 else 1 + a * (1 - x)
+                               for x, av in zip(hn, bf)], b))
     if shuffle:
         raw = _shuffle(trajs, raw, traj_index, "trajectory", seed, per_turn=False)
     return _result(records, _apply(trajs, base, raw)[0])
@@ -458,7 +451,7 @@ def fipo(records, base, *, current="old_logprobs", gamma=0.99, alpha=0.5, clip=1
     out = []
     for f, b in zip(fs, base):
         w = [1 + alpha * min(max(v / (s + eps), -clip), clip) for v in f]
-        out.append([[a * x for a, x in zip(bv, wv)] for bv, wv in zip(b, _unflat(w, b))])
+        out.append([[a * x for a, x in zip(bv, wv)] for bv, wv in zip(b, _unflatten(w, b))])
     return _result(records, out)
 
 

@@ -65,18 +65,25 @@ def _floats(v):
     return None if v is None else [f32(x) for x in v]
 
 
+def record_rewards(rec) -> tuple[list, float]:
+    """A record's turn rewards and outcome, applying the documented record defaults
+    independently: no turn reward at all -> the outcome is the last turn's reward; no outcome
+    -> the sum of the turn rewards."""
+    turns_in = rec["turns"]
+    rewards = [float(t.get("reward", 0.0)) for t in turns_in]
+    outcome = float(rec["outcome"]) if "outcome" in rec else sum(rewards)
+    if not any("reward" in t for t in turns_in):
+        rewards[-1] = outcome
+    return rewards, outcome
+
+
 def parse(records) -> list[Traj]:
-    """Records -> trajectories, applying the documented record defaults independently:
-    no turn reward at all -> the outcome is the last turn's reward; no outcome -> the sum of
-    the turn rewards; task defaults to the group."""
+    """Records -> trajectories, applying the record defaults (``record_rewards``; task
+    defaults to the group)."""
     out = []
     for rec in records:
         turns_in = rec["turns"]
-        any_reward = any("reward" in t for t in turns_in)
-        rewards = [float(t.get("reward", 0.0)) for t in turns_in]
-        outcome = float(rec["outcome"]) if "outcome" in rec else sum(rewards)
-        if not any_reward:
-            rewards[-1] = outcome
+        rewards, outcome = record_rewards(rec)
         turns = [Turn(action=list(t["action"]), reward=f32(r),
                       value=None if "value" not in t else f32(t["value"]),
                       values=_floats(t.get("values")), logprobs=_floats(t.get("logprobs")),
@@ -150,30 +157,34 @@ def place(out: RefOut, index, shapes) -> dict:
     """
     N, K, R, T = shapes["N"], shapes["K"], shapes["R"], shapes["T"]
     res = {}
-    for field in ("turn", "turn_returns"):
-        vals = getattr(out, field)
-        if vals is None:
-            res[field] = None
-            continue
-        x, tol = np.zeros((N, K)), np.zeros((N, K))
-        for i, v in enumerate(vals):
-            n = index.traj[i]
-            x[n, :len(v)] = v
-            tol[n, :len(v)] = out.tol[field][i]
-        res[field] = (x, tol)
-    for field in ("token", "token_returns"):
-        vals = getattr(out, field)
-        if vals is None:
-            res[field] = None
-            continue
-        x, tol = np.zeros((R, T)), np.zeros((R, T))
-        for i, per_turn in enumerate(vals):
-            for (row, start, stop), v in zip(index.spans[i], per_turn):
-                assert len(v) == stop - start
-                x[row, start:stop] = v
-                tol[row, start:stop] = out.tol[field][i]
-        res[field] = (x, tol)
+    for fields, shape, cells in ((("turn", "turn_returns"), (N, K), _turn_cells),
+                                 (("token", "token_returns"), (R, T), _token_cells)):
+        for field in fields:
+            vals = getattr(out, field)
+            if vals is None:
+                res[field] = None
+                continue
+            x, tol = np.zeros(shape), np.zeros(shape)
+            for i, v in enumerate(vals):
+                for at, piece in cells(index, i, v):
+                    x[at] = piece
+                    tol[at] = out.tol[field][i]
+            res[field] = (x, tol)
     return res
+
+
+def _turn_cells(index, i, per_turn):
+    """(position, values) of record i's per-turn values: its trajectory's first turns."""
+    return [((index.traj[i], slice(0, len(per_turn))), per_turn)]
+
+
+def _token_cells(index, i, per_turn):
+    """(position, values) of record i's per-token values: one (row, start:stop) span a turn."""
+    cells = []
+    for (row, start, stop), v in zip(index.spans[i], per_turn):
+        assert len(v) == stop - start
+        cells.append(((row, slice(start, stop)), v))
+    return cells
 
 
 # ----------------------------------------------------------------------------- group helpers

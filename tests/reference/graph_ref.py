@@ -65,12 +65,20 @@ def standardize(trajs, x, scale, how, eps):
             for i, k in members:
                 tol[i][k] = _std_tol(sc, eps, n, 0.0)
             continue
-        m = sum(xs) / n
-        s = math.sqrt(sum((v - m) ** 2 for v in xs) / (n - 1))
-        for (i, k), v in zip(members, xs):
-            a[i][k] = (v - m) / (s + eps)
-            tol[i][k] = _std_tol(sc, s + eps, n, a[i][k])
+        _standardize_members(members, xs, sc, eps, a, tol)
     return a, tol
+
+
+def _standardize_members(members, xs, scale, eps, a, tol):
+    """Writes (x - mean) / (std + eps) of the values ``xs`` (std with ddof 1) at their
+    positions ``members`` (i, k) into ``a``, and their tolerances (error scale ``scale``) into
+    ``tol``."""
+    n = len(xs)
+    m = sum(xs) / n
+    s = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    for (i, k), x in zip(members, xs):
+        a[i][k] = (x - m) / (s + eps)
+        tol[i][k] = _std_tol(scale, s + eps, n, a[i][k])
 
 
 def _out(trajs, turn, tol_turn, a_ep=None, tol_ep=None, we=0.0, wg=1.0, turn_returns=None,
@@ -171,11 +179,7 @@ def graphgpo(records, *, omega=0.1, success_reward=10.0, success_threshold=0.5,
         sc = max(abs(x) for x in xs) * 8  # omega^d in float32: a few roundings
         if n == 1 or all(x == xs[0] for x in xs):
             continue
-        m = sum(xs) / n
-        s = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-        for (i, k), x in zip(members, xs):
-            a[i][k] = (x - m) / (s + eps)
-            tol[i][k] = _std_tol(sc, s + eps, n, a[i][k])
+        _standardize_members(members, xs, sc, eps, a, tol)
     a_ep, tol_ep = episode_term(trajs, weighting=episode_weighting, eps=eps)
     return _out(trajs, a, tol, a_ep, tol_ep, episode_weight, graph_weight)
 

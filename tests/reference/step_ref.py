@@ -15,7 +15,8 @@ from collections import defaultdict
 from typing import Any
 
 from tests.reference.estimators_ref import (  # noqa: F401  (re-exported for the others)
-    BASE_ATOL, BASE_RTOL, U32, WHITEN_C, RefOut, _bcast_turns, _plain_tol, _std_tol, f32)
+    BASE_ATOL, BASE_RTOL, U32, WHITEN_C, RefOut, _bcast_turns, _plain_tol, _std_tol, f32,
+    record_rewards)
 
 EPS = 1e-6
 
@@ -53,14 +54,9 @@ def parse_steps(records) -> list[STraj]:
     reward: the outcome is the last turn's reward; no outcome: the sum of turn rewards)."""
     out = []
     for rec in records:
-        tin = rec["turns"]
-        any_reward = any("reward" in t for t in tin)
-        rewards = [float(t.get("reward", 0.0)) for t in tin]
-        outcome = float(rec["outcome"]) if "outcome" in rec else sum(rewards)
-        if not any_reward:
-            rewards[-1] = outcome
+        rewards, outcome = record_rewards(rec)
         turns = []
-        for t, r in zip(tin, rewards):
+        for t, r in zip(rec["turns"], rewards):
             obs = tuple(t.get("observation", []))
             act = tuple(t["action"])
             state = ("k", t["state_key"]) if "state_key" in t else ("o", obs)
