@@ -1,5 +1,5 @@
-"""Test set-up: 8 host CPU devices and quick compiles (before jax is imported), and one
-hypothesis profile."""
+"""Test set-up: 8 host CPU devices, quick compiles and one compilation cache per run (before
+jax is imported), and one hypothesis profile."""
 
 import os
 
@@ -13,6 +13,21 @@ if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The suite compiles the same programs again and again: in module after module (JAX's
+# in-memory caches are dropped after each, below), on both xdist workers, and in the training
+# processes tests start. One persistent compilation cache per test run, made here by the
+# process that starts first (the xdist controller; its workers and every child inherit the
+# variable) and removed by it at exit, turns the repeats into loads; a program whose compile
+# took under 0.05 s is not stored. A JAX_COMPILATION_CACHE_DIR you set is used instead.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-agent-tests-xla-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

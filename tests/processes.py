@@ -1,6 +1,5 @@
-"""Helpers the multi-process tests share (test_multihost.py, test_multihost_train.py): a free
-localhost port, the environment of a child process on host CPU devices, and waiting for
-several children."""
+"""Helpers the tests that start processes share: a free localhost port, the environment of a
+child process on host CPU devices, and waiting for several children."""
 
 from __future__ import annotations
 
@@ -20,11 +19,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(devices: int, **extra) -> dict:
+def child_env(devices: int | None, **extra) -> dict:
     """This process's environment without its JAXRL_ settings, for a child on ``devices`` host
-    CPU devices that imports this checkout, plus ``extra``."""
+    CPU devices (None: one) that imports this checkout, plus ``extra``. The child keeps the
+    suite's quick-compile XLA flags (``conftest.py``): the same numbers, compiled sooner."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXRL_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                **extra)
     return env

@@ -18,6 +18,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_agent.train import checkpoint as C
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -253,7 +254,7 @@ def test_save_killed_before_commit_is_never_taken_as_valid(tmp_path):
     ready = tmp_path / "ready"
     script = tmp_path / "killed_save.py"
     script.write_text(_KILLED_SAVE.format(repo=str(REPO), ready=str(ready), directory=str(d)))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env(None)
     proc = subprocess.Popen([sys.executable, str(script)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.processes import child_env
 from tests.runs import TINY
 
 TASKS = "\n".join(f'{{"id": "t{i}", "prompt": "What is {i} + 1?", "answer": "{i + 1}", '
@@ -15,7 +16,7 @@ TASKS = "\n".join(f'{{"id": "t{i}", "prompt": "What is {i} + 1?", "answer": "{i 
 
 
 def _train(tmp_path, *sets, timeout=600):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = child_env(None)
     cmd = [sys.executable, "-m", "jaxrl_agent.cli", "train", *sum((["--set", s] for s in
                                                                    [*TINY, *sets]), [])]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
