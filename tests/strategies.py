@@ -49,7 +49,10 @@ def random_records(rng, num_traj=MAX_TRAJ, max_turns=MAX_TURNS, num_groups=3, bi
 
 
 _tok = st.integers(0, 99)
-_reward = st.floats(-3, 3, allow_nan=False, width=32)
+# no subnormal floats: XLA on CPU flushes them to 0 where a numpy reference keeps them (an
+# outcome of -1.4e-45 is then a success at a threshold of 0 for one and a failure for the
+# other); no reward is ever one.
+_reward = st.floats(-3, 3, allow_nan=False, allow_subnormal=False, width=32)
 
 
 @st.composite

@@ -28,7 +28,7 @@ from jaxrl_agent.batch import LAYOUTS
 from jaxrl_agent.estimators.graph import graph_distances
 from tests.reference import graph_ref
 from tests.reference.step_ref import parse_steps
-from tests.families import (assert_each, assert_matches, layouts_agree_test, on_host, packer,
+from tests.families import (assert_matches, layouts_agree_test, on_host, packer, reference_test,
                             unique_keys)
 from tests.strategies import PAD, step_records
 
@@ -105,18 +105,10 @@ def per_turn(adv_turn, index, recs):
 # ----------------------------------------------------------------------------- (1) reference
 
 
-# Written out rather than made by tests.families.reference_test: a derandomized run draws its
-# examples from the test's source, and another stream finds a subnormal outcome (-1.4e-45) that
-# XLA on CPU flushes to 0, a success at graphgpo's success_threshold=0.0 but a failure for the
-# float64 reference.
-@pytest.mark.parametrize("layout", LAYOUTS)
-@EX
-@given(recs=step_records())
-def test_matches_reference(layout, recs):
-    batch, index = pack(recs, layout)
-    out = run_all(batch)
-    assert_each(("", functools.partial(check, cid, out[cid], recs, index, batch))
-                for cid in OWN)
+test_matches_reference = reference_test(
+    EX, step_records(), pack, run_all,
+    lambda out, recs, index, batch: [("", functools.partial(check, cid, out[cid], recs, index,
+                                                            batch)) for cid in OWN])
 
 
 # ----------------------------------------------------------------------------- (2) properties

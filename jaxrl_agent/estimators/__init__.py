@@ -15,7 +15,8 @@ Where is what (family file: registered names by kind; family files import only
                     ``step_returns``, ``normalize_in_groups``, ``combine``, ``token_weights``,
                     ``apply_token_weights``, ``normalize_weights``, ``shuffle_weights``,
                     ``valid_tokens``, ``token_trajectories``, ``potential_differences``,
-                    ``potential_terms``, ``normalize_turns``, ``cohort_ids``
+                    ``potential_terms``, ``normalize_turns``, ``cohort_ids``,
+                    ``check_episode_args``
 ``outcome``         trajectory-level baselines: grpo, dr_grpo, rloo, reinforce_pp,
                     reinforce_pp_baseline, rollout_level, spo, spo_pp, r3l
 ``temporal``        returns and critics: returns, gae, turn_gae, lambda_returns, sapo
