@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxrl_agent import config, envs, estimators, losses, registry
 from jaxrl_agent.config import ConfigError, RunConfig
-from jaxrl_agent.estimators.registry import type_error
+from jaxrl_agent.estimators.pipeline import type_error
 from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.train.inputs import LOOP_INPUTS, SOURCES
 

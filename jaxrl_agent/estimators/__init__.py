@@ -37,7 +37,8 @@ Where is what (family file: registered names by kind; family files import only
                     the multi-agent estimators ccpo, sharp
 ``distill``         distillation as advantages: opd, credit (estimators), seed, cny
                     (transforms); the distillation losses are in ``jaxrl_agent.losses``
-``registry``        lookup, hyper-parameter checks, ``Pipeline``, ``compute``
+``pipeline``        lookup by name, hyper-parameter checks, ``Pipeline``, ``compute`` (the
+                    registry itself is ``jaxrl_agent.registry``)
 ==================  =========================================================================
 
 Every named signal a method reads (teacher log-probs, scores, potentials) goes through
@@ -58,7 +59,7 @@ from jaxrl_agent.estimators.allocation import reallocate, shuffled_control
 from jaxrl_agent.estimators.bipace import bipace
 from jaxrl_agent.estimators.graph import g2po, gagpo, graphgpo
 from jaxrl_agent.estimators.hierarchical import hae, hae_streams
-from jaxrl_agent.estimators.registry import (
+from jaxrl_agent.estimators.pipeline import (
     KINDS, EstimatorSpec, MissingInput, Pipeline, check_hyper_params, compute, get, names, reads,
     register, spec)
 from jaxrl_agent.estimators.step_group import gigpo, matchtir, step_group
