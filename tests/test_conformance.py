@@ -63,11 +63,7 @@ def run_all(batch, axis_name=None):
     case (0 where the method has no such output)."""
     out = {}
     for key, pipe in CASES:
-        if pipe.stateful:
-            adv, _ = pipe(batch, state=E.spec(pipe.estimator[0]).init_state(TASKS),
-                          axis_name=axis_name)
-        else:
-            adv = pipe(batch, axis_name=axis_name)
+        adv, _ = pipe.apply(batch, pipe.init(TASKS), axis_name=axis_name)
         tz, kz = jnp.zeros(batch.action_mask.shape), jnp.zeros(batch.turn_mask.shape)
         out[key] = (adv.token, kz if adv.turn is None else adv.turn,
                     tz if adv.token_returns is None else adv.token_returns,
