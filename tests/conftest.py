@@ -19,12 +19,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # processes tests start. One persistent compilation cache per test run, made here by the
 # process that starts first (the xdist controller; its workers and every child inherit the
 # variable) and removed by it at exit, turns the repeats into loads; a program whose compile
-# took under 0.05 s is not stored. A JAX_COMPILATION_CACHE_DIR you set is used instead.
+# took under 0.05 s is not stored. A JAX_COMPILATION_CACHE_DIR you set is used instead. The
+# caches of killed runs (no exit handler ran) are removed by a later run once a day old.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
+    import glob
     import shutil
     import tempfile
+    import time
 
+    for _old in glob.glob(os.path.join(tempfile.gettempdir(), "jaxrl-agent-tests-xla-*")):
+        if time.time() - os.path.getmtime(_old) > 86400:
+            shutil.rmtree(_old, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxrl-agent-tests-xla-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)

@@ -78,6 +78,7 @@ def assert_same_records(a, b, refout, what, order=None, factor=2.0) -> None:
         if a[f] is None or b[f] is None:
             assert a[f] is None and b[f] is None, f"{what}.{f}: present in one output only"
             continue
+        assert len(a[f]) == len(b[f]), f"{what}.{f}: {len(a[f])} vs {len(b[f])} records"
         for i, x in enumerate(a[f]):
             y = b[f][i if order is None else order[i]]
             tol = factor * refout.tol[f][i]
@@ -122,7 +123,9 @@ def config_checks(configs, references, ids, out, recs, index, batch,
 def assert_each(checks) -> None:
     """Runs every ``(tag, check)`` (a no-argument callable) and fails once, listing every
     failing check's message (prefixed with its tag when one is given), so one failing setting
-    does not hide the others."""
+    does not hide the others. An empty list of checks fails (it would test nothing)."""
+    checks = list(checks)
+    assert checks, "no checks to run"
     failures = []
     for tag, check in checks:
         try:
@@ -198,14 +201,13 @@ def reference_test(ex, strategy, pack, run_all, checks):
 
     from jaxrl_agent.batch import LAYOUTS
 
-    @pytest.mark.parametrize("layout", LAYOUTS)
-    @ex
-    @given(recs=strategy)
     def test_matches_reference(layout, recs):
         batch, index = pack(recs, layout)
         assert_each(checks(run_all(batch), recs, index, batch))
 
-    return test_matches_reference
+    _salt_digest(test_matches_reference)
+    return pytest.mark.parametrize("layout", LAYOUTS)(ex(given(recs=strategy)(
+        test_matches_reference)))
 
 
 def layouts_agree_test(ex, strategy, run_all, pack, ids, pick=lambda out: out.turn):
@@ -213,9 +215,17 @@ def layouts_agree_test(ex, strategy, run_all, pack, ids, pick=lambda out: out.tu
     records of ``strategy`` (settings ``ex``)."""
     from hypothesis import given
 
-    @ex
-    @given(recs=strategy)
     def test_layouts_agree(recs):
         assert_layouts_agree(run_all, pack, recs, ids, pick)
 
-    return test_layouts_agree
+    _salt_digest(test_layouts_agree)
+    return ex(given(recs=strategy)(test_layouts_agree))
+
+
+def _salt_digest(test, depth: int = 2) -> None:
+    """Hypothesis keys a test (its derandomized seed, its example database) on a digest of its
+    source, which every test these factories make shares: add the calling module's name (the
+    family module, ``depth`` frames up) so that each family's test is its own."""
+    import sys
+
+    test._hypothesis_internal_add_digest = sys._getframe(depth).f_globals["__name__"].encode()

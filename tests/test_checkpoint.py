@@ -255,6 +255,7 @@ def test_save_killed_before_commit_is_never_taken_as_valid(tmp_path):
     script = tmp_path / "killed_save.py"
     script.write_text(_KILLED_SAVE.format(repo=str(REPO), ready=str(ready), directory=str(d)))
     env = child_env(None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # it is killed: no half-written cache entries
     proc = subprocess.Popen([sys.executable, str(script)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

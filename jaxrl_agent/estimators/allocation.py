@@ -486,10 +486,12 @@ def belief_revision_reweight(adv: Advantages, batch: TrajectoryBatch, *,
 
     ``adv``, ``axis_name`` and the result: see the module docstring.
     """
-    _check_signed_credit(mode, alpha, w_min, w_max, eps)
+    check_choice("mode", mode, ("reweight", "additive"))
     if p0 is not None and not 0.0 < p0 < 1.0:
         raise ValueError(f"p0 must lie in (0, 1) or be None (group success rate), got {p0}")
+    check_nonneg("alpha", alpha)
     check_nonneg("rho", rho)
+    _check_signed_credit(mode, alpha, w_min, w_max, eps)  # (the order of the messages as before)
     b = segments.local_view(batch, axis_name)
     e = segments.token_to_turn(_gap(b, teacher, student, "agentopsd"), b, "sum")
     if p0 is None:

@@ -35,9 +35,11 @@ Kinds (Python name, with the registry name in parentheses):
 * estimators (multi-agent, they replace the base): ``counterfactual_agent_advantage``
   (``ccpo``), ``shapley_agent_advantage`` (``sharp``). Both read ``extras[agent]`` [N, K],
   the agent acting at each turn (integer ids 0..A-1; others count as unknown), build a reward
-  per agent R_a [N, A] and run GRPO of R_a per (group, agent) (``per_agent_group_advantage``,
-  std with ``ddof``, plus ``eps``): each turn gets its acting agent's advantage (0 for an
-  unknown agent), ``turn`` [N, K] and ``token`` [R, T] (the turn's value on its tokens).
+  per agent R_a [N, A] and run GRPO of R_a per (group, agent) (``per_agent_group_advantage``:
+  the std with ``ddof`` delta degrees of freedom, 1 = unbiased, 0 = population, plus ``eps``;
+  ``axis_name``: the mesh axis a sharded batch is split over, or None): each turn gets its
+  acting agent's advantage (0 for an unknown agent), ``turn`` [N, K] and ``token`` [R, T] (the
+  turn's value on its tokens).
 * plain functions: ``triage_constants`` (the projection form of TRIAGE),
   ``shapley_values`` (exact Shapley values from coalition values), ``grse_credit``.
 

@@ -20,7 +20,8 @@ hp, agg="token_mean", agg_constant=None, axis_name=None) -> (sum, denominator)``
 under the names ``sdl``, ``sdar``, ``edge``, ``ucob``, ``icsd``, ``craft``, ``treeopsd``,
 ``t_reg`` and ``weighted_sft`` (ASPO / InT / ABC-SFT). Every one of them shares these arguments:
 
-* ``logprobs`` [R, T]: lp_S, the student's current log-probs of the sampled tokens.
+* ``logprobs`` [R, T]: lp_S, the student's current log-probs of the sampled tokens (unless
+  a loss's docstring says otherwise).
 * ``agg``: the aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``);
   ``agg_constant``: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
 * ``axis_name``: the mesh axis under ``shard_map``: trajectory indices are made block-local
