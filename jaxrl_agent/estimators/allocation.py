@@ -189,13 +189,6 @@ def _turn_max(x, b):
     return jnp.where(b.action_mask, top[jnp.clip(idx, 0, n * k - 1)], 0.0)
 
 
-def _check_signed_credit(mode, alpha, w_min, w_max, eps):
-    check_choice("mode", mode, ("reweight", "additive"))
-    check_nonneg("alpha", alpha)
-    _check_weight_bounds(w_min, w_max)
-    check_positive("eps", eps)
-
-
 def _signed_turn_credit(adv, batch, b, x, *, alpha, w_min, w_max, eps, mode, shuffle, seed,
                         axis_name):
     """Turn score x [N, K] -> credit. z_k = x_k / (std_k x + eps) within the trajectory;
@@ -491,7 +484,8 @@ def belief_revision_reweight(adv: Advantages, batch: TrajectoryBatch, *,
         raise ValueError(f"p0 must lie in (0, 1) or be None (group success rate), got {p0}")
     check_nonneg("alpha", alpha)
     check_nonneg("rho", rho)
-    _check_signed_credit(mode, alpha, w_min, w_max, eps)  # (the order of the messages as before)
+    _check_weight_bounds(w_min, w_max)
+    check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     e = segments.token_to_turn(_gap(b, teacher, student, "agentopsd"), b, "sum")
     if p0 is None:
@@ -539,7 +533,10 @@ def privileged_gap_reweight(adv: Advantages, batch: TrajectoryBatch, *,
 
     ``adv``, ``axis_name`` and the result: see the module docstring.
     """
-    _check_signed_credit(mode, alpha, w_min, w_max, eps)
+    check_choice("mode", mode, ("reweight", "additive"))
+    check_nonneg("alpha", alpha)
+    _check_weight_bounds(w_min, w_max)
+    check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     s = segments.token_to_turn(_gap(b, teacher, student, "pbsd"), b, "sum")
     return _signed_turn_credit(adv, batch, b, s, alpha=alpha, w_min=w_min, w_max=w_max, eps=eps,

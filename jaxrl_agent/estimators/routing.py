@@ -56,7 +56,6 @@ words and the formula is this library's rendering of it.
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +63,8 @@ import numpy as np
 
 from jaxrl_agent import segments
 from jaxrl_agent.batch import Advantages, TrajectoryBatch
-from jaxrl_agent.checks import check_choice, check_nonneg, check_unit, require
+from jaxrl_agent.checks import (check_choice, check_nonneg, check_positive, check_unit,
+                                is_static_real, require)
 from jaxrl_agent.estimators.primitives import (apply_token_weights, shuffle_weights,
                                                token_weights)
 from jaxrl_agent.registry import register
@@ -75,18 +75,9 @@ ROLES = ("progress", "exploration", "infrastructure", "regression")  # TRIAGE la
 # ----------------------------------------------------------------------------- helpers
 
 
-def _static(x):
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _check_range(name, value, lo, hi):
-    if _static(value) and not lo <= value <= hi:
+    if is_static_real(value) and not lo <= value <= hi:
         raise ValueError(f"{name} must lie in [{lo}, {hi}], got {value}")
-
-
-def _check_eps(value):
-    if _static(value) and not value > 0:
-        raise ValueError(f"eps must be > 0, got {value}")
 
 
 def _turn_signal(b: TrajectoryBatch, name, who, what, token_ok=False):
@@ -598,7 +589,7 @@ def skill_channel_credit(adv: Advantages, batch: TrajectoryBatch, *,
     ``adv``, ``axis_name`` and the result: see the module docstring.
     """
     check_choice("normalization", normalization, ("group", "raw"))
-    _check_eps(eps)
+    check_positive("eps", eps)
     b = segments.local_view(batch, axis_name)
     mask = require(b, skill_mask, "skillgate", "skill-naming token mask [R, T]")
     if tuple(mask.shape) != b.tokens.shape:
@@ -783,7 +774,7 @@ def _agent_advantages(b, role_rewards, agent, eps, ddof, who):
 
 
 def _check_group_std(eps, ddof):
-    _check_eps(eps)
+    check_positive("eps", eps)
     if ddof not in (0, 1):
         raise ValueError(f"ddof must be 0 or 1, got {ddof}")
 
