@@ -12,12 +12,20 @@ Protocol (``Env``)::
     env.sample_tasks(rng, n, split)       # disjoint "train" / "test" task sets
     env.clone()                           # a fresh, un-reset copy with the same configuration
     env.fork()                            # a copy in the same mid-episode state (tree rollouts)
+    env.reports                           # {field: one-line description} (class attribute; {})
 
 ``info`` keys (all optional except ``state_key``, which every built-in env sets on every step):
 ``state_key`` (str), ``success`` (bool, on the terminal step), ``invalid_action`` (bool),
 ``truncated`` (bool: ended by ``max_turns``), ``env_error`` (str, set by :class:`SafeEnv`),
 ``turn`` (int, turns taken so far), ``subgoal`` (str: the stage the state belongs to, from
-``Env.subgoal()``, where the env has stages; the grid world: key, door, goal).
+``Env.subgoal()``, where the env has stages; the grid world: key, door, goal), and one float
+per field named in ``env.reports`` (``info[name]``, from ``Env.report_values()``), in the info
+of every state the env returns: from ``reset`` and from every ``step``, the terminal one
+included (the grid world: ``potential``). The rollout collector records them with every turn
+(``turn_extras``, the state the agent acted in) and once per trajectory (``traj_extras``,
+``final_<name>``: the state after the last action); a declared field missing from an info, or
+not a finite number, is an environment error of that trajectory
+(``jaxrl_agent.rollout.collect``).
 """
 
 from __future__ import annotations
@@ -108,6 +116,10 @@ class Env(abc.ABC):
 
     family: str = "env"
     default_max_turns: int = 16
+    #: the per-turn fields this env reports: name -> one-line description of the float it puts
+    #: in ``info[name]`` of every state it returns (module docstring); filled by
+    #: ``report_values()``. Subclasses assign their own dict; never mutate this one.
+    reports: dict = {}
 
     def __init__(self, max_turns: int | None = None, invalid_penalty: float = -0.1,
                  invalid_ends: bool = False, step_latency_s: float = 0.0):
@@ -166,12 +178,19 @@ class Env(abc.ABC):
         (``jaxrl_agent.train.inputs``)."""
         return None
 
+    def report_values(self) -> dict:
+        """``{name: float}`` for every field in ``reports``, of the current state (called for
+        every info the env returns: after ``reset`` and after every ``step``, terminal steps
+        included). The default reports nothing."""
+        return {}
+
     def _info(self, info: dict) -> dict:
         info["state_key"] = self.state_key()
         info["turn"] = self.turn
         goal = self.subgoal()
         if goal is not None:
             info["subgoal"] = goal
+        info.update(self.report_values())
         return info
 
     # --- protocol -----------------------------------------------------------------------
@@ -411,6 +430,10 @@ class SafeEnv:
 
     ``stats`` counts ``errors``, ``timeouts``, ``invalid`` and ``steps`` over the wrapper's life
     (a fork starts with its own, zero counts).
+
+    Other attributes (``max_turns``, ``solver``, ``family``, ``reports``, ...) are the wrapped
+    env's. The error results above carry none of the fields the env ``reports``: they end the
+    trajectory with ``env_error``, which is what the rollout collector records instead.
     """
 
     def __init__(self, env, error_reward: float = 0.0, step_timeout: float | None = None,
@@ -427,7 +450,7 @@ class SafeEnv:
         self.fork_error: str | None = None
         self._done = True
 
-    def __getattr__(self, name):  # max_turns, solver, sample_tasks, family, ...
+    def __getattr__(self, name):  # max_turns, solver, sample_tasks, family, reports, ...
         if name.startswith("__") or name == "env":  # copy/pickle before __init__
             raise AttributeError(name)
         return getattr(self.env, name)

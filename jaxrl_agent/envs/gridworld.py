@@ -23,6 +23,11 @@ keeps trajectory-level credit off the spelling tokens); both forms are always ac
 Reward 1.0 when the agent steps on the goal (done, success), 0 otherwise; episodes end at
 ``max_turns`` (default 16). ``state_key = "grid:<layout>|<row>,<col>|k<0/1>|d<doors open>"``.
 
+Reports (``Env.reports``): ``info["potential"]`` in every info (reset and every step, the
+terminal one too) is minus the number of actions the solver's shortest plan (``bfs_plan``, the
+one ``solver()`` follows) still needs from that state: 0 at the goal, ``-len(plan)`` at the
+start, and minus the remaining distance after a time-out.
+
 Difficulty: ``size`` and ``extra_walls`` lengthen the walk; ``doors=2`` splits the grid in three
 rooms by two parallel wall lines, each with a locked door (agent and key in one outer room, the
 goal in the other): the one key opens both doors, the first (nearer the key) before the second,
@@ -49,6 +54,8 @@ ACTIONS = ("up", "down", "left", "right", "pick", "open")
 class GridWorld(Env):
     family = "gridworld"
     default_max_turns = 16
+    reports = {"potential": "minus the number of moves the solver still needs from this state "
+                            "(0 at the goal)"}
 
     def __init__(self, size: int = 5, extra_walls: int = 2, max_turns: int | None = None,
                  invalid_penalty: float = -0.1, invalid_ends: bool = False,
@@ -188,6 +195,19 @@ class GridWorld(Env):
         if self.door_open >= doors:
             return "goal"
         return "door" if doors == 1 else f"door{int(self.door_open) + 1}"
+
+    def distance(self) -> int:
+        """The number of actions of the shortest plan from the current state to the goal (0 at
+        the goal). Every reachable state has one (moves can be undone, and holding the key or
+        opening a door never blocks a path); RuntimeError otherwise."""
+        plan = bfs_plan(self.size, self.layout, (self.pos, self.has_key, self.door_open))
+        if plan is None:
+            raise RuntimeError(f"no plan to the goal from state {self.state_key()}")
+        return len(plan)
+
+    def report_values(self) -> dict:
+        """``{"potential": -distance()}`` (``reports``)."""
+        return {"potential": float(-self.distance())}  # 0.0 at the goal, not -0.0
 
     def random_action(self, rng) -> str:
         act = rng.choice(ACTIONS)

@@ -22,6 +22,18 @@ env's terminal ``info["success"]``; this is what learning curves should use), ``
 ``truncated`` (bool: ended by the env's or the config's ``max_turns`` or by the context limit),
 ``context_truncated`` (bool), ``num_turns``. ``pack_records`` ignores the extra fields.
 
+Reported fields (``Env.reports``, e.g. the grid world's ``potential``): for every name the env
+declares, each turn holds ``turn["turn_extras"][name] = float(info[name])`` of the state the
+agent acted in (the info that came with the observation of that turn, as ``state_key`` and
+``subgoal``), and the record holds ``traj_extras["final_" + name]`` of the state after the
+last action (the last info of the episode; ``pack_records`` makes them ``extras[name]`` [N, K]
+and ``extras["final_" + name]`` [N]). A trajectory that ends in an ``env_error`` keeps as final
+value that of the last state that reported one (the state the failing action was taken in). A
+declared field missing from an info, or not a finite float32 number, is an environment error of
+that trajectory: it is dropped (counted in ``env_errors`` and ``dropped``), with a message that
+names the env class, the field and the turn, since every turn of a batch must carry the same
+extras. An env that declares nothing gets records without ``turn_extras`` / ``traj_extras``.
+
 Tree rollouts (``branch_turns``, ``branch_factor``): at the start of every turn ``k`` in
 ``branch_turns`` each live trajectory of a task forks into ``branch_factor`` copies (itself and
 ``branch_factor - 1`` forks, ``Env.fork``) that share everything recorded so far and continue
@@ -48,11 +60,13 @@ import concurrent.futures
 import copy
 import dataclasses
 import hashlib
+import math
+import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from jaxrl_agent.envs.base import Env, SafeEnv, reset_group
+from jaxrl_agent.envs.base import Env, SafeEnv, first_errors, reset_group
 from jaxrl_agent.rollout.chat import (ChatError, ChatTemplate, observation_messages,
                                       warn_if_unstable)
 from jaxrl_agent.sampling.base import SamplingParams
@@ -322,6 +336,9 @@ class _Live:
     fork_failed: bool = False
     chat: Any = None  # the ChatTemplate of this trajectory (chat rollouts)
     messages: list = dataclasses.field(default_factory=list)  # its conversation, no system
+    report_names: tuple = ()  # the fields its env declares (Env.reports)
+    # their values at the state before the next action (after the last one: the final state)
+    reports: dict = dataclasses.field(default_factory=dict)
 
 
 def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCodec,
@@ -361,7 +378,10 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
 
     A fork whose ``Env.fork`` fails (``SafeEnv.fork``) is dropped (counted in ``dropped``,
     ``env_errors`` and ``fork_errors``): its shared turns are its parent's, and recording them
-    with a made-up ending would bias the group's baseline. Its siblings go on.
+    with a made-up ending would bias the group's baseline. Its siblings go on. So is a
+    trajectory whose env leaves out a field it declares in ``reports`` (module docstring;
+    counted in ``dropped`` and ``env_errors``). ValueError naming the env when its ``reports``
+    is not a ``{field name: description}`` mapping.
     """
     t0 = time.perf_counter()
     chats = _ChatTemplates(codec, config) if config.chat else None
@@ -372,7 +392,8 @@ def collect_groups(env_factory_or_env, tasks: Sequence, sampler, codec: TextCode
         if not stop_ids:
             raise ValueError("codec has no eos_token_id: give RolloutConfig.stop_token_ids")
     stop_set = set(stop_ids)
-    live = _start(_base_env(env_factory_or_env), list(tasks), codec, config, chats)
+    base = _base_env(env_factory_or_env)
+    live = _start(base, list(tasks), codec, config, chats, _report_names(base))
     calls = tokens_generated = forks = 0
     pool = (concurrent.futures.ThreadPoolExecutor(config.env_threads, "env")
             if config.env_threads > 1 else None)
@@ -483,9 +504,9 @@ def _rerender_differs(tr: _Live) -> bool:
 
 
 def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig,
-           chats: _ChatTemplates | None = None) -> list:
-    """``G`` group-reset copies of every task, observed; a copy whose reset failed is marked
-    dropped (nothing to record)."""
+           chats: _ChatTemplates | None = None, report_names: tuple = ()) -> list:
+    """``G`` group-reset copies of every task, observed; a copy whose reset failed (or whose
+    first info lacks a reported field) is marked dropped (nothing to record)."""
     ids = [t.id for t in tasks]
     live: list[_Live] = []
     for ti, task in enumerate(tasks):
@@ -493,7 +514,8 @@ def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig,
         root = root if isinstance(root, SafeEnv) else SafeEnv(root)
         label = task.id if ids.count(task.id) == 1 else f"{task.id}#{ti}"
         for g, (env, obs, info) in enumerate(reset_group(root, task, config.group_size)):
-            tr = _Live(len(live), env, label, label, [], [], None, order=(ti, g))
+            tr = _Live(len(live), env, label, label, [], [], None, order=(ti, g),
+                       report_names=report_names)
             if chats is not None and not (info.get("done") or info.get("env_error")):
                 try:
                     tr.chat = chats.for_env(env)
@@ -503,6 +525,7 @@ def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig,
                 tr.done, tr.dropped, tr.env_error = True, True, str(info.get("env_error"))
             else:
                 _observe(tr, obs, info, codec, config)
+                _take_reports(tr, info)
             live.append(tr)
     return live
 
@@ -546,10 +569,14 @@ def _act(tr: _Live, prompt: list, out, text: str, res, codec: TextCodec,
             "policy_version": int(out.policy_version)}
     if tr.subgoal is not None:  # recorded as the env reported it (train.inputs reads it)
         turn["subgoal"] = tr.subgoal
+    if tr.report_names:  # the env's reported fields of the state acted in
+        turn["turn_extras"] = dict(tr.reports)
     tr.turns.append(turn)
     tr.history = prompt + act if config.history == "full" else []
     if info.get("env_error"):
         tr.env_error = str(info["env_error"])
+    else:
+        _take_reports(tr, info)  # the new state's (a missing field drops tr: env_error)
     done = bool(res.done) or tr.env_error is not None
     if invalid and config.on_invalid == "fail":
         done = True
@@ -565,12 +592,82 @@ def _act(tr: _Live, prompt: list, out, text: str, res, codec: TextCodec,
 
 def _record(tr: _Live) -> dict:
     """The trajectory record of a finished trajectory (format: module docstring)."""
-    return {
+    rec = {
         "group": tr.group, "task": tr.task, "outcome": float(sum(t["reward"] for t in tr.turns)),
         "success": 1.0 if tr.success else 0.0, "turns": tr.turns,
         "policy_version": min(t["policy_version"] for t in tr.turns),
         "env_error": tr.env_error, "invalid": tr.invalid, "truncated": tr.truncated,
         "context_truncated": tr.context_truncated, "num_turns": len(tr.turns)}
+    if tr.report_names:  # the reported fields of the final state
+        rec["traj_extras"] = {FINAL_PREFIX + name: x for name, x in tr.reports.items()}
+    return rec
+
+
+#: ``traj_extras`` name of a reported field's final value: ``final_<name>``
+FINAL_PREFIX = "final_"
+_F32_MAX = 3.4028234663852886e38  # the largest float32: batches are packed in float32
+
+
+class ReportError(ValueError):
+    """An env left out (or gave a non-number for) a field it declares in ``reports``."""
+
+
+def _env_name(env) -> str:
+    """The class name of ``env``, looking through its ``SafeEnv``."""
+    return type(env.env if isinstance(env, SafeEnv) else env).__name__
+
+
+def _report_names(env) -> tuple:
+    """The fields ``env`` declares in ``reports`` (``Env.reports``), in order; ``()`` when it
+    has none. ValueError naming the env when ``reports`` is not a mapping of distinct
+    non-empty str names none of which is another's ``final_<name>``."""
+    reports = getattr(env, "reports", None) or {}
+    names = tuple(reports) if isinstance(reports, Mapping) else None
+    if names is None or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"{_env_name(env)}.reports must be a dict {{field name: description}}, "
+                         f"got {reports!r:.200}")
+    clash = [n for n in names if FINAL_PREFIX + n in names]
+    if clash:
+        raise ValueError(f"{_env_name(env)}.reports declares both {clash[0]!r} and "
+                         f"{FINAL_PREFIX + clash[0]!r}; the collector records the final value "
+                         f"of {clash[0]!r} under the second name: rename one")
+    return names
+
+
+def _report_problem(info: dict, name: str) -> str | None:
+    """Why ``info[name]`` is not a reported value (a finite real number within float32), or
+    None when it is."""
+    if name not in info:
+        return f"has no {name!r}"
+    x = info[name]
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return f"has {name}={x!r:.60} (a {type(x).__name__}, not a number)"
+    try:
+        ok = math.isfinite(float(x)) and abs(float(x)) <= _F32_MAX
+    except OverflowError:  # an int beyond any float
+        ok = False
+    return None if ok else f"has {name}={x!r:.60} (not a finite float32 number)"
+
+
+def _take_reports(tr: _Live, info: dict) -> None:
+    """Sets ``tr.reports`` to the declared fields of ``info`` (the info of the state after
+    ``len(tr.turns)`` actions). When one is missing or not a number, ``tr`` ends as an
+    environment error and is dropped: its turns could not all carry the field. The first such
+    error is also noted in ``envs.first_errors``, where the trainer shows it once."""
+    values = {}
+    for name in tr.report_names:
+        problem = _report_problem(info, name)
+        if problem is not None:
+            message = (f"{_env_name(tr.env)} declares reports[{name!r}] but info at turn "
+                       f"{len(tr.turns)} {problem}")
+            try:
+                raise ReportError(message)
+            except ReportError as e:  # noted with its traceback, like SafeEnv's errors
+                first_errors.note(e)
+            tr.done, tr.dropped, tr.env_error = True, True, f"ReportError: {message}"
+            return
+        values[name] = float(info[name])
+    tr.reports = values
 
 
 def _stats(records: list, live: list, *, forks: int, calls: int, tokens_generated: int,
@@ -611,7 +708,7 @@ def _fork(tr: _Live, index: int, order: tuple) -> _Live:
     env = tr.env.fork()
     out = dataclasses.replace(tr, index=index, env=env, order=order, history=list(tr.history),
                               pending_obs=list(tr.pending_obs), turns=copy.deepcopy(tr.turns),
-                              subgoal=copy.deepcopy(tr.subgoal),
+                              subgoal=copy.deepcopy(tr.subgoal), reports=dict(tr.reports),
                               messages=copy.deepcopy(tr.messages))
     error = getattr(env, "fork_error", None)
     if error is not None:  # not a trajectory of the policy: never trained on or counted
