@@ -173,7 +173,8 @@ def _check_key(idx, where, v) -> int:
 
 def _check_extras(idx, where, v, length):
     """{name: value}: per turn (length None) a number or a list of numbers (a vector); per
-    token (length = the action's length) a list of numbers or bools, one per action token."""
+    token (length = the action's length) a list of numbers or bools, one per action token, or
+    a list of equal-length lists of numbers (a vector per token)."""
     if not isinstance(v, Mapping):
         raise RecordError(idx, f"{where} must be an object {{name: value}}, got {type(v).__name__}")
     out = {}
@@ -192,6 +193,14 @@ def _check_extras(idx, where, v, length):
             if len(x) != length:
                 raise RecordError(idx, f"{w} has {len(x)} entries but the action has {length}")
             out[name] = list(x)
+        elif isinstance(x, (list, tuple)) and x and all(isinstance(y, (list, tuple)) for y in x):
+            if len(x) != length:
+                raise RecordError(idx, f"{w} has {len(x)} entries but the action has {length}")
+            if not x[0] or any(len(y) != len(x[0]) for y in x):
+                raise RecordError(idx, f"{w}: the per-token vectors must be non-empty and of "
+                                       f"one length")
+            out[name] = [_check_floats(idx, f"{w}[{j}]", y, len(x[0]), f"{w}[0]")
+                         for j, y in enumerate(x)]
         else:
             out[name] = _check_floats(idx, w, x, length, "the action")
     return out
@@ -337,7 +346,8 @@ def _extras_layout(trajs: list) -> dict:
             for level, ex in (("turn", t.turn_extras), ("token", t.token_extras)):
                 for name, x in ex.items():
                     if level == "token":
-                        kind = (np.bool_ if isinstance(x[0], bool) else np.float32, None)
+                        kind = (np.bool_ if isinstance(x[0], bool) else np.float32,
+                                len(x[0]) if isinstance(x[0], list) else None)
                     else:
                         kind = (np.float32, len(x) if isinstance(x, list) else None)
                     seen = kinds.setdefault((level, name), kind)
@@ -555,7 +565,7 @@ def _allocate(plan: PackPlan) -> tuple:
         extras["turn_keys"] = np.zeros((N, K), np.uint32)
     for (level, name), (dtype, dim) in plan.extras.items():
         lead = {"token": (R, T), "turn": (N, K), "traj": (N,)}[level]
-        extras[name] = np.zeros(lead + (() if level == "token" or not dim else (dim,)), dtype)
+        extras[name] = np.zeros(lead + (() if not dim else (dim,)), dtype)
     if plan.num_edges is not None:
         extras["edges"] = np.full((N, plan.num_edges, 3), -1, np.int32)
     return a, extras
