@@ -231,8 +231,50 @@ def cmd_credit(args) -> int:
     return 0
 
 
+def cmd_sources(args) -> int:
+    """``jaxrl-agent estimators --sources``: for every credit method and auxiliary loss, the
+    inputs it reads with its default settings and the source that supplies each in training
+    (``train.inputs``)."""
+    from jaxrl_agent import run_checks
+    from jaxrl_agent.train.inputs import LOOP_INPUTS, SOURCES
+
+    reports = run_checks.builtin_reports()
+    rows, needs_plugin = [], []
+    kinds = [(k, e.name) for k in ("estimator", "shaping", "transform")
+             for e in registry_entries(k)] + [("loss", n) for n in run_checks.aux_loss_names()]
+    for kind, name in kinds:
+        fields = run_checks.method_reads(kind, name)
+        parts = []
+        for field, _ in fields:
+            if field in LOOP_INPUTS:
+                src = LOOP_INPUTS[field].source
+                key = SOURCES[src][1]
+                parts.append(f"{field} <- {src}" + ("" if key.startswith("(") else f" ({key})"))
+            elif field in reports:
+                parts.append(f"{field} <- env (reported by {', '.join(reports[field])})")
+            else:
+                parts.append(f"{field} <- env report or signal plug-in (none built in)")
+                if name not in needs_plugin:
+                    needs_plugin.append(name)
+        label = "loss.aux" if kind == "loss" else kind
+        rows.append(f"{name:<20} {label:<10} " + ("; ".join(parts) or "the core batch only"))
+    print("\n".join(rows))
+    print(f"\n{len(kinds)} methods; {len(kinds) - len(needs_plugin)} read only inputs a built-in "
+          f"source supplies; {len(needs_plugin)} read a field that an environment's "
+          f"Env.reports or a signal plug-in (signals:) must supply: {', '.join(needs_plugin)}")
+    return 0
+
+
+def registry_entries(kind: str):
+    from jaxrl_agent import envs, estimators, losses, registry
+    del envs, estimators, losses  # imported for their registrations
+    return registry.entries(kind)
+
+
 def cmd_estimators(args) -> int:
     from jaxrl_agent import envs, estimators, losses, registry
+    if getattr(args, "sources", False):
+        return cmd_sources(args)
 
     titles = {"estimator": "estimators (--estimator)",
               "shaping": "reward shaping, before the estimator (--shaping)",
@@ -613,6 +655,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_credit)
     e = sub.add_parser("estimators", help="list the registered estimators, stages, losses and "
                                           "environments")
+    e.add_argument("--sources", action="store_true",
+                   help="for each credit method and auxiliary loss, the inputs it reads and "
+                        "the source that supplies each in training")
     e.set_defaults(func=cmd_estimators)
     lab = sub.add_parser("lab", help="score and train credit estimators on tabular tasks with "
                                      "exact advantages",

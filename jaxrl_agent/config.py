@@ -16,6 +16,10 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
                                               transforms such as re-allocation after it)
     loss:       policy, params {}, agg, kl_coef, kl_estimator, entropy_coef, value_coef,
                 is_weights, is_level, is_cap, is_lower, decoupled   (off-policy correction)
+                aux []                       (auxiliary losses {name, coef, params}: the
+                                              distillation losses, added to the policy loss)
+    teacher:    source (none | base | live | ema | PATH), ema_decay   (teacher log-probs)
+    signals:    [{name, params}]             (judge / signal plug-ins run on the records)
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
     trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, async_rollouts,
                 rollout_workers, seed, warmup_sft_steps, eval_every, eval_tasks, layout,
@@ -200,6 +204,20 @@ class LossSection:
     is_cap: float = 2.0                # truncate at / mask above this weight
     is_lower: float = 0.0              # mask: weights below this are masked too
     decoupled: bool = False            # PPO ratio against the proximal policy (needs is_weights)
+    # auxiliary losses added to the policy loss: [{name, coef, params}] (registered losses of
+    # the distillation family: sdl, sdar, edge, ucob, icsd, craft, treeopsd, t_reg, weighted_sft)
+    aux: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherSection:
+    """Where the teacher log-probs of the sampled tokens come from (``train.inputs``): ``none``;
+    ``base`` (the policy's start weights; with LoRA the adapters off), ``live`` (the policy at
+    the start of each step), ``ema`` (a moving average of the policy, ``ema_decay``), or a
+    path: an HF checkpoint folder or a run directory (its ``final_model``) with the same
+    tokenizer."""
+    source: str = "none"
+    ema_decay: float = 0.99
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +290,7 @@ class MetricsSection:
     tensorboard: bool = True
     plots: bool = True
     rollout_samples: int = 4           # trajectories per step written as text to rollouts/ (0: none)
+    save_records: bool = False         # every step's records to rollouts/records_<step>.jsonl (for `credit`)
     wandb: bool = False                # also log to Weights & Biases (pip install 'jaxrl-agent[wandb]')
     wandb_project: str = "jaxrl-agent"  # the W&B project; the run is named after `name`
 
@@ -347,6 +366,10 @@ class RunConfig:
     sampler: SamplerSection = dataclasses.field(default_factory=SamplerSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
+    teacher: TeacherSection = dataclasses.field(default_factory=TeacherSection)
+    # judge / process-reward / rubric plug-ins (registry kind "signal") run on the finished
+    # trajectories after collection: [{name, params}]
+    signals: list = dataclasses.field(default_factory=list)
 
 
 DECAYS = ("cosine", "constant")
@@ -828,6 +851,77 @@ def stages(section: "EstimatorSection", which: str) -> tuple:
     return tuple(out)
 
 
+TEACHER_SOURCES = ("none", "base", "live", "ema")
+
+
+def teacher_kind(cfg: "RunConfig") -> str:
+    """The train step's teacher (``train.step.TEACHERS``): ``teacher.source`` itself, or
+    ``model`` for a path."""
+    src = cfg.teacher.source
+    return src if src in TEACHER_SOURCES else "model"
+
+
+def aux_losses(cfg: "RunConfig") -> tuple:
+    """``loss.aux`` as ``((name, coef, ((param, value), ...)), ...)``; ``ConfigError`` naming
+    the entry for a malformed one (a bare name means coef 1 and the defaults)."""
+    out = []
+    for i, item in enumerate(cfg.loss.aux):
+        key = f"loss.aux[{i}]"
+        if isinstance(item, str):
+            item = {"name": item}
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ConfigError(f"{key} must be a loss name or {{name: str, coef: float, "
+                              f"params: {{}}}}, got {item!r}")
+        extra = sorted(set(item) - {"name", "coef", "params"})
+        if extra:
+            raise ConfigError(f"{key}: unknown key(s) {extra}; an auxiliary loss has name, "
+                              f"coef and params")
+        coef = item.get("coef", 1.0)
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(
+                coef):
+            raise ConfigError(f"{key}.coef must be a finite number, got {coef!r}")
+        params = item.get("params") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{key}.params must be a mapping, got {params!r}")
+        out.append((item["name"], float(coef), tuple(sorted(params.items()))))
+    names_ = [n for n, _, _ in out]
+    dup = sorted({n for n in names_ if names_.count(n) > 1})
+    if dup:
+        raise ConfigError(f"loss.aux names {dup} more than once; give each loss once")
+    return tuple(out)
+
+
+def signal_stages(cfg: "RunConfig") -> tuple:
+    """``signals`` as ``((name, ((param, value), ...)), ...)``; ``ConfigError`` naming the
+    entry for a malformed one."""
+    out = []
+    for i, item in enumerate(cfg.signals):
+        key = f"signals[{i}]"
+        if isinstance(item, str):
+            item = {"name": item}
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ConfigError(f"{key} must be a signal name or {{name: str, params: {{}}}}, "
+                              f"got {item!r}")
+        extra = sorted(set(item) - {"name", "params"})
+        if extra:
+            raise ConfigError(f"{key}: unknown key(s) {extra}; a signal has name and params")
+        params = item.get("params") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{key}.params must be a mapping, got {params!r}")
+        out.append((item["name"], tuple(sorted(params.items()))))
+    return tuple(out)
+
+
+def _check_teacher(cfg: RunConfig) -> None:
+    """The teacher section's own values (the files of a path: ``check_paths``)."""
+    te = cfg.teacher
+    if not isinstance(te.source, str) or not te.source.strip():
+        raise ConfigError(f"teacher.source must be one of {', '.join(TEACHER_SOURCES)} or the "
+                          f"path of a checkpoint folder, got {te.source!r}")
+    if not 0.0 < te.ema_decay < 1.0:
+        raise ConfigError(f"teacher.ema_decay must lie in (0, 1), got {te.ema_decay}")
+
+
 def pipeline(cfg: "RunConfig"):
     """The run's credit pipeline (``estimators.Pipeline``: shaping -> estimator -> transforms),
     built once from ``cfg.estimator`` and handed to the trainer, the step and ``plan``."""
@@ -1052,7 +1146,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     for check in (_check_name_and_run, _check_model, run_checks.check_env, _check_rollout,
                   run_checks.check_estimator, run_checks.check_loss, _check_optimizer,
                   _check_trainer, _check_sampler, _check_run_dir, _check_mesh,
-                  _check_distributed, run_checks.check_methods, run_checks.check_group_size):
+                  _check_distributed, _check_teacher, run_checks.check_signals,
+                  run_checks.check_methods, run_checks.check_group_size):
         check(cfg)
     return cfg
 
@@ -1072,10 +1167,25 @@ def check_mesh(cfg: RunConfig, num_devices: int) -> tuple[int, int, int]:
 
 
 def check_paths(cfg: RunConfig) -> None:
-    """File-system checks, separate from ``validate``: ``model.hf_path`` must exist when set."""
+    """File-system checks, separate from ``validate``: ``model.hf_path`` must exist when set,
+    and a teacher given by path must be a checkpoint folder (``teacher_folder``)."""
     p = cfg.model.hf_path
     if p is not None and not os.path.exists(p):
         raise ConfigError(f"model.hf_path: {p!r} does not exist")
+    if teacher_kind(cfg) == "model":
+        teacher_folder(cfg)
+
+
+def teacher_folder(cfg: RunConfig) -> str:
+    """The HF folder of a teacher given by path: the folder itself when it holds a
+    ``config.json``, else a run directory's ``final_model``; ``ConfigError`` otherwise."""
+    p = os.path.expanduser(cfg.teacher.source)
+    for folder in (p, os.path.join(p, "final_model")):
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            return folder
+    raise ConfigError(f"teacher.source: {cfg.teacher.source!r} is neither "
+                      f"{', '.join(TEACHER_SOURCES)} nor a checkpoint folder (a folder with "
+                      f"config.json, or a run directory with final_model/config.json)")
 
 
 def describe(cfg: RunConfig) -> str:
@@ -1091,6 +1201,7 @@ def describe(cfg: RunConfig) -> str:
             if r.branch_turns and r.branch_factor > 1 else "")
     kl = f", kl {lo.kl_estimator}*{lo.kl_coef:g}" if lo.kl_coef else ""
     ent = f", entropy*{lo.entropy_coef:g}" if lo.entropy_coef else ""
+    ent += "".join(f", {n}*{c:g}" for n, c, _ in aux_losses(cfg))
     off = ((f", {lo.is_level} IS weights {lo.is_weights} at {lo.is_cap:g}"
             if lo.is_weights != "none" else "") + (", decoupled" if lo.decoupled else ""))
     sm = cfg.sampler
@@ -1117,7 +1228,8 @@ def describe(cfg: RunConfig) -> str:
 __all__ = [
     "CheckpointSection", "ConfigError", "EnvSection", "EstimatorSection", "LossSection",
     "DistributedSection", "MeshSection", "MetricsSection", "ModelSection", "OptimizerSection",
-    "RolloutSection", "RunConfig", "RunPaths", "RunSection", "SamplerSection", "TrainerSection",
+    "RolloutSection", "RunConfig", "RunPaths", "RunSection", "SamplerSection", "TeacherSection",
+    "TrainerSection", "aux_losses", "signal_stages", "teacher_folder", "teacher_kind",
     "REMOVED_KEYS", "RESUMABLE_KEYS", "apply_overrides", "check_mesh", "check_paths",
     "config_changes", "describe", "dump_yaml", "from_dict", "load", "parse_override",
     "read_yaml", "run_dir", "run_paths", "to_dict", "validate",

@@ -9,7 +9,8 @@ environments, each registered once at its definition.
     @register("my_critic", kind="estimator", reads=("turn_values",))
     def my_critic(batch, *, gamma: float = 1.0, axis_name=None) -> Advantages: ...
 
-An entry records the function, its kind, the inputs it reads beyond the core batch
+An entry records the function, its kind (``KINDS``; ``signal``: judges and other plug-ins
+that write fields into finished trajectories' records), the inputs it reads beyond the core batch
 (``reads``: names of ``batch.extras`` fields, or a function of the hyper-parameters returning
 them), other names it answers to (``aliases``) and, for stateful estimators, how to make and
 check the state. The keyword-only parameters of the function with their defaults are its
@@ -37,9 +38,28 @@ import os
 import sys
 from typing import Callable
 
-KINDS = ("estimator", "shaping", "transform", "loss", "env")
+KINDS = ("estimator", "shaping", "transform", "loss", "env", "signal")
 _NAMESPACE = {"estimator": "credit", "shaping": "credit", "transform": "credit",
-              "loss": "loss", "env": "env"}
+              "loss": "loss", "env": "env", "signal": "signal"}
+#: the levels a signal plug-in's field may have (``provides``): per token, turn or trajectory,
+#: a vector of W numbers per token, turn or trajectory (``"token[W]"``, ``"turn[W]"``,
+#: ``"traj[W]"``), or ``"edges"`` (the record's turn-to-turn edges ``[[src, dst, type], ...]``)
+SIGNAL_LEVELS = ("token", "turn", "traj", "token[W]", "turn[W]", "traj[W]", "edges")
+
+
+def parse_level(level) -> tuple[str, int | None] | None:
+    """``("turn", 3)`` for ``"turn[3]"``, ``("traj", None)`` for ``"traj"``; None when
+    ``level`` is not one of ``SIGNAL_LEVELS``."""
+    if not isinstance(level, str):
+        return None
+    if level in ("token", "turn", "traj", "edges"):
+        return level, None
+    for base in ("token", "turn", "traj"):
+        if level.startswith(base + "[") and level.endswith("]"):
+            w = level[len(base) + 1:-1]
+            if w.isdigit() and int(w) >= 1:
+                return base, int(w)
+    return None
 
 class MissingInput(ValueError):
     """A method needs an extras field the batch does not carry (``field`` names it)."""
@@ -65,6 +85,9 @@ class Entry:
       check_state: host-side ``check_state(batch, state)``.
       renamed: ``((former_name, name), ...)``: hyper-parameters that were renamed; configs
         and pipelines that still use the former name keep working (``canonical``).
+      provides: (``kind="signal"`` only) the fields the plug-in writes into the records, a
+        dict name -> level (``SIGNAL_LEVELS``) or a function of the hyper-parameters
+        returning one (``outputs``).
     """
 
     name: str
@@ -76,6 +99,7 @@ class Entry:
     init_state: Callable | None = None
     check_state: Callable | None = None
     renamed: tuple = ()
+    provides: dict | Callable = dataclasses.field(default_factory=dict)
 
     @property
     def hyper_params(self) -> dict:
@@ -94,6 +118,12 @@ class Entry:
             merged = {**self.hyper_params, **dict(params or {})}
             return tuple(self.reads(merged))
         return tuple(self.reads)
+
+    def outputs(self, params: dict | None = None) -> dict:
+        """The fields a signal plug-in provides with these hyper-parameters (name -> level)."""
+        if callable(self.provides):
+            return dict(self.provides({**self.hyper_params, **dict(params or {})}))
+        return dict(self.provides)
 
     def canonical(self, params: dict | None) -> dict:
         """``params`` with former hyper-parameter names (``renamed``) replaced by the current
@@ -125,7 +155,7 @@ def _same_definition(a: Callable, b: Callable) -> bool:
 def register(name: str, fn: Callable | None = None, *, kind: str = "estimator",
              reads: tuple | Callable = (), aliases: tuple = (), stateful: bool = False,
              init_state: Callable | None = None, check_state: Callable | None = None,
-             renamed: dict | None = None):
+             renamed: dict | None = None, provides: dict | Callable | None = None):
     """Registers ``fn`` under ``name`` (and ``aliases``); without ``fn``, a decorator.
 
     A credit method (estimator, shaping or transform) also answers to its function's name when
@@ -134,6 +164,13 @@ def register(name: str, fn: Callable | None = None, *, kind: str = "estimator",
 
     ``renamed`` maps former hyper-parameter names to current ones, so configs written before a
     rename keep working (``Entry.canonical``).
+
+    ``kind="signal"``: a judge, process reward model or rubric run on the host after
+    collection, ``fn(records, *, hyper-params) -> list`` with one dict per record of the
+    fields it adds, in the records' own form (``{"turn_extras": {name: [one value per turn]},
+    "token_extras": {name: [one list per turn, a value per action token]}, "traj_extras":
+    {name: value}}``); ``provides`` declares them (name -> ``"token"``, ``"turn"`` or
+    ``"traj"``).
 
     Raises ValueError for an unknown kind, a name already taken by another function of the
     same namespace, state options on a stateless kind, or a ``renamed`` target that is not a
@@ -149,6 +186,18 @@ def register(name: str, fn: Callable | None = None, *, kind: str = "estimator",
     if not (isinstance(reads, tuple) or callable(reads)):
         raise ValueError(f"reads must be a tuple of extras names or a function of the "
                          f"hyper-parameters, got {reads!r}")
+    if (provides is not None) != (kind == "signal"):
+        raise ValueError(f"{kind} {name!r}: provides= declares the fields of a signal plug-in "
+                         f"(kind='signal'), and a signal must declare them")
+    if isinstance(provides, dict):
+        bad = {k: v for k, v in provides.items()
+               if not (isinstance(k, str) and k) or parse_level(v) is None}
+        if bad:
+            raise ValueError(f"signal {name!r}: provides maps field names to a level "
+                             f"{SIGNAL_LEVELS}, got {bad}")
+    elif provides is not None and not callable(provides):
+        raise ValueError(f"signal {name!r}: provides must be a dict or a function of the "
+                         f"hyper-parameters, got {provides!r}")
 
     def add(f: Callable) -> Callable:
         space = _NAMESPACE[kind]
@@ -159,7 +208,7 @@ def register(name: str, fn: Callable | None = None, *, kind: str = "estimator",
                 and own not in (name, *names_) and (held is None or _same_definition(held.fn, f))):
             names_.append(own)
         entry = Entry(name, f, kind, reads, tuple(names_), stateful, init_state, check_state,
-                      tuple(sorted((renamed or {}).items())))
+                      tuple(sorted((renamed or {}).items())), provides or {})
         for old, new in entry.renamed:
             if new not in entry.hyper_params or old in entry.hyper_params:
                 raise ValueError(f"{kind} {name!r}: renamed {old!r} -> {new!r} must name a "

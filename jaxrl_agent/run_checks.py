@@ -31,10 +31,31 @@ from jaxrl_agent import config, envs, estimators, losses, registry
 from jaxrl_agent.config import ConfigError, RunConfig
 from jaxrl_agent.estimators.pipeline import type_error
 from jaxrl_agent.rollout.records import pack_records
-from jaxrl_agent.train.inputs import LOOP_INPUTS, SOURCES
+from jaxrl_agent.train import inputs as inputs_lib
+from jaxrl_agent.train.inputs import run_inputs
 
 #: loss arguments the train step passes itself (not hyper-parameters a config may set)
 _TRAINER_SUPPLIED = ("old_logprobs", "is_weights", "agg", "agg_constant", "axis_name")
+#: arguments of the auxiliary losses that take arrays (the step passes ``advantages``, the run's
+#: advantages; the others are read from the batch through their field-name parameters)
+_ARRAY_ARGS = ("advantages", "teacher_logprobs", "other_logprobs", "gate_values",
+               "controller_state")
+#: registered losses with a key of their own instead of loss.aux
+LOSS_KEYS = {**{n: "loss.policy" for n in config.POLICY_LOSSES},
+             **{n: "loss.kl_estimator (with loss.kl_coef)" for n in config.KL_ESTIMATORS},
+             "entropy": "loss.entropy_coef", "value": "loss.value_coef (with a critic)",
+             "sarsa": "estimator: sapo (its auxiliary SARSA loss on the value head)"}
+
+
+def aux_loss_names() -> list[str]:
+    """The registered losses that can be a run's auxiliary loss (``loss.aux``): every
+    registered loss without a key of its own (``LOSS_KEYS``), plug-ins' included."""
+    return [n for n in losses.names() if n not in LOSS_KEYS]
+
+
+def aux_loss_params(name: str) -> list[str]:
+    """The hyper-parameters a config may set for auxiliary loss ``name``."""
+    return _kwonly(losses.get(name), _TRAINER_SUPPLIED + _ARRAY_ARGS)
 
 
 def _kwonly(fn, exclude=()) -> list[str]:
@@ -167,6 +188,17 @@ def check_loss(cfg: RunConfig) -> None:
                           "corrects for the sampler (the weight would count twice): set "
                           "loss.decoupled: true, or use is_weights: mask to drop tokens whose "
                           "weight is out of range")
+    for i, (name, coef, params) in enumerate(config.aux_losses(cfg)):
+        key = f"loss.aux[{i}]"
+        if name in LOSS_KEYS:
+            raise ConfigError(f"{key}: {name!r} has a key of its own: {LOSS_KEYS[name]}")
+        if name not in aux_loss_names():
+            raise ConfigError(f"{key}: unknown loss {name!r}; auxiliary losses: "
+                              f"{', '.join(aux_loss_names())}{registry.IMPORT_HINT}")
+        config.check_params(dict(params), aux_loss_params(name), f"{key}.params",
+                            f"loss {name!r}")
+        if coef < 0:
+            raise ConfigError(f"{key}.coef must be >= 0, got {coef}")
     sig = inspect.signature(losses.get(lo.policy)).parameters
     needs = (["old_logprobs"] if lo.decoupled else []) + \
         (["is_weights"] if lo.is_weights != "none" else [])
@@ -176,12 +208,109 @@ def check_loss(cfg: RunConfig) -> None:
                           f"loss.decoupled / loss.is_weights need; use ppo")
 
 
+def check_signals(cfg: RunConfig) -> None:
+    """The signal plug-ins (``signals``): registered names of kind ``signal``, their
+    hyper-parameter names, and the fields they declare."""
+    for i, (name, params) in enumerate(config.signal_stages(cfg)):
+        key = f"signals[{i}]"
+        entry = registry.find(name, "signal")
+        if entry is None or entry.kind != "signal":
+            known = registry.names("signal")
+            raise ConfigError(f"{key}: unknown signal {name!r}; known: "
+                              f"{', '.join(known) or 'none registered'}{registry.IMPORT_HINT}")
+        config.check_params(dict(params), list(entry.hyper_params), f"{key}.params",
+                            f"signal {name!r}")
+        try:
+            fields = entry.outputs(dict(params))
+        except Exception as e:  # noqa: BLE001 - the plug-in's own function
+            raise ConfigError(f"{key}: signal {name!r} cannot say what it provides "
+                              f"({type(e).__name__}: {e})") from None
+        bad = {k: v for k, v in fields.items() if registry.parse_level(v) is None}
+        if bad:
+            raise ConfigError(f"{key}: signal {name!r} provides {bad}; each field's level must "
+                              f"be one of {registry.SIGNAL_LEVELS}")
+
+
+def env_reports(cfg: RunConfig) -> dict:
+    """The fields the run's environment declares it reports (``Env.reports``: name ->
+    description), read from its class without making it; ``{}`` for none or an unknown env."""
+    try:
+        factory, _ = envs.resolve_env(cfg.env.name)
+    except (ValueError, ImportError):
+        return {}
+    reports = getattr(factory, "reports", None)
+    return dict(reports) if isinstance(reports, dict) else {}
+
+
+def signal_fields(cfg: RunConfig) -> dict:
+    """The fields the run's signal plug-ins provide (name -> level)."""
+    out = {}
+    for name, params in config.signal_stages(cfg):
+        entry = registry.find(name, "signal")
+        if entry is not None:
+            out.update(entry.outputs(dict(params)))
+    return out
+
+
+def run_table(cfg: RunConfig) -> dict:
+    """The inputs this run can supply (``train.inputs.run_inputs``): the loop's own, the
+    environment's reports and the signal plug-ins' fields."""
+    return run_inputs(env_reports(cfg), signal_fields(cfg))
+
+
+def configured(cfg: RunConfig, spec) -> bool:
+    """Whether the source of a loop input is switched on in this run."""
+    if spec.source == "value_head":
+        return bool(cfg.model.value_head)
+    if spec.source == "teacher":
+        return cfg.teacher.source != "none"
+    return True
+
+
+def _trace(cfg: RunConfig, batch) -> None:
+    """The pipeline, the policy loss and the auxiliary losses traced (``jax.eval_shape``) on
+    ``batch``; raises what they raise."""
+    pipe = config.pipeline(cfg)
+    lo = cfg.loss
+    fn = losses.get(lo.policy)
+    aux = config.aux_losses(cfg)
+
+    def run(b):
+        adv, _ = pipe.apply(b, pipe.init(8))
+        z = jnp.zeros(b.tokens.shape)
+        fn(b.old_logprobs, b, z, agg=lo.agg, **lo.params)
+        for name, _, params in aux:
+            f = losses.get(name)
+            given = {"advantages": adv.token} if "advantages" in inspect.signature(
+                f).parameters else {}
+            f(b.old_logprobs, b, agg=lo.agg, **given, **dict(params))
+        return adv
+
+    jax.eval_shape(run, batch)
+
+
+def _where(cfg: RunConfig, e: Exception) -> str:
+    """The config key a trace error belongs to: the loss when the loss raised it."""
+    tb = e.__traceback__
+    mods = set()
+    while tb is not None:
+        mods.add(tb.tb_frame.f_globals.get("__name__", ""))
+        tb = tb.tb_next
+    if any(m.startswith("jaxrl_agent.losses") for m in mods) and not any(
+            m.startswith("jaxrl_agent.estimators") for m in mods):
+        return "loss.aux" if cfg.loss.aux else "loss.params"
+    pipe = config.pipeline(cfg)
+    return "estimator.params" if len(pipe.names) == 1 else f"estimator {list(pipe.names)}"
+
+
 def check_methods(cfg: RunConfig) -> None:
-    """The estimator, its shaping and transform stages and the policy loss, checked before
-    anything is compiled: known names of the right kind, hyper-parameter names and value types
-    (``estimators.check_hyper_params``), then one trace (``jax.eval_shape``, seconds) on a tiny
-    batch like the loop's, so the ranges and choices each function checks itself, and the
-    inputs it reads, fail here with the key named instead of inside the first jitted step."""
+    """The estimator, its shaping and transform stages, the policy loss and the auxiliary
+    losses, checked before anything is compiled: known names of the right kind,
+    hyper-parameter names and value types (``estimators.check_hyper_params``), then one trace
+    (``jax.eval_shape``, seconds) on a tiny batch like the loop's that carries every input this
+    run supplies (``run_table``), so the ranges and choices each function checks itself, and
+    any input it reads that no source of the run supplies, fail here with the key named
+    instead of inside the first jitted step."""
     est = cfg.estimator
     try:
         estimators.check_hyper_params(est.name, est.params)
@@ -201,18 +330,6 @@ def check_methods(cfg: RunConfig) -> None:
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None
     check_reads(cfg)
-    pipe = config.pipeline(cfg)
-    batch = dry_batch(cfg)
-    try:
-        jax.eval_shape(pipe.apply, batch, pipe.init(8))
-    except (ValueError, TypeError) as e:
-        msg = str(e).splitlines()[0]
-        where = "estimator.params" if len(pipe.names) == 1 else f"estimator {list(pipe.names)}"
-        if isinstance(e, estimators.MissingInput):
-            raise ConfigError(f"{where}: {msg}. The training loop supplies no such input; use "
-                              f"it with `jaxrl-agent credit` on records that carry it") from None
-        raise ConfigError(f"{where}: {msg}") from None
-
     lo = cfg.loss
     fn = losses.get(lo.policy)
     sig = inspect.signature(fn).parameters
@@ -221,34 +338,63 @@ def check_methods(cfg: RunConfig) -> None:
         if want:
             raise ConfigError(f"loss.params.{k} must be {want} (default {sig[k].default!r}), "
                               f"got {v!r}")
-    try:
-        jax.eval_shape(lambda b: fn(b.old_logprobs, b, jnp.zeros(b.tokens.shape), agg=lo.agg,
-                                    **lo.params), batch)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"loss.params: {str(e).splitlines()[0]}") from None
+    for i, (name, _, params) in enumerate(config.aux_losses(cfg)):
+        sig = inspect.signature(losses.get(name)).parameters
+        for k, v in params:
+            want = type_error(sig[k].default, v) if k in sig else None
+            if want:
+                raise ConfigError(f"loss.aux[{i}].params.{k} must be {want} (default "
+                                  f"{sig[k].default!r}), got {v!r}")
+    step_reads(cfg)
+
+
+def step_reads(cfg: RunConfig) -> tuple:
+    """The fields the run's methods and losses read from a model the train step runs for them
+    (the teacher's log-probs, the policy's entropies: ``train.inputs.STEP_SOURCES``), found by
+    tracing them on a batch without those fields (``dry_batch``) and adding each one a method
+    asks for; the step computes only these. A field no configured source supplies is a
+    ``ConfigError`` naming the method and the config key that would supply it
+    (``inputs.missing_message``)."""
+    table = run_table(cfg)
+    optional = {n for n, s in table.items() if s.source in ("teacher", "policy", "reference")}
+    given: set = set()
+    for _ in range(len(table) + 1):
+        batch = dry_batch(cfg, include=given)
+        try:
+            _trace(cfg, batch)
+            return tuple(sorted(given))
+        except (ValueError, TypeError) as e:
+            if isinstance(e, estimators.MissingInput) and e.field in optional - given \
+                    and configured(cfg, table[e.field]):
+                given.add(e.field)
+                continue
+            where = _where(cfg, e)
+            if isinstance(e, estimators.MissingInput):
+                who = str(e).split(" needs extras")[0]
+                raise ConfigError(f"{where}: {inputs_lib.missing_message(e.field, who=who)}"
+                                  ) from None
+            raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
+    raise ConfigError("the run's methods ask for inputs without end")  # pragma: no cover
 
 
 def check_reads(cfg: RunConfig) -> None:
-    """Every input the pipeline reads is one the training loop supplies, from a part this run
-    has (a value head for critics); otherwise a ConfigError naming the method and the input."""
+    """Every input the pipeline declares it reads is one this run supplies, from a part the run
+    has (a value head for critics); otherwise a ConfigError naming the method, the input and
+    the config key that would supply it."""
     pipe = config.pipeline(cfg)
+    table = run_table(cfg)
     for name, params in (*pipe.shaping, pipe.estimator, *pipe.then):
         for field in estimators.spec(name).inputs(dict(params)):
-            if field not in LOOP_INPUTS:
-                raise ConfigError(
-                    f"{name!r} reads extras['{field}'], which the training loop does not "
-                    f"supply (it supplies {', '.join(LOOP_INPUTS)}); use it with "
-                    f"`jaxrl-agent credit` on records that carry it")
-            source = LOOP_INPUTS[field].source
-            if source == "value_head" and not cfg.model.value_head:
-                raise ConfigError(f"estimator {name!r} reads a critic (extras['{field}'] from "
-                                  f"{SOURCES[source]}): set model.value_head: true")
+            if field not in table or not configured(cfg, table[field]):
+                raise ConfigError(inputs_lib.missing_message(field, who=f"estimator {name!r}"))
 
 
-def dry_batch(cfg: RunConfig, group_size: int = 2):
+def dry_batch(cfg: RunConfig, group_size: int = 2, include=None):
     """A tiny batch shaped like the loop's (``trainer.layout``; 2 tasks, 2 turns each), with
-    stand-ins for the inputs the training loop supplies to this pipeline
-    (``train.inputs.LOOP_INPUTS``: values, hidden states, subgoal switches)."""
+    stand-ins for the inputs this run supplies (``run_table``: values, hidden states, subgoal
+    switches, the environment's reports, the signal plug-ins' fields); of the inputs a model
+    in the step computes only when read (teacher log-probs, entropies), those in ``include``
+    (default: all that are configured)."""
     turn = {"observation": [1, 5], "action": [2, 3], "logprobs": [-1.0, -0.5]}
     outcomes = [0.0, 1.0, 0.5, 2.0][: 2 * group_size] if group_size > 1 else [0.0, 1.0]
     recs = [{"group": i // group_size, "outcome": o, "turns": [turn, turn]}
@@ -258,15 +404,25 @@ def dry_batch(cfg: RunConfig, group_size: int = 2):
     n, k = batch.turn_mask.shape
     ramp = jnp.arange(n * k, dtype=jnp.float32).reshape(n, k) / (n * k)
     stand_in = {
-        "token": jnp.where(batch.action_mask, 0.3, 0.0),
+        "token": jnp.where(batch.action_mask, -0.3, 0.0),
         "turn": ramp,
+        "traj": jnp.linspace(0.0, 1.0, n, dtype=jnp.float32),
         "vector": jnp.linspace(-1.0, 1.0, n * k * 4, dtype=jnp.float32).reshape(n, k, 4),
     }
-    for name in estimators.reads(config.pipeline(cfg)):
-        if name in LOOP_INPUTS:
-            spec = LOOP_INPUTS[name]
-            x = stand_in[spec.level]
-            extras[name] = jnp.zeros_like(x) if spec.source == "env" else x
+    for name, spec in run_table(cfg).items():
+        if not configured(cfg, spec):
+            continue
+        if spec.source in ("teacher", "policy", "reference") and include is not None \
+                and name not in include:
+            continue
+        level, width = registry.parse_level(spec.level) or (spec.level, None)
+        if level == "edges":  # turn k - 1 -> k in every trajectory, type 0
+            extras[name] = jnp.asarray([[[j, j + 1, 0] for j in range(k - 1)]] * n, jnp.int32)
+            continue
+        x = stand_in[level]
+        if width is not None:
+            x = jnp.repeat(x[..., None], width, axis=-1) * jnp.arange(1, width + 1)
+        extras[name] = jnp.zeros_like(x) if name == "switch" else x
     return batch.replace(extras=extras)
 
 
@@ -288,3 +444,76 @@ def check_group_size(cfg: RunConfig) -> None:
             f"so with one rollout per task every advantage is 0 and nothing is learned; use "
             f"rollout.group_size >= 2, or an estimator with its own baseline (a value head: "
             f"gae, turn_gae; or reinforce_pp)")
+
+
+# ----------------------------------------------------------------------------- what reads what
+
+
+def builtin_reports() -> dict:
+    """``{field: [env names]}``: the per-turn fields the registered environments declare
+    (``Env.reports``), with their ``final_<field>`` trajectory fields."""
+    out: dict = {}
+    for e in registry.entries("env"):
+        for name in getattr(e.fn, "reports", None) or {}:
+            for field in (name, f"final_{name}"):
+                out.setdefault(field, []).append(e.name)
+    return out
+
+
+def _call_alone(kind: str, name: str, params: dict):
+    """``run(batch)`` calling one registered method with ``params`` as the trainer does."""
+    if kind == "loss":
+        fn = losses.get(name)
+        given = lambda b: ({"advantages": jnp.zeros(b.tokens.shape)}  # noqa: E731
+                           if "advantages" in inspect.signature(fn).parameters else {})
+        return lambda b: fn(b.old_logprobs, b, **given(b), **params)
+    pipe = (estimators.Pipeline((name, tuple(params.items()))) if kind == "estimator" else
+            estimators.Pipeline(("grpo", ()), ((name, tuple(params.items())),))
+            if kind == "shaping" else
+            estimators.Pipeline(("grpo", ()), (), ((name, tuple(params.items())),)))
+    return lambda b: pipe.apply(b, pipe.init(8))[0]
+
+
+def method_reads(kind: str, name: str, params: dict | None = None,
+                 layout: str = "per_step") -> list:
+    """``[(field, level)]``: the extras fields one registered method reads with these
+    hyper-parameters (default: its defaults), found by tracing it on a batch that starts with
+    none and gets a stand-in for each field it asks for (at the level the loop's table gives
+    it; other fields at the first level the method accepts). A field at a level none of
+    ``token``, ``turn``, ``traj``, ``vector`` fits ends the search with level ``"?"``."""
+    table = run_inputs(signal_fields=None)
+    base = dry_batch(RunConfig(trainer=dataclasses.replace(RunConfig().trainer, layout=layout),
+                               model=dataclasses.replace(RunConfig().model, value_head=True),
+                               teacher=config.TeacherSection(source="live")), include=())
+    base = base.replace(extras={k: v for k, v in base.extras.items()
+                                if k in ("positions", "segment_ids")})
+    n, k = base.turn_mask.shape
+    stand_in = {"token": jnp.where(base.action_mask, -0.3, 0.0),
+                "turn": jnp.arange(n * k, dtype=jnp.float32).reshape(n, k) / (n * k),
+                "traj": jnp.linspace(0.0, 1.0, n, dtype=jnp.float32),
+                "vector": jnp.ones((n, k, 4), jnp.float32)}
+    run = _call_alone(kind, name, dict(params or {}))
+    found: dict = {}
+    trying: tuple = ()
+    for _ in range(64):
+        extras = {**base.extras, **{f: stand_in[lvl] for f, lvl in found.items()}}
+        try:
+            jax.eval_shape(run, base.replace(extras=extras))
+            return list(found.items())
+        except (ValueError, TypeError) as e:
+            field = getattr(e, "field", None)
+            if isinstance(e, estimators.MissingInput) and field not in found:
+                levels = (table[field].level,) if field in table else tuple(stand_in)
+                trying = (field, levels, 0)
+                found[field] = levels[0]
+                continue
+            if trying and f"'{trying[0]}'" in str(e) and trying[2] + 1 < len(trying[1]):
+                field, levels, i = trying
+                trying = (field, levels, i + 1)
+                found[field] = levels[i + 1]
+                continue
+            if trying and f"'{trying[0]}'" in str(e):
+                found[trying[0]] = "?"
+                return list(found.items())
+            return list(found.items())  # an error of its own (a required setting): stop here
+    return list(found.items())

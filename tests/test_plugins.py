@@ -154,20 +154,27 @@ def test_the_loop_supplies_every_declared_loop_input():
     one), and the train step runs the provider: a batch without the field gets it at its
     level's shape."""
     import jax.numpy as jnp
+    import numpy as np
 
     from jaxrl_agent.rollout.records import pack_records
     from jaxrl_agent.train import inputs
     from tests.signals import signal_records
     batch = pack_records(signal_records(0, num_groups=2, group_size=2), layout="concatenated")[0]
     n, k = batch.turn_mask.shape
-    values = jnp.ones(batch.tokens.shape, jnp.float32)
-    hidden = jnp.ones((n, k, 3), jnp.float32)
+    tok = jnp.ones(batch.tokens.shape, jnp.float32)
+    outputs = {"values": tok, "hidden": jnp.ones((n, k, 3), jnp.float32),
+               "teacher_logprobs": -tok, "ref_logprobs": -2 * tok, "entropy": 3 * tok}
     shapes = {"token": batch.tokens.shape, "turn": (n, k), "vector": (n, k, 3)}
-    out = inputs.provide(batch, tuple(inputs.LOOP_INPUTS), values, hidden)
+    out = inputs.provide(batch, tuple(inputs.LOOP_INPUTS), outputs)
     for name, spec in inputs.LOOP_INPUTS.items():
         assert spec.source in inputs.SOURCES, name
-        assert (spec.from_turns is not None) == (spec.source == "env"), name
+        assert (spec.source in inputs.STEP_SOURCES) == (spec.step is not None and
+                                                        spec.from_turns is None), name
         assert out.extras[name].shape == shapes[spec.level], name
+    # model outputs replace what the records carried, detached
+    m = np.asarray(batch.action_mask)
+    assert np.all(np.asarray(out.extras["teacher_logprobs"])[m] == -1.0)
+    assert np.all(np.asarray(out.extras["entropy"])[m] == 3.0)
 
 
 #: registry keys that already say what the method does (no descriptive alias needed)

@@ -174,7 +174,7 @@ def contrastive_rewards(teacher_lp, negatives, batch: TrajectoryBatch, *, level:
     sequence: r_i = S_i - log mean_j exp(S_ij),  S = sum over the trajectory's action tokens
     ``variant="mean"``: subtract the plain mean of the negatives' log-probs instead (the
     cheaper baseline; no bound). ``negatives`` [R, T, M]: the teacher's log-probs of the same
-    tokens under M other in-batch inputs (an extra teacher pass, done outside).
+    tokens under M other in-batch inputs (e.g. from a signal plug-in in training).
 
     Props (logmeanexp): r <= log(M + 1) (InfoNCE bound; per token, and per trajectory for the
     sequence level); identical inputs (negatives = teacher) give exactly 0.
@@ -230,7 +230,7 @@ def contrastive_teacher_advantage(batch: TrajectoryBatch, *, beta: float = 1.0,
       beta: scale of the reward, >= 0.
       teacher: extras field of the feedback-conditioned teacher's log-probs [R, T].
       negatives: extras field [R, T, M], M >= 1: the teacher's log-probs of the same tokens
-        under M other in-batch inputs (an extra teacher pass, done outside the library).
+        under M other in-batch inputs (in training, e.g. from a signal plug-in).
       level: ``"token"`` (per-token reward) or ``"sequence"`` (one reward per trajectory,
         broadcast to its tokens).
       variant: ``"logmeanexp"`` (InfoNCE baseline, r <= log(M + 1)) or ``"mean"`` (the plain

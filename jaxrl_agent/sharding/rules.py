@@ -164,7 +164,8 @@ def train_state_shardings(state: Any, optimizer: optax.GradientTransformation, m
                           rules: Mapping | None = None, trainable=nnx.Param) -> Any:
     """Shardings for a ``train.step.TrainState``: parameters (and the frozen reference copy)
     by the rules, the optimizer state like the parameters it tracks (``optax.tree_map_params``;
-    the ``trainable`` ones: all, or LoRA's adapters and value head), everything else (step,
+    the ``trainable`` ones: all, or LoRA's adapters and value head), the teacher's parameters
+    (an EMA like the trained ones, another model's by the rules), everything else (step,
     rng, estimator state, counters) replicated."""
     repl = NamedSharding(mesh, P())
     ps = param_shardings(state.params, mesh, rules)
@@ -173,7 +174,12 @@ def train_state_shardings(state: Any, optimizer: optax.GradientTransformation, m
                                 transform_non_params=lambda _: repl)
     everything = jax.tree.map(lambda _: repl, state)
     has_ref = not (isinstance(state.ref_params, tuple) and not state.ref_params)
-    return everything.replace(params=ps, opt_state=opt, ref_params=trained if has_ref else ())
+    teacher = state.teacher_params
+    if not (isinstance(teacher, tuple) and not teacher):  # an EMA of the trained parameters
+        same = jax.tree.structure(teacher) == jax.tree.structure(trained)
+        teacher = trained if same else param_shardings(teacher, mesh, rules)  # another model
+    return everything.replace(params=ps, opt_state=opt, ref_params=trained if has_ref else (),
+                              teacher_params=teacher)
 
 
 def layout_table(params: Any, mesh: Mesh, rules: Mapping | None = None) -> list[dict]:

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_agent import config as config_lib
-from jaxrl_agent import envs, segments
+from jaxrl_agent import envs, run_checks, segments
 from jaxrl_agent import sharding
 from jaxrl_agent.sharding import multihost
 from jaxrl_agent.batch import bucket, round_up_to_step
@@ -56,6 +56,8 @@ from jaxrl_agent.sampling.jax_sampler import JaxSampler
 from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.inputs import attach_env_inputs
+from jaxrl_agent.train.signals import SignalError, run_signals
+from jaxrl_agent.train.teacher import load_teacher, teacher_summary
 from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
                                     lr_schedule, make_optimizer, make_train_step,
@@ -472,6 +474,8 @@ class Trainer:
         self.lr_at = run_lr_schedule(cfg)
         self.pipeline = config_lib.pipeline(cfg)
         self.step_cfg = step_config(cfg, self.data_shards, self.pipeline)
+        self.signal_stages = config_lib.signal_stages(cfg)
+        self.teacher_model = load_teacher(cfg, self.model, self.codec)
         self.rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
         self.state_shardings = sharding.train_state_shardings(
             jax.eval_shape(self._init_state), self.optimizer, self.mesh, self.rules,
@@ -480,7 +484,7 @@ class Trainer:
         # parameters and optimizer state alive, not two)
         self.train_step = make_train_step(self.model, self.optimizer, self.step_cfg, donate=True,
                                           mesh=self.mesh, state_shardings=self.state_shardings,
-                                          rules=self.rules)
+                                          rules=self.rules, teacher_model=self.teacher_model)
         self.task_index: dict = {}
         self.checkpointer = Checkpointer(self.paths.checkpoints, every=cfg.checkpoint.every,
                                          keep=max(cfg.checkpoint.keep, 1),
@@ -515,10 +519,25 @@ class Trainer:
             else:
                 print(text, file=self.out, flush=True)
 
+    def _state_args(self) -> dict:
+        """What the train state holds beside the policy: the frozen start copy (the KL term's
+        reference, or the ``base`` teacher), an EMA teacher."""
+        teacher = self.step_cfg.teacher if self.step_cfg.needs_teacher else "none"
+        return dict(with_reference=(self.cfg.loss.kl_coef > 0 or teacher == "base"
+                                    or self.step_cfg.needs_reference),
+                    ema_teacher=teacher == "ema")
+
+    def _teacher_params(self):
+        """A checkpoint teacher's parameters (``()`` for any other teacher)."""
+        if self.teacher_model is None:
+            return ()
+        return nnx.state(self.teacher_model, nnx.Param)
+
     def _init_state(self) -> TrainState:
         est_state = self.pipeline.init(self.cfg.trainer.task_capacity)
         return init_state(self.model, self.optimizer, seed=self.cfg.trainer.seed,
-                          est_state=est_state, with_reference=self.cfg.loss.kl_coef > 0)
+                          est_state=est_state, teacher_params=self._teacher_params(),
+                          **self._state_args())
 
     def _fresh_state(self) -> TrainState:
         """A new train state laid out by the partition rules: the parameters are placed shard
@@ -528,11 +547,19 @@ class Trainer:
         est_state = self.pipeline.init(self.cfg.trainer.task_capacity)
         init = functools.partial(init_state_from_params, optimizer=self.optimizer,
                                  seed=self.cfg.trainer.seed,
-                                 with_reference=self.cfg.loss.kl_coef > 0,
-                                 trainable=trainable_of(self.model))
+                                 trainable=trainable_of(self.model), **self._state_args())
         return jax.jit(init, out_shardings=self.state_shardings)(
             params, est_state=multihost.global_tree(jax.device_get(est_state),
-                                                    sharding.replicated(self.mesh)))
+                                                    sharding.replicated(self.mesh)),
+            teacher_params=self._placed_teacher())
+
+    def _placed_teacher(self):
+        """A checkpoint teacher's parameters laid out by the partition rules (``()`` for any
+        other teacher)."""
+        if self.teacher_model is None:
+            return ()
+        return multihost.global_tree(jax.device_get(self._teacher_params()),
+                                     self.state_shardings.teacher_params)
 
     def _restore_target(self):
         """Shapes, dtypes and shardings of the checkpointed train state (nothing allocated):
@@ -544,7 +571,10 @@ class Trainer:
     def _saved(self, state):
         """What a checkpoint holds of ``state``: all of it, or with LoRA its trained
         parameters only (adapters, value head) beside the optimizer state; the frozen base is
-        the run's model source (``_with_frozen``)."""
+        the run's model source (``_with_frozen``). A checkpoint teacher is never saved (it is
+        read from its folder again)."""
+        if self.teacher_model is not None:
+            state = state.replace(teacher_params=())
         if not self.model.config.lora_rank:
             return state
         return state.replace(params=split_trainable(state.params, trainable_of(self.model))[0])
@@ -738,6 +768,9 @@ class Trainer:
         wall0 = time.time()
         self._print(config_lib.describe(cfg))
         self._print(f"model: {self.model_from}; {self.layout_summary()}")
+        for line in (teacher_summary(cfg, self.step_cfg.reads), self._signals_summary()):
+            if line:
+                self._print(line)
         split = self.split_summary()
         if split is not None:
             self._print(split)
@@ -795,9 +828,10 @@ class Trainer:
                     metrics.update(ev)
                     last_eval = ev["eval/success"]
                 self.logger.log(step, metrics)
-                self._write_samples(step, out)
+                if out is not None:  # None: a signal plug-in failed, nothing was trained
+                    self._write_samples(step, out)
+                    self._last_out = out
                 done = (step, state)
-                self._last_out = out
                 self.checkpointer.save(step, self._saved(state), self._meta(step, extra),
                                        force=step == t.steps)
             return self._finish(state, wall0, eval_before, eval_after_sft, last_eval)
@@ -851,7 +885,10 @@ class Trainer:
             if err is None:
                 if failures and not self.read_only:
                     self._set_aside([f for f, _ in failures])
-                return step, self._with_frozen(state), meta
+                state = self._with_frozen(state)
+                if self.teacher_model is not None:
+                    state = state.replace(teacher_params=self._placed_teacher())
+                return step, state, meta
             failures.append((step, err))
             self._print(f"--resume: checkpoint step {step} cannot be read ({err}); trying the "
                         f"previous one")
@@ -931,7 +968,28 @@ class Trainer:
         thread with ``trainer.async_rollouts``."""
         t, r = self.cfg.trainer, self.cfg.rollout
         tasks = self.env.sample_tasks(step_seed(t.seed, s, "tasks"), r.tasks_per_step, "train")
-        return self._collect(tasks, self.rollout_cfg, step_seed(t.seed, s, "rollout"))
+        records, stats = self._collect(tasks, self.rollout_cfg, step_seed(t.seed, s, "rollout"))
+        return self._with_signals(records, stats)
+
+    def _with_signals(self, records, stats):
+        """The records with the signal plug-ins' fields (``train.signals``); a plug-in that
+        raised leaves the step without records (``stats["signal_error"]``: head, traceback),
+        which the trainer counts and skips."""
+        stats = dict(stats, signal_errors=0)
+        if not self.signal_stages or not records:
+            return records, stats
+        try:
+            return run_signals(records, self.signal_stages), stats
+        except SignalError as e:
+            return [], dict(stats, signal_errors=1, signal_error=(e.head, e.tb))
+
+    def _signals_summary(self) -> str:
+        if not self.signal_stages:
+            return ""
+        fields = run_checks.signal_fields(self.cfg)
+        return (f"signals: {', '.join(n for n, _ in self.signal_stages)} on the host after "
+                f"each collection{' (in the rollout workers)' if self.cfg.trainer.async_rollouts else ''}"
+                f", providing {', '.join(f'{k} ({v})' for k, v in sorted(fields.items()))}")
 
     def _one_step(self, state: TrainState, s: int):
         t = self.cfg.trainer
@@ -941,6 +999,10 @@ class Trainer:
         else:
             records, stats = self._collect_step(s)
         self._watch_env_errors(s + 1, stats)
+        if self._watch_signal_errors(s + 1, stats):  # a judge failed: nothing to train on
+            return state, {"train/signal_errors": 1.0, "train/env_errors": stats["env_errors"],
+                           "time/rollout_s": time.perf_counter() - t0}, None
+        self._save_records(s + 1, records)
         version = int(state.step)
         lags = staleness_metrics(records, version) if t.max_policy_lag else {}
         records, refused = refuse_stale(records, version, t.max_policy_lag)
@@ -978,6 +1040,7 @@ class Trainer:
             "train/reward": stats["mean_reward"], "train/success": stats["success_rate"],
             "train/turns": stats["turns"] / n, "train/invalid": stats["invalid_actions"] / n,
             "train/env_errors": stats["env_errors"], "train/stale_refused": refused,
+            "train/signal_errors": float(stats.get("signal_errors", 0)),
             "train/tokens_per_s": stats["tokens_generated"] / max(
                 stats["wall_time_s"] if self.workers is not None else t2 - t0, 1e-9),
             "time/rollout_s": t1 - t0, "time/train_s": t2 - t1, "time/sync_s": t3 - t2,
@@ -1060,6 +1123,49 @@ class Trainer:
                 f"; the run "
                 f"stops here (trainer.max_failed_steps: {limit}; 0 never stops). Tracebacks: "
                 f"{os.path.join(self.paths.root, 'env_errors.log')}")
+
+    def _watch_signal_errors(self, step: int, stats: dict) -> bool:
+        """Whether a signal plug-in failed on this step's records. The first failure of each
+        kind is shown once with the plug-in's traceback (and appended to
+        ``<run>/env_errors.log``); the run stops with ``EnvFailureError`` after
+        ``trainer.max_failed_steps`` such steps in a row."""
+        failed = stats.get("signal_error")
+        self._signal_failed_steps = (getattr(self, "_signal_failed_steps", 0) + 1
+                                     if failed else 0)
+        if not failed:
+            return False
+        head, tb = failed
+        seen = getattr(self, "_signal_heads", set())
+        self._signal_heads = seen
+        if head not in seen and multihost.is_main_process():
+            seen.add(head)
+            log = os.path.join(self.paths.root, "env_errors.log")
+            with open(log, "a") as f:
+                f.write(f"step {step}: {head}\n{tb}\n")
+            self._print(f"step {step}: {head}; this step trains on nothing (counted in "
+                        f"train/signal_errors; later ones of this kind are only counted); "
+                        f"traceback (also in {log}):\n{tb.rstrip()}")
+        limit = self.cfg.trainer.max_failed_steps
+        if limit and self._signal_failed_steps >= limit:
+            raise EnvFailureError(f"steps {step - limit + 1}-{step}: a signal plug-in failed "
+                                  f"on every step ({head}); the run stops here "
+                                  f"(trainer.max_failed_steps: {limit}; 0 never stops)")
+        return True
+
+    def _save_records(self, step: int, records) -> None:
+        """The step's records as collected (with the signal plug-ins' fields) in
+        ``<run.dir>/rollouts/records_<step>.jsonl`` when ``metrics.save_records`` is on: the
+        form ``jaxrl-agent credit`` reads, so an offline analysis sees what the run trained
+        on."""
+        if not self.cfg.metrics.save_records or not multihost.is_main_process():
+            return
+        folder = os.path.join(self.paths.root, "rollouts")
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".records_{step}.jsonl.tmp")
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps(r, default=_json_default) + "\n")
+        os.replace(tmp, os.path.join(folder, f"records_{step}.jsonl"))
 
     def _watch_signal(self, step: int, m: dict) -> None:
         """Says once when ``NO_SIGNAL_STEPS`` steps in a row had every advantage 0 (every
@@ -1164,7 +1270,18 @@ def step_config(cfg: config_lib.RunConfig, data_shards: int, pipeline=None) -> S
         temperature=r.temperature,
         top_k=r.top_k, top_p=r.top_p, is_weights=cfg.loss.is_weights,
         is_level=cfg.loss.is_level, is_cap=cfg.loss.is_cap, is_lower=cfg.loss.is_lower,
-        decoupled=cfg.loss.decoupled)
+        decoupled=cfg.loss.decoupled, teacher=config_lib.teacher_kind(cfg),
+        teacher_ema=cfg.teacher.ema_decay, extra_reads=run_checks.step_reads(cfg),
+        aux_losses=config_lib.aux_losses(cfg))
+
+
+def _json_default(x):
+    """numpy scalars and arrays in records, as JSON numbers and lists."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serializable")
 
 
 def _donated(tree) -> bool:

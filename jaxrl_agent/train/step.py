@@ -2,13 +2,16 @@
 
 One step, for a packed ``TrajectoryBatch``::
 
-    values   = V_theta(batch)                        (only for critic estimators)
+    values   = V_theta(batch)                        (only for critic estimators; likewise the
+                                                      teacher's log-probs and the policy's
+                                                      entropies, only when a method reads them)
     A, est'  = estimator(batch [+ values], est)      (registry; on the whole batch, once)
     for epoch in 1..ppo_epochs:
       for each mini-batch b (1/mini_batches of the rows, whole trajectories):
         g = 0
         for each micro-batch m of b (gradient accumulation):
-            g += grad_theta [ P_m / D_P + kl_coef K_m / D_K - ent_coef H_m / D_H + v_coef V_m / D_V ]
+            g += grad_theta [ P_m / D_P + kl_coef K_m / D_K - ent_coef H_m / D_H + v_coef V_m / D_V
+                              + sum_j c_j X_jm / D_Xj ]      (X_j: auxiliary losses, aux_losses)
         theta, opt = optax update(g)   -- skipped (and counted) when the loss or g is not
                                           finite, or when b carries no learning signal
 
@@ -17,7 +20,8 @@ those of the whole mini-batch, so the micro-batched gradient equals the one-pass
 every aggregation mode, because micro-batches never split a trajectory). The PPO ratio of
 every update is taken against the sampler's log-probs (``batch.old_logprobs``): in the first
 update it is 1 (the policy has not moved), in later ones the clip binds. "No learning signal"
-means every advantage of the mini-batch's action tokens is 0 and no value loss is trained:
+means every advantage of the mini-batch's action tokens is 0 and no value loss or auxiliary
+loss (``StepConfig.aux_losses``, e.g. a distillation loss) is trained:
 Adam would otherwise keep moving the parameters along its momentum (and the KL / entropy
 terms alone) on steps that learned nothing. Such updates are counted in
 ``TrainState.idle``; ``TrainState.skipped`` counts the non-finite ones.
@@ -79,6 +83,13 @@ from jaxrl_agent.sampling.jax_sampler import process_logits
 from jaxrl_agent.train import inputs
 from jaxrl_agent.train.logprobs import chunked_sampled_logprobs
 
+#: where the teacher's log-probs come from (``StepConfig.teacher``): none; ``base``: the trained
+#: parameters as the run started (the frozen copy the KL term uses; with LoRA, the adapters at
+#: their start, i.e. switched off); ``live``: the policy at the start of the step; ``ema``: a
+#: moving average of the policy; ``model``: another checkpoint (``TrainState.teacher_params``)
+TEACHERS = ("none", "base", "live", "ema", "model")
+
+
 @struct.dataclass
 class TrainState:
     """Everything a resumed run needs on the device side.
@@ -96,6 +107,9 @@ class TrainState:
       skipped: int32, updates skipped because the loss or the gradient was not finite.
       idle: int32, updates skipped because their mini-batch carried no learning signal (every
         advantage 0 and no value loss).
+      teacher_params: the teacher's parameters when the step holds them (``StepConfig.teacher``
+        ``"ema"``: an exponential moving average of the trained parameters, updated after each
+        step; ``"model"``: another checkpoint's parameters, frozen, never saved), or ``()``.
     """
 
     params: Any
@@ -106,6 +120,7 @@ class TrainState:
     ref_params: Any = ()
     skipped: Any = 0
     idle: Any = 0
+    teacher_params: Any = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +155,13 @@ class StepConfig:
     is_cap: float = 2.0
     is_lower: float = 0.0  # mask mode: weights below it are masked too
     decoupled: bool = False  # PPO ratio against the proximal policy, not the sampler's
+    # Signals (``train.inputs``): the teacher whose log-probs the methods read, fields the
+    # run's methods read beyond their declared ones (found by ``run_checks.step_reads``), and
+    # auxiliary losses ((name, coef, params), ...) added to the policy loss
+    teacher: str = "none"  # none | base | live | ema | model (TEACHERS)
+    teacher_ema: float = 0.99  # ema: teacher <- d teacher + (1 - d) policy after each step
+    extra_reads: tuple = ()
+    aux_losses: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_policy_name(self.remat))  # True -> "full"
@@ -150,6 +172,8 @@ class StepConfig:
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_IMPLS)}, got "
                              f"{self.attention!r}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
 
     @property
     def proximal(self) -> bool:
@@ -179,8 +203,25 @@ class StepConfig:
 
     @property
     def reads(self) -> tuple:
-        """The extras fields the pipeline's stages read (``estimators.reads``)."""
-        return estimators.reads(self.pipeline)
+        """The extras fields the pipeline's stages declare (``estimators.reads``) and those the
+        run's checks found its methods and losses read (``extra_reads``)."""
+        declared = estimators.reads(self.pipeline)
+        return declared + tuple(f for f in self.extra_reads if f not in declared)
+
+    @property
+    def needs_teacher(self) -> bool:
+        """A method or loss reads the teacher's log-probs: the step runs the teacher."""
+        return "teacher" in inputs.sources(self.reads)
+
+    @property
+    def needs_entropy(self) -> bool:
+        return "policy" in inputs.sources(self.reads)
+
+    @property
+    def needs_reference(self) -> bool:
+        """A method reads the reference policy's log-probs (the start weights' copy)."""
+        return "reference" in inputs.sources(self.reads)
+
 
     @property
     def needs_values(self) -> bool:
@@ -241,12 +282,14 @@ def _clip(grad_clip: float) -> list:
 
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, seed: int,
-               est_state=(), with_reference: bool = False) -> TrainState:
+               est_state=(), with_reference: bool = False, ema_teacher: bool = False,
+               teacher_params=()) -> TrainState:
     """The train state of ``model``: its parameters, the optimizer state of those it trains
     (``trainable_of(model)``)."""
     return init_state_from_params(nnx.state(model, nnx.Param), optimizer, seed=seed,
                                   est_state=est_state, with_reference=with_reference,
-                                  trainable=trainable_of(model))
+                                  trainable=trainable_of(model), ema_teacher=ema_teacher,
+                                  teacher_params=teacher_params)
 
 
 def trainable_of(model: nnx.Module):
@@ -264,16 +307,22 @@ def split_trainable(params, trainable=nnx.Param):
 
 def init_state_from_params(params, optimizer: optax.GradientTransformation, *, seed: int,
                            est_state=(), with_reference: bool = False,
-                           trainable=nnx.Param) -> TrainState:
+                           trainable=nnx.Param, ema_teacher: bool = False,
+                           teacher_params=()) -> TrainState:
     """``init_state`` from the parameters (an ``nnx.State``); jit it with ``out_shardings`` to
     create the optimizer state (and reference copy) directly in its sharded layout. The
-    optimizer state and the KL reference cover the ``trainable`` parameters only."""
+    optimizer state, the KL reference and an EMA teacher (``ema_teacher``) cover the
+    ``trainable`` parameters only; ``teacher_params``: another model's parameters (a
+    ``model`` teacher), kept as given."""
     trained, _ = split_trainable(params, trainable)
+    if ema_teacher:
+        teacher_params = jax.tree.map(jnp.copy, trained)
     return TrainState(
         params=params, opt_state=optimizer.init(trained), step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)), est_state=est_state,
         ref_params=jax.tree.map(jnp.copy, trained) if with_reference else (),
-        skipped=jnp.zeros((), jnp.int32), idle=jnp.zeros((), jnp.int32))
+        skipped=jnp.zeros((), jnp.int32), idle=jnp.zeros((), jnp.int32),
+        teacher_params=teacher_params)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -462,12 +511,17 @@ def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: 
         out["entropy"] = losses.get("entropy")(ent, mb, agg=cfg.agg)
     if cfg.needs_values and cfg.value_coef:
         out["value"] = losses.get("value")(values, returns, mb.action_mask)
+    for name, _, params in cfg.aux_losses:  # auxiliary losses; the run's advantages to those
+        fn = losses.get(name)               # that weigh by them
+        given = ({"advantages": adv_tok} if "advantages" in inspect.signature(fn).parameters
+                 else {})
+        out[f"aux_{name}"] = fn(lp, mb, agg=cfg.agg, **given, **dict(params))
     return out
 
 
 def _coefs(cfg: StepConfig) -> dict:
     return {"policy": 1.0, "kl": cfg.kl_coef, "entropy": -cfg.entropy_coef,
-            "value": cfg.value_coef}
+            "value": cfg.value_coef, **{f"aux_{n}": c for n, c, _ in cfg.aux_losses}}
 
 
 def _clip_params(cfg: StepConfig) -> dict | None:
@@ -501,19 +555,60 @@ def _run_estimator(pipe, est_batch, est_state, mesh):
                          out_specs=(rows, P()))(est_batch, est_state)
 
 
-def _advantages(graphdef, rest, fwd, cfg: StepConfig, state: TrainState, batch, tree, mesh):
-    """The first part of a step: the inputs the pipeline reads (``inputs.LOOP_INPUTS``: one forward
-    pass for the value head's estimates, one for the hidden states, only when read), then the
-    estimator pipeline on the whole batch. Returns ``(Advantages, new estimator state)``."""
-    values = hidden = None
+def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, batch, tree,
+                  join) -> dict:
+    """The model outputs the run's methods and losses read (``inputs.LOOP_INPUTS``), each
+    computed only when read: the value head's estimates and the hidden states at decision
+    points (one forward pass each), the policy's entropies (one pass, shared with a ``live``
+    teacher), the teacher's log-probs of the sampled tokens (a pass of the teacher: ``fwd``
+    on the start weights (``view.ref_params``), the EMA (``view.teacher_params``) or ``tfwd``
+    on another model's parameters), all at the rollouts' sampling parameters and chunked."""
+    out = {"values": None, "hidden": None, "teacher_logprobs": None, "entropy": None,
+           "ref_logprobs": None}
+    ext = {**batch.extras, **tree}
+    run = lambda f, p, ent=False: f(p, tokens=batch.tokens, extras=ext,  # noqa: E731
+                                    want_entropy=ent, blocks=cfg.blocks)
     if cfg.needs_values:
-        _, _, values, _ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
-                              want_entropy=False, blocks=cfg.blocks)
+        out["values"] = run(fwd, view.params)[2]
     if cfg.needs_hidden:
-        hidden = _decision_hidden(graphdef, state.params, rest, batch, tree, cfg.blocks,
-                                  cfg.attention, fwd.keywords.get("pin"), cfg.mlp_chunk)
-    est_batch = inputs.provide(batch, cfg.reads, values, hidden)
-    return _run_estimator(cfg.pipeline, est_batch, state.est_state, mesh)
+        out["hidden"] = _decision_hidden(graphdef, view.params, rest, batch, tree, cfg.blocks,
+                                         cfg.attention, fwd.keywords.get("pin"), cfg.mlp_chunk)
+    teacher = cfg.teacher if cfg.needs_teacher else "none"
+    if cfg.needs_entropy or teacher == "live":
+        lp, ent, _, _ = run(fwd, view.params, cfg.needs_entropy)
+        out["entropy"] = ent
+        if teacher == "live":
+            out["teacher_logprobs"] = lp
+    if teacher == "base" or cfg.needs_reference:  # the start weights: one pass for both
+        lp = run(fwd, view.ref_params)[0]
+        out["ref_logprobs"] = lp if cfg.needs_reference else None
+        if teacher == "base":
+            out["teacher_logprobs"] = lp
+    if teacher == "ema":
+        out["teacher_logprobs"] = run(fwd, join(view.teacher_params))[0]
+    elif teacher == "model":
+        out["teacher_logprobs"] = run(tfwd, view.teacher_params)[0]
+    return {k: None if v is None else jax.lax.stop_gradient(v) for k, v in out.items()}
+
+
+def _with_token_outputs(batch: TrajectoryBatch, outputs: dict) -> TrajectoryBatch:
+    """The batch the losses read: the step's per-token outputs (teacher log-probs, entropies)
+    added to its extras, detached."""
+    tok = {k: outputs[k] for k in ("teacher_logprobs", "ref_logprobs", "entropy")
+           if outputs[k] is not None}
+    return batch.replace(extras={**batch.extras, **tok}) if tok else batch
+
+
+def teacher_metrics(outputs: dict, batch: TrajectoryBatch) -> dict:
+    """``teacher_kl``: the mean over action tokens of lp_old - lp_T, the sampled-token (k1)
+    estimate of KL(rollout policy || teacher); 0 when the two agree. Empty without a teacher
+    pass."""
+    t = outputs.get("teacher_logprobs")
+    if t is None:
+        return {}
+    m = batch.action_mask
+    n = jnp.maximum(jnp.sum(m.astype(jnp.float32)), 1.0)
+    return {"teacher_kl": jnp.sum(jnp.where(m, batch.old_logprobs - t, 0.0)) / n}
 
 
 def _step_metrics(cfg: StepConfig, per, dens, n_bad, n_idle, adv_tok, batch) -> dict:
@@ -613,7 +708,8 @@ def _step_inputs(fwd, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch
     # Each mini-batch's denominators: sums over its micro-batches (counts are additive).
     dens = {k: jnp.sum(v, axis=1) for k, v in jax.vmap(jax.vmap(micro_dens))(split).items()}
     signal = jnp.any((split["adv"] != 0) & split["fields"]["action_mask"], axis=(1, 2, 3))
-    signal = signal | bool(cfg.needs_values and cfg.value_coef)
+    signal = signal | bool((cfg.needs_values and cfg.value_coef)
+                           or any(c for _, c, _ in cfg.aux_losses))  # losses of their own
     return split, dens, signal, off_metrics
 
 
@@ -699,12 +795,13 @@ def _apply_update(optimizer, params, opt_state, grads, loss, has_signal):
 
 def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
                batch: TrajectoryBatch, *, mesh=None, state_shardings=None, residual=None,
-               layer_use=None, trainable=nnx.Param):
+               layer_use=None, trainable=nnx.Param, teacher_graph=None):
     """One step: ``cfg.ppo_epochs x cfg.mini_batches`` optimizer updates on one batch; pure
     (jit it with ``graphdef``, ``rest``, ``optimizer``, ``cfg`` static, or use
     ``make_train_step``). Returns ``(new_state, {"metrics": ..., "advantages": ...})``.
 
-    The stages: advantages (``_advantages``: the loop's inputs, then the credit pipeline) ->
+    The stages: advantages (``_step_outputs``: the models' outputs the methods read, then the
+    credit pipeline on the batch with them, ``inputs.provide``) ->
     the rows each update reads (``_step_inputs``) -> per mini-batch, gradients accumulated
     over its micro-batches (``_accumulate``) -> the update (``_apply_update``), repeated for
     ``ppo_epochs`` passes -> metrics.
@@ -715,7 +812,8 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     default: the rows' layout); ``layer_use``: the layout each layer's weights are used in
     (``sharding.layer_use_shardings``; default: XLA chooses, and may gather a weight once
     per use); ``trainable``: the filter of the parameters trained (``trainable_of``; the
-    others get no gradient and keep their values).
+    others get no gradient and keep their values); ``teacher_graph``: ``(graphdef, rest)``
+    of a ``model`` teacher (its parameters are ``state.teacher_params``).
     """
     pin = None if mesh is None else NamedSharding(mesh, sharding_lib.batch_spec())
     residual = None if mesh is None or residual is None else NamedSharding(mesh, residual)
@@ -733,7 +831,14 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
     join = lambda p: nnx.merge_state(p, frozen)  # noqa: E731
     has_ref = not (isinstance(state.ref_params, tuple) and not state.ref_params)
     view = state.replace(ref_params=join(state.ref_params)) if has_ref else state
-    adv, est_state = _advantages(graphdef, rest, fwd, cfg, state, batch, tree, mesh)
+    tfwd = None
+    if teacher_graph is not None:
+        tfwd = functools.partial(_forward, teacher_graph[0], rest=teacher_graph[1], pin=pin,
+                                 cfg=cfg)
+    outputs = _step_outputs(graphdef, rest, fwd, tfwd, cfg, view, batch, tree, join)
+    adv, est_state = _run_estimator(cfg.pipeline, inputs.provide(batch, cfg.reads, outputs),
+                                    state.est_state, mesh)
+    batch = _with_token_outputs(batch, outputs)
     split, dens, signal, off_metrics = _step_inputs(fwd, cfg, view, batch, adv, tree, mesh)
     micro_loss = _micro_loss(fwd, cfg, batch)
     grad_fn = jax.value_and_grad(lambda p, mbd, den: micro_loss(join(p), mbd, den),
@@ -760,22 +865,29 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
         epoch, (trained, state.opt_state, zero, zero), None, length=cfg.ppo_epochs)
     rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
     ok = n_bad == 0
+    teacher_params = state.teacher_params
+    if cfg.teacher == "ema":  # teacher <- d teacher + (1 - d) policy, after a finite step
+        d = cfg.teacher_ema
+        teacher_params = jax.tree.map(
+            lambda t, p: jnp.where(ok, (d * t + (1.0 - d) * p).astype(t.dtype), t),
+            state.teacher_params, params)
     new_state = state.replace(
         params=join(params), opt_state=opt_state,
         est_state=jax.tree.map(lambda a, b: jnp.where(ok, a, b), est_state, state.est_state),
         step=state.step + 1, rng=jax.random.key_data(rng), skipped=state.skipped + n_bad,
-        idle=state.idle + n_idle)
+        idle=state.idle + n_idle, teacher_params=teacher_params)
     if state_shardings is not None:
         new_state = jax.lax.with_sharding_constraint(new_state, state_shardings)
 
     metrics = _step_metrics(cfg, per, dens, n_bad, n_idle, jax.lax.stop_gradient(adv.token),
                             batch)
     metrics.update(off_metrics)
+    metrics.update(teacher_metrics(outputs, batch))
     return new_state, {"metrics": metrics, "advantages": adv}
 
 
 def make_train_step(model: nnx.Module, optimizer, cfg: StepConfig, *, donate: bool = False,
-                    mesh=None, state_shardings=None, rules=None):
+                    mesh=None, state_shardings=None, rules=None, teacher_model=None):
     """``step(state, batch) -> (state, out)`` jitted; ``model`` supplies the graph and any
     non-parameter state (e.g. RoPE tables are computed, so usually nothing).
 
@@ -797,7 +909,15 @@ def make_train_step(model: nnx.Module, optimizer, cfg: StepConfig, *, donate: bo
     if mesh is not None and isinstance(model, Transformer):
         residual = sharding_lib.residual_spec(mesh, rules, model.config.hidden_size)
         layer_use = sharding_lib.layer_use_shardings(nnx.state(model.layers), mesh, rules)
+    if (teacher_model is None) != (cfg.teacher != "model"):
+        raise ValueError(f"StepConfig.teacher={cfg.teacher!r}: pass teacher_model exactly when "
+                         f"the teacher is 'model'")
+    teacher_graph = None
+    if teacher_model is not None:
+        t_graph, _, t_rest = nnx.split(teacher_model, nnx.Param, ...)
+        teacher_graph = (t_graph, t_rest)
     fn = functools.partial(train_step, graphdef, rest, optimizer, cfg, mesh=mesh,
                            state_shardings=state_shardings, residual=residual,
-                           layer_use=layer_use, trainable=trainable_of(model))
+                           layer_use=layer_use, trainable=trainable_of(model),
+                           teacher_graph=teacher_graph)
     return jax.jit(fn, donate_argnums=(0,) if donate else ())

@@ -1,0 +1,344 @@
+"""Every input a method reads has a source in training (``train.inputs``): the teacher, the
+policy's entropies, the reference policy, the environment's reports and signal plug-ins.
+
+* every registered credit method and auxiliary loss validates in a run that configures the
+  sources it reads (the test plug-in ``tests.signal_plugin`` stands in for judges), and every
+  registered loss has a config key;
+* the step's teacher / entropy / reference pass equals the same step on records that carry
+  those log-probs precomputed by the dense reference (so the values are right, nothing of
+  them is trained, and an EMA teacher moves by its formula);
+* a teacher of another vocabulary or tokenizer, a judge that raises or returns the wrong
+  shape, a field configured nowhere: one clear error each;
+* a run with a teacher, an auxiliary loss, the grid world's potential and a judge trains,
+  saves its records, and ``jaxrl-agent credit`` reads them.
+
+``JAXRL_FULL_CONFORMANCE=1`` also runs one train step per registered method (about 87
+compiles; minutes): ``test_every_method_trains_one_step``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_agent import config as C
+from jaxrl_agent import losses, registry, run_checks
+from jaxrl_agent.rollout.records import pack_records
+from jaxrl_agent.train.signals import SignalError, SignalShapeError, run_signals
+from jaxrl_agent.train.step import (StepConfig, init_state, make_optimizer, make_train_step,
+                                    sampled_logprobs)
+import tests.signal_plugin  # noqa: F401  (registers every_signal)
+from tests.test_train import _model, _records
+
+PLUGIN = ["imports=[tests.signal_plugin]", "signals=[every_signal]", "teacher.source=live",
+          "model.value_head=true", "trainer.warmup_sft_steps=0"]
+
+
+def all_methods() -> list:
+    """``(kind, name)`` of every credit method and auxiliary loss."""
+    return ([(k, e.name) for k in ("estimator", "shaping", "transform")
+             for e in registry.entries(k)] + [("loss", n) for n in run_checks.aux_loss_names()])
+
+
+def method_overrides(kind: str, name: str) -> list:
+    """The config overrides that run method ``name`` (a stage after / before grpo, or grpo with
+    an auxiliary loss)."""
+    return {"estimator": [f"estimator.name={name}"],
+            "shaping": ["estimator.name=grpo", f"estimator.shaping=[{name}]"],
+            "transform": ["estimator.name=grpo", f"estimator.then=[{name}]"],
+            "loss": ["estimator.name=grpo", f"loss.aux=[{name}]"]}[kind]
+
+
+def test_every_registered_loss_has_a_config_key():
+    """Each registered loss is the run's policy loss, KL estimator, entropy or value term, or
+    an auxiliary loss (``loss.aux``); naming one under the wrong key says which key is its."""
+    for name in losses.names():
+        assert name in run_checks.LOSS_KEYS or name in run_checks.aux_loss_names(), name
+    assert set(run_checks.aux_loss_names()) >= {"sdl", "sdar", "edge", "ucob", "icsd", "craft",
+                                                "treeopsd", "t_reg", "weighted_sft"}
+    with pytest.raises(C.ConfigError, match=r"loss.aux\[0\]: 'k3' has a key of its own: "
+                                            r"loss.kl_estimator"):
+        C.load(None, ["loss.aux=[k3]"])
+    with pytest.raises(C.ConfigError, match=r"unknown key 'loss.aux\[0\].params.tau' for loss "
+                                            r"'sdl'; valid keys: teacher, behavior"):
+        C.load(None, ["teacher.source=live", "loss.aux=[{name: sdl, params: {tau: 1}}]"])
+
+
+def test_every_method_validates_with_its_sources():
+    """100 registered methods: the credit methods and auxiliary losses validate in a run whose
+    sources supply what they read (teacher: the live policy; a value head; the grid world's
+    potential; the test judge for the rest), and the step reads what ``estimators --sources``
+    lists."""
+    refused = []
+    for kind, name in all_methods():
+        try:
+            cfg = C.load(None, PLUGIN + method_overrides(kind, name))
+        except C.ConfigError as e:
+            refused.append((name, str(e)))
+            continue
+        listed = {f for f, _ in run_checks.method_reads(kind, name)}
+        step = set(run_checks.step_reads(cfg))
+        assert step <= listed, (name, step, listed)
+    assert not refused
+    n_losses = len(run_checks.LOSS_KEYS)
+    assert len(all_methods()) + n_losses == len(registry.names("estimator")) + len(
+        registry.names("shaping")) + len(registry.names("transform")) + len(losses.names())
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["estimator.name=opd"], r"opd reads extras\['teacher_logprobs'\].*set teacher.source"),
+    (["loss.aux=[sdl]"], r"loss.aux: sdl reads extras\['teacher_logprobs'\].*teacher.source"),
+    (["estimator.then=[procredit]"],
+     r"procredit reads extras\['progress'\], which no source of this run supplies: an "
+     r"environment that reports it.*signals:"),
+    (["signals=[no_such_judge]"], r"signals\[0\]: unknown signal 'no_such_judge'"),
+    (["teacher.ema_decay=1.0"], r"teacher.ema_decay must lie in \(0, 1\)"),
+])
+def test_a_field_configured_nowhere_names_its_key(overrides, match):
+    with pytest.raises(C.ConfigError, match=match):
+        C.load(None, overrides)
+
+
+def test_sources_listing(capsys):
+    from jaxrl_agent import cli
+    assert cli.main(["estimators", "--sources"]) == 0
+    out = capsys.readouterr().out
+    assert "opd                  estimator  teacher_logprobs <- teacher (teacher.source" in out
+    assert "pbrs                 shaping    potential <- env (reported by gridworld)" in out
+    assert "taco                 transform  entropy <- policy" in out
+    assert "oprl" in out and "ref_logprobs <- reference" in out
+    assert f"{len(all_methods())} methods;" in out
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def _dense(model, batch, temperature):
+    """Log-probs and entropies of the sampled tokens from the full logits (the reference)."""
+    logits = model(batch.tokens, positions=batch.extras.get("positions"),
+                   segment_ids=batch.extras.get("segment_ids")).logits
+    lp, _, z = sampled_logprobs(logits, batch.tokens, temperature=temperature)
+    ent = losses.entropy_from_logits(z)
+    ent = jnp.concatenate([jnp.zeros_like(ent[:, :1]), ent[:, :-1]], axis=1)
+    m = batch.action_mask
+    return jnp.where(m, lp, 0.0), jnp.where(m, ent, 0.0)
+
+
+def test_step_sources_equal_precomputed_inputs():
+    """An EMA teacher, the policy's entropies and the reference policy computed in the step
+    give the same update as the same step on a batch that carries them precomputed from the
+    full logits (teacher and reference: another model A, the policy: model B, on-policy
+    rollouts); the EMA teacher then equals d A + (1 - d) B'."""
+    from flax import nnx
+
+    from jaxrl_agent.models.transformer import Transformer
+    temp = 0.7
+    teacher_model, policy = _model(), _model()
+    policy = Transformer(policy.config, rngs=nnx.Rngs(1))
+    batch, _ = pack_records(_records(), layout="per_step")
+    lp_t, _ = _dense(teacher_model, batch, temp)
+    lp_p, ent = _dense(policy, batch, temp)
+    batch = batch.replace(old_logprobs=lp_p)  # on-policy: the PPO ratio starts at 1
+    common = dict(estimator="opd", then=(("eapo", ()), ("oprl", (("prm", "teacher_logprobs"),))),
+                  aux_losses=(("sdl", 0.5, ()),), temperature=temp)
+    in_step = StepConfig(**common, teacher="ema", teacher_ema=0.9,
+                         extra_reads=("entropy", "ref_logprobs", "teacher_logprobs"))
+    opt = optax.sgd(0.1)  # Adam would amplify float noise of near-zero gradients
+    a = nnx.state(teacher_model, nnx.Param)
+    state = init_state(policy, opt, seed=0, with_reference=True, ema_teacher=True)
+    state = state.replace(ref_params=a, teacher_params=a)
+    s1, o1 = make_train_step(policy, opt, in_step)(state, batch)
+    pre = batch.replace(extras={**batch.extras, "teacher_logprobs": lp_t, "ref_logprobs": lp_t,
+                                "entropy": ent})
+    s2, o2 = make_train_step(policy, opt, StepConfig(**common))(
+        init_state(policy, opt, seed=0), pre)
+    m1, m2 = jax.device_get(o1["metrics"]), jax.device_get(o2["metrics"])
+    assert m1["loss_aux_sdl"] > 0 and m1["grad_norm"] > 0 and m1["adv_abs"] > 0
+    for k in ("loss", "loss_policy", "loss_aux_sdl", "grad_norm", "adv_abs"):
+        np.testing.assert_allclose(m1[k], m2[k], rtol=2e-4, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(np.asarray(o1["advantages"].token),
+                               np.asarray(o2["advantages"].token), rtol=2e-4, atol=1e-5)
+    for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+    # the sampled-token estimate of KL(rollout policy || teacher)
+    m = np.asarray(batch.action_mask)
+    want = (np.asarray(lp_p) - np.asarray(lp_t))[m].mean()
+    np.testing.assert_allclose(m1["teacher_kl"], want, rtol=1e-4, atol=1e-6)
+    for t, p0, p1 in zip(jax.tree.leaves(s1.teacher_params), jax.tree.leaves(a),
+                         jax.tree.leaves(s1.params)):
+        np.testing.assert_allclose(np.asarray(t), 0.9 * np.asarray(p0) + 0.1 * np.asarray(p1),
+                                   rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- the teacher
+
+
+def _save(tmp_path, name, vocab):
+    from flax import nnx
+
+    from jaxrl_agent.models.config import ModelConfig
+    from jaxrl_agent.models.hf import save_hf
+    from jaxrl_agent.models.transformer import Transformer
+    from jaxrl_agent.rollout.collect import ByteCodec
+    mc = ModelConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1,
+                     num_heads=2, num_kv_heads=2)
+    folder = tmp_path / name
+    save_hf(Transformer(mc, rngs=nnx.Rngs(0)), mc, str(folder))
+    ByteCodec().save_pretrained(str(folder))
+    return folder
+
+
+def test_teacher_of_another_vocabulary_or_tokenizer_is_refused(tmp_path):
+    from jaxrl_agent.rollout.collect import ByteCodec
+    from jaxrl_agent.train.teacher import load_teacher
+    student = _model()  # vocabulary 64
+    other = _save(tmp_path, "other_vocab", 96)
+    cfg = C.load(None, [f"teacher.source={other}", "estimator.name=opd"])
+    with pytest.raises(C.ConfigError, match=r"teacher.source: the teacher .*other_vocab' has a "
+                                            r"vocabulary of 96 tokens, the student .* 64"):
+        load_teacher(cfg, student, ByteCodec())
+    same = _save(tmp_path, "same_vocab", 64)
+
+    class Shifted(ByteCodec):
+        def encode(self, text):
+            return [i + 1 for i in super().encode(text)]
+
+    cfg = C.load(None, [f"teacher.source={same}", "estimator.name=opd"])
+    with pytest.raises(C.ConfigError, match="encode the same text differently"):
+        load_teacher(cfg, student, Shifted())
+    assert load_teacher(cfg, student, ByteCodec()).config.vocab_size == 64
+    with pytest.raises(C.ConfigError, match="neither none, base, live, ema nor a checkpoint"):
+        C.check_paths(C.load(None, [f"teacher.source={tmp_path / 'nothing'}"]))
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+@registry.register("raising_judge", kind="signal", provides={"verified": "turn"})
+def raising_judge(records, *, fail: bool = True):
+    if fail:
+        raise KeyError("the judge's endpoint answered 503")
+    return [{"turn_extras": {"verified": [1.0] * len(r["turns"])}} for r in records]
+
+
+@registry.register("sloppy_judge", kind="signal", provides={"verified": "turn"})
+def sloppy_judge(records, *, mode: str = "short"):
+    if mode == "short":
+        return [{"turn_extras": {"verified": [1.0]}} for r in records]
+    if mode == "nan":
+        return [{"turn_extras": {"verified": [float("nan")] * len(r["turns"])}}
+                for r in records]
+    if mode == "undeclared":
+        return [{"turn_extras": {"verified": [1.0] * len(r["turns"]), "x": [0.0]}}
+                for r in records]
+    return records[:1]
+
+
+def test_signals_write_the_records_form():
+    recs = _records(n_groups=2)
+    out = run_signals(recs, (("every_signal", ()),))
+    assert "turn_extras" not in recs[0]["turns"][0]  # the input records are not changed
+    batch, _ = pack_records(out, layout="per_step")
+    n, k = batch.turn_mask.shape
+    assert batch.extras["progress"].shape == (n, k)
+    assert batch.extras["prefix_scores"].shape == batch.tokens.shape
+    assert batch.extras["negative_logprobs"].shape == batch.tokens.shape + (2,)
+    assert batch.extras["rubric_scores"].shape == (n, 3)
+    assert batch.extras["edges"].shape[0] == n
+    again = run_signals(recs, (("every_signal", ()),))
+    assert again == out  # a judge of the records alone: the same records, the same signals
+
+
+@pytest.mark.parametrize("mode,match", [
+    ("short", r"signal 'sloppy_judge', record 0: turn_extras\['verified'\] must hold one entry "
+              r"per turn \(\d\), got 1"),
+    ("nan", r"turn_extras\['verified'\]\[0\] must be a finite number, got nan"),
+    ("undeclared", r"returned 'x', which it does not declare"),
+    ("list", r"expected a list of one dict per record \(8\), got 1"),
+])
+def test_a_signal_of_the_wrong_shape_is_named(mode, match):
+    with pytest.raises(SignalShapeError, match=match):
+        run_signals(_records(), (("sloppy_judge", (("mode", mode),)),))
+
+
+def test_a_raising_signal_keeps_its_traceback():
+    with pytest.raises(SignalError) as info:
+        run_signals(_records(), (("raising_judge", ()),))
+    assert "signal 'raising_judge' raised KeyError" in info.value.head
+    assert "the judge's endpoint answered 503" in info.value.tb
+    assert "raising_judge" in info.value.tb  # the user's own frame
+
+
+def test_a_raising_judge_stops_the_run_after_max_failed_steps(tmp_path, capsys):
+    """A judge that raises on every step: shown once with its traceback, counted, nothing is
+    trained, and the run stops after trainer.max_failed_steps steps in a row."""
+    from jaxrl_agent.train.loop import EnvFailureError, Trainer
+    from tests.runs import tiny_config
+    cfg = tiny_config(tmp_path / "run", "imports=[tests.test_sources]",
+                      "signals=[raising_judge]", "estimator.name=grpo",
+                      "trainer.max_failed_steps=2", "trainer.eval_every=0")
+    with pytest.raises(EnvFailureError, match=r"steps 1-2: a signal plug-in failed on every "
+                                              r"step \(signal 'raising_judge' raised KeyError"):
+        Trainer(cfg, progress=True).run()
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert text.count("this step trains on nothing") == 1  # shown once, with its traceback
+    assert "the judge's endpoint answered 503" in text
+    assert "train/signal_errors" in text
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics" / "metrics.jsonl")]
+    assert [r.get("train/signal_errors") for r in rows if "train/signal_errors" in r] == [1.0]
+
+
+def test_a_run_with_every_source_trains_and_saves_credit_records(tmp_path):
+    """Two steps of a run whose methods read the teacher (an EMA of the policy), the grid
+    world's potential (PBRS shaping) and a judge (re-allocation weights), with SDL as an
+    auxiliary loss: finite losses, the teacher's KL logged, and the saved records give
+    ``jaxrl-agent credit`` the run's batch."""
+    from jaxrl_agent import cli
+    from jaxrl_agent.train.loop import Trainer
+    from tests.runs import tiny_config
+    run = tmp_path / "run"
+    cfg = tiny_config(run, "imports=[tests.signal_plugin]", "signals=[every_signal]",
+                      "teacher.source=ema", "estimator.name=grpo", "estimator.shaping=[pbrs]",
+                      "estimator.then=[reallocate]", "loss.aux=[{name: sdl, coef: 0.1}]",
+                      "metrics.save_records=true", "trainer.steps=2", "trainer.eval_every=0")
+    Trainer(cfg, progress=False).run()
+    rows = [json.loads(x) for x in open(run / "metrics" / "metrics.jsonl")]
+    last = [r for r in rows if "train/loss" in r][-1]
+    for k in ("train/loss", "train/loss_aux_sdl", "train/teacher_kl"):
+        assert np.isfinite(last[k]), k
+    saved = run / "rollouts" / "records_2.jsonl"
+    recs = [json.loads(x) for x in open(saved)]
+    assert all("potential" in t["turn_extras"] and "weights" in t["turn_extras"]
+               for r in recs for t in r["turns"])
+    out = tmp_path / "credit.jsonl"
+    assert cli.main(["credit", str(saved), "--estimator", "grpo", "--shaping", "pbrs",
+                     "--then", "reallocate", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == len(recs)
+
+
+@pytest.mark.skipif(not os.environ.get("JAXRL_FULL_CONFORMANCE"),
+                    reason="one train step per registered method (minutes): set "
+                           "JAXRL_FULL_CONFORMANCE=1")
+@pytest.mark.parametrize("kind,name", all_methods())
+def test_every_method_trains_one_step(kind, name):
+    """One train step of every registered method with its sources: finite loss and
+    gradient, and an update that moved the parameters."""
+    from jaxrl_agent.train.loop import step_config
+    cfg = C.load(None, PLUGIN + method_overrides(kind, name))
+    scfg = step_config(cfg, 1)
+    model = _model(value_head=True)
+    recs = run_signals(_records(), C.signal_stages(cfg))
+    batch, _ = pack_records(recs, layout="per_step")
+    opt = make_optimizer(1e-2, total_steps=10)
+    state = init_state(model, opt, seed=0, with_reference=scfg.needs_reference)
+    new, out = make_train_step(model, opt, scfg)(state, batch)
+    m = jax.device_get(out["metrics"])
+    assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]), m
+    assert m["update_skipped"] == 0
