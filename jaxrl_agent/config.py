@@ -207,6 +207,9 @@ class LossSection:
     # auxiliary losses added to the policy loss: [{name, coef, params}] (registered losses of
     # the distillation family: sdl, sdar, edge, ucob, icsd, craft, treeopsd, t_reg, weighted_sft)
     aux: list = dataclasses.field(default_factory=list)
+    # SAPO's auxiliary SARSA loss on the value head read after each action (needs a value head)
+    sarsa_coef: float = 0.0
+    sarsa_gamma: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,7 @@ _ARRAY_ARGS = ("advantages", "teacher_logprobs", "other_logprobs", "gate_values"
 LOSS_KEYS = {**{n: "loss.policy" for n in config.POLICY_LOSSES},
              **{n: "loss.kl_estimator (with loss.kl_coef)" for n in config.KL_ESTIMATORS},
              "entropy": "loss.entropy_coef", "value": "loss.value_coef (with a critic)",
-             "sarsa": "estimator: sapo (its auxiliary SARSA loss on the value head)"}
+             "sarsa": "loss.sarsa_coef (SAPO's SARSA loss on the value head)"}
 
 
 def aux_loss_names() -> list[str]:
@@ -171,7 +171,13 @@ def check_loss(cfg: RunConfig) -> None:
     config.check_choice(lo.kl_estimator,
                         [k for k in config.KL_ESTIMATORS if k in losses.names()],
                         "loss.kl_estimator")
-    config.check_positive(lo, "loss", "kl_coef", "entropy_coef", "value_coef", allow_zero=True)
+    config.check_positive(lo, "loss", "kl_coef", "entropy_coef", "value_coef", "sarsa_coef",
+                          allow_zero=True)
+    if not 0.0 <= lo.sarsa_gamma <= 1.0:
+        raise ConfigError(f"loss.sarsa_gamma must lie in [0, 1], got {lo.sarsa_gamma}")
+    if lo.sarsa_coef and not cfg.model.value_head:
+        raise ConfigError("loss.sarsa_coef trains the value head read after each action (SAPO's "
+                          "SARSA loss): set model.value_head: true")
     config.check_choice(lo.is_weights, config.IS_WEIGHTS, "loss.is_weights")
     config.check_choice(lo.is_level, config.IS_LEVELS, "loss.is_level")
     config.check_positive(lo, "loss", "is_cap")

@@ -337,7 +337,8 @@ def test_every_method_trains_one_step(kind, name):
     recs = run_signals(_records(), C.signal_stages(cfg))
     batch, _ = pack_records(recs, layout="per_step")
     opt = make_optimizer(1e-2, total_steps=10)
-    state = init_state(model, opt, seed=0, with_reference=scfg.needs_reference)
+    state = init_state(model, opt, seed=0, with_reference=scfg.needs_reference,
+                       est_state=scfg.pipeline.init(64))
     new, out = make_train_step(model, opt, scfg)(state, batch)
     m = jax.device_get(out["metrics"])
     assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]), m

@@ -251,7 +251,10 @@ def _run_step(step_cfg, batch, model=None, devices=1, opt=None):
 
 @pytest.mark.parametrize("layout,extra", [
     ("concatenated", {}),
-    ("per_step", {"kl_coef": 0.1, "entropy_coef": 0.01, "agg": "traj_mean_token_mean"})])
+    ("per_step", {"kl_coef": 0.1, "entropy_coef": 0.01, "agg": "traj_mean_token_mean"}),
+    # SAPO's SARSA term (turns of the micro-batch's own trajectories) and an auxiliary loss
+    ("concatenated", {"estimator": "turn_gae", "sarsa_coef": 0.5,
+                      "aux_losses": (("weighted_sft", 0.3, ()),)})])
 def test_micro_batches_and_data_parallel_match_one_pass(layout, extra):
     # SGD with lr 1: the parameter change is the gradient itself (Adam's first step would
     # amplify float noise of near-zero gradients to +-lr).
@@ -268,6 +271,9 @@ def test_micro_batches_and_data_parallel_match_one_pass(layout, extra):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
                      s.params, s1.params)
     assert int(s1.step) == 1 and int(s1.skipped) == 0
+    for term in ("sarsa", "aux_weighted_sft"):  # the terms ran (and were compared above)
+        if term in o1["metrics"] or extra.get("sarsa_coef"):
+            assert float(o1["metrics"][f"loss_{term}"]) > 0, term
 
 
 def test_critic_estimator_step_trains_the_value_head():

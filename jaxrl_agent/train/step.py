@@ -11,6 +11,7 @@ One step, for a packed ``TrajectoryBatch``::
         g = 0
         for each micro-batch m of b (gradient accumulation):
             g += grad_theta [ P_m / D_P + kl_coef K_m / D_K - ent_coef H_m / D_H + v_coef V_m / D_V
+                              + q_coef Q_m / D_Q             (Q: SAPO's SARSA loss, sarsa_coef)
                               + sum_j c_j X_jm / D_Xj ]      (X_j: auxiliary losses, aux_losses)
         theta, opt = optax update(g)   -- skipped (and counted) when the loss or g is not
                                           finite, or when b carries no learning signal
@@ -162,6 +163,8 @@ class StepConfig:
     teacher_ema: float = 0.99  # ema: teacher <- d teacher + (1 - d) policy after each step
     extra_reads: tuple = ()
     aux_losses: tuple = ()
+    sarsa_coef: float = 0.0  # SAPO's auxiliary SARSA loss on the value head (needs one)
+    sarsa_gamma: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_policy_name(self.remat))  # True -> "full"
@@ -511,6 +514,8 @@ def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: 
         out["entropy"] = losses.get("entropy")(ent, mb, agg=cfg.agg)
     if cfg.needs_values and cfg.value_coef:
         out["value"] = losses.get("value")(values, returns, mb.action_mask)
+    if cfg.sarsa_coef and values is not None:
+        out["sarsa"] = _sarsa_term(values, mb, cfg.sarsa_gamma)
     for name, _, params in cfg.aux_losses:  # auxiliary losses; the run's advantages to those
         fn = losses.get(name)               # that weigh by them
         given = ({"advantages": adv_tok} if "advantages" in inspect.signature(fn).parameters
@@ -519,9 +524,24 @@ def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: 
     return out
 
 
+def _sarsa_term(values, mb: TrajectoryBatch, gamma: float):
+    """SAPO's auxiliary SARSA loss (``losses.sarsa``) on one micro-batch: Q_k = the value head
+    read at turn k's last action token (``values`` [r, T] is the value before each token, so
+    it is read one position later), over the turns of the trajectories whose rows this
+    micro-batch holds."""
+    at_token = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+    q = segments.turn_values_from_tokens(at_token, mb, "last_action")
+    n = mb.num_traj
+    has = jnp.any(mb.action_mask, axis=1)
+    present = jax.ops.segment_max(has.astype(jnp.int32), jnp.clip(mb.row_traj, 0, n - 1), n) > 0
+    return losses.get("sarsa")(q, mb.replace(turn_mask=mb.turn_mask & present[:, None]),
+                               gamma=gamma)
+
+
 def _coefs(cfg: StepConfig) -> dict:
     return {"policy": 1.0, "kl": cfg.kl_coef, "entropy": -cfg.entropy_coef,
-            "value": cfg.value_coef, **{f"aux_{n}": c for n, c, _ in cfg.aux_losses}}
+            "value": cfg.value_coef, "sarsa": cfg.sarsa_coef,
+            **{f"aux_{n}": c for n, c, _ in cfg.aux_losses}}
 
 
 def _clip_params(cfg: StepConfig) -> dict | None:
@@ -708,7 +728,7 @@ def _step_inputs(fwd, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch
     # Each mini-batch's denominators: sums over its micro-batches (counts are additive).
     dens = {k: jnp.sum(v, axis=1) for k, v in jax.vmap(jax.vmap(micro_dens))(split).items()}
     signal = jnp.any((split["adv"] != 0) & split["fields"]["action_mask"], axis=(1, 2, 3))
-    signal = signal | bool((cfg.needs_values and cfg.value_coef)
+    signal = signal | bool((cfg.needs_values and cfg.value_coef) or cfg.sarsa_coef
                            or any(c for _, c, _ in cfg.aux_losses))  # losses of their own
     return split, dens, signal, off_metrics
 

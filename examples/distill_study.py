@@ -1,0 +1,170 @@
+"""On-policy distillation where outcome RL failed: the horizon study's L2 (7x7 grid world, 13
+optimal turns), where GRPO fell below its warm start (docs/training.md, "A teacher in the
+loop").
+
+    python examples/distill_study.py [--out runs/distill] [--seeds 0 1 2 3 4] [--jobs 1]
+    python examples/distill_study.py --report [--out runs/distill]
+
+1. The student: the L2 warm start of the horizon study (the default run's noisy demonstrator,
+   25% random actions, seed 0), made by ``examples/compare_runs.py``.
+2. The teacher: a stronger checkpoint of the same tokenizer, a warm-up on a less noisy
+   demonstrator (``TEACHER_SETS``), made the same way; its held-out success on each seed's
+   held-out layouts (the step-0 evaluation of a run started from it) is the ceiling.
+3. From the student's warm start, five variants x seeds, each ``jaxrl-agent train`` with the
+   horizon study's L2 budget (4 tasks x 8 samples, 60 steps, 128 held-out layouts every 15
+   steps): GRPO; OPD alone (``estimator.name: opd``, the advantage beta (lp_T - lp_old) per
+   token); GRPO + OPD (``estimator.then: [seed]``: the GRPO advantage plus lp_T - lp_old, as
+   slime's ``--use-opd``); SDL as an auxiliary loss beside GRPO; and PBRS with the grid world's
+   potential (``estimator.shaping: [pbrs]``, no teacher). The same seed gives every variant the
+   same task stream and held-out layouts, so differences are paired.
+4. ``--report``: ``OUT/distill.md`` (table: step 0, final, paired difference to GRPO, the
+   teacher's ceiling and the final / teacher ratio, s / step) and ``OUT/distill.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+horizon = _load("horizon_study")
+compare = _load("compare_runs")
+
+#: the level and budget of the horizon study's L2 runs
+BASE = horizon.LEVELS["L2"][1] + horizon.BUDGET
+#: the teacher's warm-up: the same recipe with a demonstrator that never errs
+TEACHER_SETS = ["trainer.sft_noise=0.0"]
+
+
+def variants(teacher: pathlib.Path) -> list[tuple[str, str]]:
+    t = f"teacher.source={teacher}"
+    return [("grpo", "estimator.name=grpo"),
+            ("opd", f"estimator.name=opd,{t}"),
+            ("grpo+opd", f"estimator.name=grpo,estimator.then=[seed],{t}"),
+            ("grpo+sdl", f"estimator.name=grpo,loss.aux=[sdl],{t}"),
+            ("pbrs", "estimator.name=grpo,estimator.shaping=[pbrs]")]
+
+
+def teacher_ceiling(out: pathlib.Path, teacher: pathlib.Path, seeds) -> dict:
+    """Per seed, the teacher's held-out success on that seed's held-out layouts: the step-0
+    evaluation of a one-step run started from it (``OUT/_teacher_eval/seed<S>``)."""
+    res = {}
+    for s in seeds:
+        run = out / "_teacher_eval" / f"seed{s}"
+        metrics = run / "metrics" / "metrics.jsonl"
+        curve = compare._eval_curve(metrics)
+        if 0 not in curve:
+            run.mkdir(parents=True, exist_ok=True)
+            sets = BASE + [f"model.builtin_dir={teacher}", "trainer.warmup_sft_steps=0",
+                           f"trainer.seed={s}", "trainer.steps=1", "trainer.eval_every=1"]
+            if compare._cli(compare._run_args(run, sets), run / "log.txt") != 0:
+                raise SystemExit(f"teacher evaluation failed: see {run / 'log.txt'}")
+            curve = compare._eval_curve(metrics)
+        res[s] = curve[0]["success"]
+    return res
+
+
+def run(out: pathlib.Path, seeds, jobs: int) -> None:
+    student = compare.warm_start(out / "student", BASE)
+    teacher = compare.warm_start(out / "teacher", BASE + TEACHER_SETS)
+    ceiling = teacher_ceiling(out, teacher, seeds)
+    print(f"teacher {teacher}: held-out success per seed {ceiling}", flush=True)
+    argv = [str(out / "runs"), "--seeds", *map(str, seeds), "--jobs", str(jobs),
+            "--warm-start", str(student)]
+    for name, sets in variants(teacher):
+        argv += ["--variant", f"{name}:{sets}"]
+    for s in BASE:
+        argv += ["--set", s]
+    compare.main(argv)
+    (out / "ceiling.json").write_text(json.dumps(ceiling))
+
+
+def _step_times(root: pathlib.Path, name: str, seeds) -> float:
+    """Mean rollout + train seconds per RL step over steps 2.. of every seed's run."""
+    t = []
+    for s in seeds:
+        rows = compare._rows(root / name / f"seed{s}" / "metrics" / "metrics.jsonl")
+        t += [r["time/rollout_s"] + r["time/train_s"] for r in rows
+              if r.get("step", 0) >= 2 and "time/train_s" in r]
+    return float(np.mean(t)) if t else float("nan")
+
+
+def report(out: pathlib.Path) -> str:
+    summary = json.loads((out / "runs" / "summary.json").read_text())
+    ceiling = {int(k): v for k, v in json.loads((out / "ceiling.json").read_text()).items()}
+    seeds, steps = summary["seeds"], summary["steps"]
+    last = steps[-1]
+    names = [v[0] for v in variants(pathlib.Path("T"))]
+    t_mean, t_ci = compare._ci([ceiling[s] for s in seeds])
+    lines = [f"Teacher (warm-up without demonstrator noise): held-out success {t_mean:.2f} +- "
+             f"{t_ci:.2f} (mean +- 95% t-interval over the seeds' held-out sets).", "",
+             "| method | step 0 | final | paired diff vs GRPO, final | final / teacher | AUC "
+             "| s / step |", "|---|---|---|---|---|---|---|"]
+    curves = {}
+    for name in names:
+        c = {s: compare._eval_curve(out / "runs" / name / f"seed{s}" / "metrics" /
+                                    "metrics.jsonl") for s in seeds}
+        curves[name] = c
+        first = compare._ci([c[s][0]["success"] for s in seeds])
+        final = compare._ci([c[s][last]["success"] for s in seeds])
+        ratio = compare._ci([c[s][last]["success"] / max(ceiling[s], 1e-9) for s in seeds])
+        auc = compare._ci([compare._auc(c[s], steps) for s in seeds])
+        diff = ("" if name == "grpo" else "{:+.2f} +- {:.2f}".format(*compare._ci(
+            [c[s][last]["success"] - curves["grpo"][s][last]["success"] for s in seeds])))
+        lines.append(f"| {name} | {first[0]:.2f} +- {first[1]:.2f} | {final[0]:.2f} +- "
+                     f"{final[1]:.2f} | {diff} | {ratio[0]:.2f} +- {ratio[1]:.2f} | "
+                     f"{auc[0]:.2f} +- {auc[1]:.2f} | "
+                     f"{_step_times(out / 'runs', name, seeds):.2f} |")
+    text = "\n".join(lines)
+    (out / "distill.md").write_text(text + "\n")
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6.5, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name in names:
+        m, h = zip(*[compare._ci([curves[name][s][k]["success"] for s in seeds])
+                     for k in steps])
+        m, h = np.asarray(m), np.asarray(h)
+        ax.plot(steps, m, marker="o", label=name)
+        ax.fill_between(steps, m - h, m + h, alpha=0.15)
+    ax.axhline(t_mean, color="k", ls="--", lw=1, label="teacher")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out success (128 layouts)")
+    ax.set_title(f"L2 (7x7): distillation vs outcome RL, {len(seeds)} seeds, 95% intervals")
+    ax.legend(fontsize=8)
+    fig.savefig(out / "distill.png", dpi=110, bbox_inches="tight")
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/distill")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--report", action="store_true")
+    a = p.parse_args(argv)
+    out = pathlib.Path(a.out).absolute()
+    if not a.report:
+        run(out, a.seeds, a.jobs)
+    print(report(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
