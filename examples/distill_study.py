@@ -79,6 +79,8 @@ def teacher_ceiling(out: pathlib.Path, teacher: pathlib.Path, seeds) -> dict:
 
 
 def run(out: pathlib.Path, seeds, jobs: int) -> None:
+    for d in ("student", "teacher"):
+        (out / d).mkdir(parents=True, exist_ok=True)
     student = compare.warm_start(out / "student", BASE)
     teacher = compare.warm_start(out / "teacher", BASE + TEACHER_SETS)
     ceiling = teacher_ceiling(out, teacher, seeds)
