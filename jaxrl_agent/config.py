@@ -218,9 +218,14 @@ class TeacherSection:
     ``base`` (the policy's start weights; with LoRA the adapters off), ``live`` (the policy at
     the start of each step), ``ema`` (a moving average of the policy, ``ema_decay``), or a
     path: an HF checkpoint folder or a run directory (its ``final_model``) with the same
-    tokenizer."""
+    tokenizer. ``context`` / ``system_prompt``: a prompt of the teacher's own
+    (``train.teacher``)."""
     source: str = "none"
     ema_decay: float = 0.99
+    # privileged context in the teacher's prompt only (on-policy self-distillation): the
+    # environment's per-task text (info["teacher_context"] at reset) and / or a fixed text
+    context: bool = False
+    system_prompt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -864,6 +869,11 @@ def teacher_kind(cfg: "RunConfig") -> str:
     return src if src in TEACHER_SOURCES else "model"
 
 
+def teacher_has_context(cfg: "RunConfig") -> bool:
+    """The teacher sees a prompt of its own (``teacher.context`` or ``teacher.system_prompt``)."""
+    return bool(cfg.teacher.context or cfg.teacher.system_prompt)
+
+
 def aux_losses(cfg: "RunConfig") -> tuple:
     """``loss.aux`` as ``((name, coef, ((param, value), ...)), ...)``; ``ConfigError`` naming
     the entry for a malformed one (a bare name means coef 1 and the defaults)."""
@@ -923,6 +933,17 @@ def _check_teacher(cfg: RunConfig) -> None:
                           f"path of a checkpoint folder, got {te.source!r}")
     if not 0.0 < te.ema_decay < 1.0:
         raise ConfigError(f"teacher.ema_decay must lie in (0, 1), got {te.ema_decay}")
+    if teacher_has_context(cfg):
+        if te.source == "none":
+            raise ConfigError("teacher.context / teacher.system_prompt give a teacher its own "
+                              "prompt: set teacher.source (e.g. live: self-distillation)")
+        if cfg.rollout.chat:
+            raise ConfigError("teacher.context / teacher.system_prompt are placed in raw "
+                              "prompts; with rollout.chat they are not supported yet")
+        if cfg.trainer.prefix_sharing:
+            raise ConfigError("teacher.context / teacher.system_prompt: the teacher's rows "
+                              "differ from the policy's, so trainer.prefix_sharing is not "
+                              "supported with them; set it to false")
 
 
 def pipeline(cfg: "RunConfig"):

@@ -228,6 +228,26 @@ def turn_boundary_masks(batch: TrajectoryBatch):
     return first, last
 
 
+def align_action_tokens(x, mask_from, mask_to):
+    """Moves per-token values between two views of the same rows whose action tokens are the
+    same and in the same order, but whose prompts differ (a teacher's prompt with a context
+    the policy does not see).
+
+        out[r, t] = x[r, p_r(k)]   where t is row r's k-th action token of ``mask_to`` and
+                                   p_r(k) the position of its k-th action token in ``mask_from``
+
+    ``x``, ``mask_from``: [R, T1]; ``mask_to``: [R, T2]; 0 outside ``mask_to``. A row with
+    fewer action tokens in ``mask_from`` than in ``mask_to`` (not the same actions) reads its
+    last position for the extra ones: callers keep both views from the same records.
+    """
+    t1 = x.shape[1]
+    order = jnp.argsort(~mask_from, axis=1, stable=True)  # action positions first, in order
+    ranked = jnp.take_along_axis(x, order, axis=1)
+    rank = jnp.cumsum(mask_to.astype(jnp.int32), axis=1) - 1
+    out = jnp.take_along_axis(ranked, jnp.clip(rank, 0, t1 - 1), axis=1)
+    return jnp.where(mask_to, out, jnp.zeros((), x.dtype))
+
+
 def turn_values_from_tokens(values, batch: TrajectoryBatch, at: str = "before_action"):
     """Reads one value per turn [N, K] out of per-position values [R, T] of the same rows.
 

@@ -296,16 +296,17 @@ def test_a_raising_judge_stops_the_run_after_max_failed_steps(tmp_path, capsys):
 
 
 def test_a_run_with_every_source_trains_and_saves_credit_records(tmp_path):
-    """Two steps of a run whose methods read the teacher (an EMA of the policy), the grid
-    world's potential (PBRS shaping) and a judge (re-allocation weights), with SDL as an
-    auxiliary loss: finite losses, the teacher's KL logged, and the saved records give
-    ``jaxrl-agent credit`` the run's batch."""
+    """Two steps of a run whose methods read the teacher (an EMA of the policy, shown the
+    grid world's plan in its own prompt), the grid world's potential (PBRS shaping) and a judge
+    (re-allocation weights), with SDL as an auxiliary loss: finite losses, the teacher's KL
+    logged, and the saved records give ``jaxrl-agent credit`` the run's batch."""
     from jaxrl_agent import cli
     from jaxrl_agent.train.loop import Trainer
     from tests.runs import tiny_config
     run = tmp_path / "run"
     cfg = tiny_config(run, "imports=[tests.signal_plugin]", "signals=[every_signal]",
-                      "teacher.source=ema", "estimator.name=grpo", "estimator.shaping=[pbrs]",
+                      "teacher.source=ema", "teacher.context=true",
+                      "estimator.name=grpo", "estimator.shaping=[pbrs]",
                       "estimator.then=[reallocate]", "loss.aux=[{name: sdl, coef: 0.1}]",
                       "metrics.save_records=true", "trainer.steps=2", "trainer.eval_every=0")
     Trainer(cfg, progress=False).run()
@@ -343,3 +344,100 @@ def test_every_method_trains_one_step(kind, name):
     m = jax.device_get(out["metrics"])
     assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]), m
     assert m["update_skipped"] == 0
+
+
+# ----------------------------------------------------------------------------- privileged context
+
+
+def test_align_action_tokens_moves_the_kth_action_token():
+    """Row by row, the values at ``mask_from``'s action positions, in order, land on
+    ``mask_to``'s action positions, in order; 0 elsewhere."""
+    from jaxrl_agent import segments
+    rng = np.random.default_rng(0)
+    r, t1, t2 = 6, 19, 11
+    x = rng.normal(size=(r, t1)).astype(np.float32)
+    mask_to = rng.random((r, t2)) < 0.4
+    mask_from = np.zeros((r, t1), bool)
+    for i in range(r):  # the same number of action tokens, at other positions
+        mask_from[i, np.sort(rng.choice(t1, mask_to[i].sum(), replace=False))] = True
+    out = np.asarray(segments.align_action_tokens(jnp.asarray(x), jnp.asarray(mask_from),
+                                                  jnp.asarray(mask_to)))
+    for i in range(r):
+        np.testing.assert_array_equal(out[i, mask_to[i]], x[i, mask_from[i]])
+        assert np.all(out[i, ~mask_to[i]] == 0)
+
+
+@pytest.mark.parametrize("layout", ["per_step", "concatenated"])
+def test_teacher_view_holds_the_same_actions_after_its_context(layout):
+    """The teacher's view of grid-world records: the context after the BOS of the first prompt
+    (concatenated) or of every prompt (per-step), the sampled tokens unchanged and in the same
+    rows, token for token."""
+    from jaxrl_agent.rollout import ByteCodec, RolloutConfig
+    from jaxrl_agent.train.teacher import teacher_records
+    from tests.test_env_reports import collect
+    from tests.test_rollout import HintGrid
+    codec = ByteCodec()
+    cfg = RolloutConfig(group_size=2, max_new_tokens=8, prompt_prefix=(codec.bos_token_id,))
+    recs, _ = collect(HintGrid(), cfg)
+    assert all(r["teacher_context"].startswith("plan: ") for r in recs)
+    run = C.load(None, ["teacher.source=live", "teacher.context=true",
+                        "teacher.system_prompt=You are the teacher."])
+    view = teacher_records(recs, run, codec.encode, cfg.prompt_prefix, layout)
+    for rec, tv in zip(recs, view):
+        ctx = codec.encode("You are the teacher.\n" + rec["teacher_context"] + "\n")
+        for k, (a, b) in enumerate(zip(rec["turns"], tv["turns"])):
+            assert a["action"] == b["action"]
+            obs = a["observation"]
+            n = int(obs[:1] == [codec.bos_token_id])  # after the BOS where the prompt has one
+            assert n == 1 or k > 0
+            want = obs[:n] + ctx + obs[n:] if k == 0 or layout == "per_step" else obs
+            assert b["observation"] == want
+    student, _ = pack_records(recs, layout=layout)
+    teacher, _ = pack_records(view, layout=layout)
+    for i in range(student.num_rows):
+        sm, tm = np.asarray(student.action_mask[i]), np.asarray(teacher.action_mask[i])
+        np.testing.assert_array_equal(np.asarray(student.tokens[i])[sm],
+                                      np.asarray(teacher.tokens[i])[tm])
+
+
+def test_teacher_context_needs_a_teacher_and_raw_prompts():
+    with pytest.raises(C.ConfigError, match="teacher.context / teacher.system_prompt give a "
+                                            "teacher its own prompt: set teacher.source"):
+        C.load(None, ["teacher.context=true"])
+    with pytest.raises(C.ConfigError, match="trainer.prefix_sharing is not supported"):
+        C.load(None, ["teacher.source=live", "teacher.system_prompt=hint",
+                      "trainer.prefix_sharing=true"])
+
+
+def test_a_teacher_with_its_own_prompt_scores_the_policys_tokens():
+    """The step's teacher pass on the teacher's rows (a context before each prompt) gives the
+    update of the same step on a batch carrying those log-probs precomputed from the full
+    logits of the teacher's rows and moved to the policy's tokens by a plain loop."""
+    from jaxrl_agent.train.step import TEACHER_VIEW
+    recs = _records()
+    view = [dict(r, turns=[dict(t, observation=[7, 8, 9] + t["observation"])
+                           for t in r["turns"]]) for r in recs]
+    batch, _ = pack_records(recs, layout="per_step")
+    tb, _ = pack_records(view, layout="per_step")
+    model = _model()
+    lp_t, _ = _dense(model, tb, 1.0)
+    lp_t, tm, sm = np.asarray(lp_t), np.asarray(tb.action_mask), np.asarray(batch.action_mask)
+    moved = np.zeros(sm.shape, np.float32)
+    for i in range(sm.shape[0]):
+        moved[i, sm[i]] = lp_t[i, tm[i]]
+    lp_p, _ = _dense(model, batch, 1.0)
+    batch = batch.replace(old_logprobs=lp_p)
+    with_view = batch.replace(extras={**batch.extras, TEACHER_VIEW[0]: tb.tokens,
+                                      TEACHER_VIEW[1]: tb.action_mask})
+    opt = optax.sgd(0.1)
+    s1, o1 = make_train_step(model, opt, StepConfig(
+        estimator="opd", teacher="live", teacher_view=True,
+        extra_reads=("teacher_logprobs",)))(init_state(model, opt, seed=0), with_view)
+    pre = batch.replace(extras={**batch.extras, "teacher_logprobs": jnp.asarray(moved)})
+    s2, o2 = make_train_step(model, opt, StepConfig(estimator="opd"))(
+        init_state(model, opt, seed=0), pre)
+    np.testing.assert_allclose(np.asarray(o1["advantages"].token),
+                               np.asarray(o2["advantages"].token), rtol=1e-4, atol=1e-5)
+    assert float(o1["metrics"]["adv_abs"]) > 1e-4  # the context changed the teacher
+    for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)

@@ -25,7 +25,9 @@ included (the grid world: ``potential``). The rollout collector records them wit
 (``turn_extras``, the state the agent acted in) and once per trajectory (``traj_extras``,
 ``final_<name>``: the state after the last action); a declared field missing from an info, or
 not a finite number, is an environment error of that trajectory
-(``jaxrl_agent.rollout.collect``).
+(``jaxrl_agent.rollout.collect``). ``teacher_context`` (str, in the info of ``reset`` only,
+from ``Env.teacher_context()``): privileged text about the task that only a teacher sees
+(``teacher.context: true``: on-policy self-distillation; the grid world: the solver's plan).
 """
 
 from __future__ import annotations
@@ -178,6 +180,13 @@ class Env(abc.ABC):
         (``jaxrl_agent.train.inputs``)."""
         return None
 
+    def teacher_context(self) -> str | None:
+        """Privileged text about the task just reset (the solution, a plan, a hint) that the
+        policy never sees: reported as ``info["teacher_context"]`` by ``reset``, recorded with
+        the trajectory, and placed in the teacher's prompt only with ``teacher.context: true``
+        (``jaxrl_agent.train.teacher``). None (the default): the env has none."""
+        return None
+
     def report_values(self) -> dict:
         """``{name: float}`` for every field in ``reports``, of the current state (called for
         every info the env returns: after ``reset`` and after every ``step``, terminal steps
@@ -215,7 +224,11 @@ class Env(abc.ABC):
                              f"got {task!r}")
         self.task, self.turn, self.done = task, 0, False
         self._reset(task)
-        return self.observation(), self._info({})
+        info = self._info({})
+        context = self.teacher_context()
+        if context is not None:
+            info["teacher_context"] = str(context)
+        return self.observation(), info
 
     def step(self, action: Any) -> StepResult:
         if self.task is None:

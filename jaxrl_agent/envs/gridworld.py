@@ -205,6 +205,13 @@ class GridWorld(Env):
             raise RuntimeError(f"no plan to the goal from state {self.state_key()}")
         return len(plan)
 
+    def teacher_context(self) -> str:
+        """The solver's whole plan from the start, in the env's action names: ``"plan: r r d
+        ..."`` (privileged: the policy sees only the grid)."""
+        plan = bfs_plan(self.size, self.layout, (self.pos, self.has_key, self.door_open)) or []
+        names = [LETTERS[a] if self.action_names == "letters" else a for a in plan]
+        return "plan: " + " ".join(names)
+
     def report_values(self) -> dict:
         """``{"potential": -distance()}`` (``reports``)."""
         return {"potential": float(-self.distance())}  # 0.0 at the goal, not -0.0

@@ -337,6 +337,7 @@ class _Live:
     chat: Any = None  # the ChatTemplate of this trajectory (chat rollouts)
     messages: list = dataclasses.field(default_factory=list)  # its conversation, no system
     report_names: tuple = ()  # the fields its env declares (Env.reports)
+    teacher_context: str | None = None  # the reset info's privileged text (teacher only)
     # their values at the state before the next action (after the last one: the final state)
     reports: dict = dataclasses.field(default_factory=dict)
 
@@ -526,6 +527,8 @@ def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig,
             else:
                 _observe(tr, obs, info, codec, config)
                 _take_reports(tr, info)
+                context = info.get("teacher_context")
+                tr.teacher_context = None if context is None else str(context)
             live.append(tr)
     return live
 
@@ -600,6 +603,8 @@ def _record(tr: _Live) -> dict:
         "context_truncated": tr.context_truncated, "num_turns": len(tr.turns)}
     if tr.report_names:  # the reported fields of the final state
         rec["traj_extras"] = {FINAL_PREFIX + name: x for name, x in tr.reports.items()}
+    if tr.teacher_context is not None:  # privileged text for a teacher (Env.teacher_context)
+        rec["teacher_context"] = tr.teacher_context
     return rec
 
 

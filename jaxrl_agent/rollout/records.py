@@ -112,7 +112,7 @@ def _check_logprobs(idx, where, v, length, length_name):
 #: rollout collector writes besides (``rollout.collect_groups``); anything else is reported
 RECORD_FIELDS = ("group", "task", "outcome", "turns", "traj_extras", "edges",
                  "success", "policy_version", "env_error", "invalid", "truncated",
-                 "context_truncated", "num_turns")
+                 "context_truncated", "num_turns", "teacher_context")
 TURN_FIELDS = ("observation", "action", "reward", "state_key", "logprobs", "value", "values",
                "ref_logprobs", "turn_key", "action_key", "turn_extras", "token_extras",
                "action_text", "finish_reason", "policy_version", "subgoal")

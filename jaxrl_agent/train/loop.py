@@ -57,7 +57,7 @@ from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.inputs import attach_env_inputs
 from jaxrl_agent.train.signals import SignalError, run_signals
-from jaxrl_agent.train.teacher import load_teacher, teacher_summary
+from jaxrl_agent.train.teacher import load_teacher, teacher_records, teacher_summary
 from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
 from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
                                     lr_schedule, make_optimizer, make_train_step,
@@ -454,6 +454,12 @@ class Trainer:
             self.env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
         except (ValueError, ImportError) as e:
             raise config_lib.ConfigError(f"env: {e}") from None
+        own = getattr(type(self.env), "teacher_context", None)
+        if cfg.teacher.context and (own is None or own is envs.Env.teacher_context):
+            raise config_lib.ConfigError(
+                f"teacher.context: the environment {cfg.env.name!r} "
+                f"({type(self.env).__name__}) gives no per-task teacher context "
+                f"(Env.teacher_context); use teacher.system_prompt for a fixed text")
         r = cfg.rollout
         if r.branch_turns and r.branch_factor > 1 and not callable(getattr(self.env, "fork",
                                                                            None)):
@@ -752,10 +758,29 @@ class Trainer:
             plan = plan.padded(num_traj=n_traj, num_turns=k, num_rows=rows,
                                row_len=16 * math.ceil(plan.need["row_len"] / 16))
         batch, _ = pack(recs, plan, task_index=self.task_index)
+        if self.step_cfg.teacher_view and self.step_cfg.needs_teacher:
+            batch = self._with_teacher_view(batch, records, plan)
         if len(self.task_index) > t.task_capacity and self.pipeline.stateful:
             raise RuntimeError(f"more than trainer.task_capacity={t.task_capacity} distinct "
                                f"tasks seen; raise it for {self.cfg.estimator.name!r}")
         return batch
+
+    def _with_teacher_view(self, batch, records, plan):
+        """``batch`` with the teacher's own rows (``train.step.TEACHER_VIEW``): the records with
+        the teacher-only context in their prompts (``teacher.teacher_records``), packed into
+        the same rows (``plan`` with longer rows)."""
+        t = self.cfg.trainer
+        try:
+            view = teacher_records(records, self.cfg, self.codec.encode,
+                                   self.rollout_cfg.prompt_prefix, t.layout)
+        except ValueError as e:
+            raise config_lib.ConfigError(str(e)) from None
+        recs = parse_records(view)
+        need = plan_packing(recs, t.layout, self.step_cfg.blocks).need["row_len"]
+        row_len = 16 * math.ceil(max(need, plan.sizes["row_len"]) / 16)
+        tb, _ = pack(recs, plan.padded(row_len=row_len), task_index=dict(self.task_index))
+        return batch.replace(extras={**batch.extras, "teacher_tokens": tb.tokens,
+                                     "teacher_action_mask": tb.action_mask})
 
     def run(self) -> Summary:
         try:
@@ -1272,6 +1297,7 @@ def step_config(cfg: config_lib.RunConfig, data_shards: int, pipeline=None) -> S
         is_level=cfg.loss.is_level, is_cap=cfg.loss.is_cap, is_lower=cfg.loss.is_lower,
         decoupled=cfg.loss.decoupled, teacher=config_lib.teacher_kind(cfg),
         teacher_ema=cfg.teacher.ema_decay, extra_reads=run_checks.step_reads(cfg),
+        teacher_view=config_lib.teacher_has_context(cfg),
         aux_losses=config_lib.aux_losses(cfg), sarsa_coef=cfg.loss.sarsa_coef,
         sarsa_gamma=cfg.loss.sarsa_gamma)
 

@@ -89,6 +89,9 @@ from jaxrl_agent.train.logprobs import chunked_sampled_logprobs
 #: their start, i.e. switched off); ``live``: the policy at the start of the step; ``ema``: a
 #: moving average of the policy; ``model``: another checkpoint (``TrainState.teacher_params``)
 TEACHERS = ("none", "base", "live", "ema", "model")
+#: extras of a teacher with a prompt of its own (a privileged context): its rows' tokens and
+#: action mask [R, T_teacher], the same rows and action tokens as the batch's
+TEACHER_VIEW = ("teacher_tokens", "teacher_action_mask")
 
 
 @struct.dataclass
@@ -163,6 +166,7 @@ class StepConfig:
     teacher_ema: float = 0.99  # ema: teacher <- d teacher + (1 - d) policy after each step
     extra_reads: tuple = ()
     aux_losses: tuple = ()
+    teacher_view: bool = False  # the teacher reads rows of its own (extras TEACHER_VIEW)
     sarsa_coef: float = 0.0  # SAPO's auxiliary SARSA loss on the value head (needs one)
     sarsa_gamma: float = 1.0
 
@@ -582,7 +586,10 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
     points (one forward pass each), the policy's entropies (one pass, shared with a ``live``
     teacher), the teacher's log-probs of the sampled tokens (a pass of the teacher: ``fwd``
     on the start weights (``view.ref_params``), the EMA (``view.teacher_params``) or ``tfwd``
-    on another model's parameters), all at the rollouts' sampling parameters and chunked."""
+    on another model's parameters), all at the rollouts' sampling parameters and chunked. With
+    ``cfg.teacher_view`` the teacher reads rows of its own (``TEACHER_VIEW``: the policy's rows
+    with a privileged context in the prompt) and its log-probs are moved onto the policy's
+    action tokens (``segments.align_action_tokens``)."""
     out = {"values": None, "hidden": None, "teacher_logprobs": None, "entropy": None,
            "ref_logprobs": None}
     ext = {**batch.extras, **tree}
@@ -594,20 +601,28 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
         out["hidden"] = _decision_hidden(graphdef, view.params, rest, batch, tree, cfg.blocks,
                                          cfg.attention, fwd.keywords.get("pin"), cfg.mlp_chunk)
     teacher = cfg.teacher if cfg.needs_teacher else "none"
-    if cfg.needs_entropy or teacher == "live":
+    shared = not cfg.teacher_view  # the teacher reads the policy's rows: one pass may serve both
+    if cfg.needs_entropy or (teacher == "live" and shared):
         lp, ent, _, _ = run(fwd, view.params, cfg.needs_entropy)
         out["entropy"] = ent
-        if teacher == "live":
+        if teacher == "live" and shared:
             out["teacher_logprobs"] = lp
-    if teacher == "base" or cfg.needs_reference:  # the start weights: one pass for both
+    if (teacher == "base" and shared) or cfg.needs_reference:  # the start weights
         lp = run(fwd, view.ref_params)[0]
         out["ref_logprobs"] = lp if cfg.needs_reference else None
-        if teacher == "base":
+        if teacher == "base" and shared:
             out["teacher_logprobs"] = lp
-    if teacher == "ema":
-        out["teacher_logprobs"] = run(fwd, join(view.teacher_params))[0]
-    elif teacher == "model":
-        out["teacher_logprobs"] = run(tfwd, view.teacher_params)[0]
+    params = {"live": lambda: view.params, "base": lambda: view.ref_params,
+              "ema": lambda: join(view.teacher_params), "model": lambda: view.teacher_params}
+    if teacher in ("ema", "model") or (teacher != "none" and not shared):
+        f = tfwd if teacher == "model" else fwd
+        if shared:
+            out["teacher_logprobs"] = run(f, params[teacher]())[0]
+        else:  # its own rows (a context the policy does not see), aligned token for token
+            lp = f(params[teacher](), tokens=batch.extras["teacher_tokens"], extras={},
+                   want_entropy=False, blocks=cfg.blocks)[0]
+            out["teacher_logprobs"] = segments.align_action_tokens(
+                lp, batch.extras["teacher_action_mask"], batch.action_mask)
     return {k: None if v is None else jax.lax.stop_gradient(v) for k, v in out.items()}
 
 
@@ -856,6 +871,8 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
         tfwd = functools.partial(_forward, teacher_graph[0], rest=teacher_graph[1], pin=pin,
                                  cfg=cfg)
     outputs = _step_outputs(graphdef, rest, fwd, tfwd, cfg, view, batch, tree, join)
+    batch = batch.replace(extras={k: v for k, v in batch.extras.items()
+                                  if k not in TEACHER_VIEW})
     adv, est_state = _run_estimator(cfg.pipeline, inputs.provide(batch, cfg.reads, outputs),
                                     state.est_state, mesh)
     batch = _with_token_outputs(batch, outputs)

@@ -17,13 +17,23 @@ PATH        another checkpoint: an HF folder, or a run directory's ``final_model
 The step scores the sampled tokens under the teacher with the rollouts' temperature / top-k /
 top-p (the distribution the student sampled from), chunked over positions (never [rows, T,
 vocab] logits), under ``stop_gradient``. Nothing of the teacher is trained.
+
+A privileged context (on-policy self-distillation): ``teacher.system_prompt`` (a fixed text)
+and / or ``teacher.context: true`` (the environment's per-task text, ``Env.teacher_context``,
+recorded with each trajectory as ``teacher_context``) are placed in the teacher's prompt only:
+``teacher_records`` writes the teacher's view of each record (the context's tokens after the
+prompt's leading prefix, e.g. BOS, of the first observation in the concatenated layout and of
+every turn's prompt in the per-step layout), the trainer packs it into the same rows as the
+policy's batch, and the step moves the teacher's log-probs onto the policy's action tokens
+(``segments.align_action_tokens``): the same sampled tokens, scored after another prompt.
 """
 
 from __future__ import annotations
 
 from jaxrl_agent import config as config_lib
 
-__all__ = ["TOKENIZER_PROBE", "load_teacher", "teacher_summary"]
+__all__ = ["TOKENIZER_PROBE", "context_text", "load_teacher", "teacher_records",
+           "teacher_summary"]
 
 #: text both tokenizers must encode to the same ids
 TOKENIZER_PROBE = ("The agent moves north, opens the door (key #3) and answers: 42.\n"
@@ -71,6 +81,42 @@ def load_teacher(cfg: config_lib.RunConfig, student, codec):
     return model
 
 
+def context_text(cfg: config_lib.RunConfig, record: dict, index: int = 0) -> str:
+    """The teacher-only text of one record: ``teacher.system_prompt`` and, with
+    ``teacher.context``, the record's ``teacher_context``, one per line, ending in a newline.
+    ValueError naming the record when the environment gave it none."""
+    parts = [cfg.teacher.system_prompt] if cfg.teacher.system_prompt else []
+    if cfg.teacher.context:
+        ctx = record.get("teacher_context")
+        if not isinstance(ctx, str):
+            raise ValueError(f"teacher.context: record {index} (task {record.get('task')!r}) "
+                             f"has no teacher_context: the environment must return "
+                             f"info['teacher_context'] from reset (Env.teacher_context)")
+        parts.append(ctx)
+    return "\n".join(parts) + "\n"
+
+
+def teacher_records(records: list, cfg: config_lib.RunConfig, encode, prefix=(),
+                    layout: str = "per_step") -> list:
+    """The teacher's view of ``records``: the same turns and actions, with the context's tokens
+    (``encode(context_text(...))``) inserted after the prompt's leading ``prefix`` (BOS) in
+    the first turn's observation (``concatenated``: the row holds the whole conversation) or
+    in every turn's (``per_step``: each row is one turn's prompt). Records are copied."""
+    prefix = list(prefix)
+    out = []
+    for i, rec in enumerate(records):
+        ctx = [int(x) for x in encode(context_text(cfg, rec, i))]
+        turns = []
+        for k, t in enumerate(rec["turns"]):
+            if k == 0 or layout == "per_step":
+                obs = list(t.get("observation") or [])
+                n = len(prefix) if prefix and obs[:len(prefix)] == prefix else 0
+                t = dict(t, observation=obs[:n] + ctx + obs[n:])
+            turns.append(t)
+        out.append(dict(rec, turns=turns))
+    return out
+
+
 def teacher_summary(cfg: config_lib.RunConfig, reads) -> str:
     """One line for the start-up summary: which teacher, how it is scored, and who reads it
     (empty without a teacher)."""
@@ -82,6 +128,10 @@ def teacher_summary(cfg: config_lib.RunConfig, reads) -> str:
     r = cfg.rollout
     if "teacher_logprobs" not in reads:
         return f"teacher: {what}; no method or loss of this run reads it, so it is not run"
+    if config_lib.teacher_has_context(cfg):
+        what += (", with a prompt of its own (" + " and ".join(
+            (["teacher.system_prompt"] if cfg.teacher.system_prompt else [])
+            + (["the task's teacher_context"] if cfg.teacher.context else [])) + ")")
     return (f"teacher: {what}; its log-probs of the sampled tokens in the train step (JAX, on "
             f"the trainer's mesh, chunked), at the rollouts' temperature {r.temperature:g}"
             + (f", top_k {r.top_k}" if r.top_k else "")
