@@ -838,25 +838,43 @@ def check_params(params: dict, allowed, key: str, what: str):
 
 
 
-def stages(section: "EstimatorSection", which: str) -> tuple:
-    """``estimator.shaping`` / ``estimator.then`` as ``((name, ((param, value), ...)), ...)``;
-    ``ConfigError`` naming the entry for a malformed one."""
+def named_entries(items, key: str, what: str, coef: bool = False) -> list:
+    """The entries of a list key (``estimator.then``, ``loss.aux``, ``signals``): each a bare
+    name or ``{name, params}`` (``coef`` too where ``coef``), as ``(name, ((param, value),
+    ...))`` or ``(name, coef, params)`` (coef default 1); ``ConfigError`` naming the entry
+    for a malformed one."""
+    keys = ("name", "coef", "params") if coef else ("name", "params")
+    form = "{name: str, coef: float, params: {}}" if coef else "{name: str, params: {}}"
+    a = "an" if what[0] in "aeiou" else "a"
     out = []
-    for i, item in enumerate(getattr(section, which)):
-        key = f"estimator.{which}[{i}]"
+    for i, item in enumerate(items):
+        k = f"{key}[{i}]"
         if isinstance(item, str):
             item = {"name": item}
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ConfigError(f"{key} must be a stage name or {{name: str, params: {{}}}}, "
-                              f"got {item!r}")
-        extra = sorted(set(item) - {"name", "params"})
+            raise ConfigError(f"{k} must be {a} {what} name or {form}, got {item!r}")
+        extra = sorted(set(item) - set(keys))
         if extra:
-            raise ConfigError(f"{key}: unknown key(s) {extra}; a stage has name and params")
+            raise ConfigError(f"{k}: unknown key(s) {extra}; {a} {what} has "
+                              f"{', '.join(keys[:-1])} and {keys[-1]}")
         params = item.get("params") or {}
         if not isinstance(params, dict):
-            raise ConfigError(f"{key}.params must be a mapping, got {params!r}")
-        out.append((item["name"], tuple(sorted(params.items()))))
-    return tuple(out)
+            raise ConfigError(f"{k}.params must be a mapping, got {params!r}")
+        params = tuple(sorted(params.items()))
+        if not coef:
+            out.append((item["name"], params))
+            continue
+        c = item.get("coef", 1.0)
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c):
+            raise ConfigError(f"{k}.coef must be a finite number, got {c!r}")
+        out.append((item["name"], float(c), params))
+    return out
+
+
+def stages(section: "EstimatorSection", which: str) -> tuple:
+    """``estimator.shaping`` / ``estimator.then`` as ``((name, ((param, value), ...)), ...)``;
+    ``ConfigError`` naming the entry for a malformed one."""
+    return tuple(named_entries(getattr(section, which), f"estimator.{which}", "stage"))
 
 
 TEACHER_SOURCES = ("none", "base", "live", "ema")
@@ -876,27 +894,8 @@ def teacher_has_context(cfg: "RunConfig") -> bool:
 
 def aux_losses(cfg: "RunConfig") -> tuple:
     """``loss.aux`` as ``((name, coef, ((param, value), ...)), ...)``; ``ConfigError`` naming
-    the entry for a malformed one (a bare name means coef 1 and the defaults)."""
-    out = []
-    for i, item in enumerate(cfg.loss.aux):
-        key = f"loss.aux[{i}]"
-        if isinstance(item, str):
-            item = {"name": item}
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ConfigError(f"{key} must be a loss name or {{name: str, coef: float, "
-                              f"params: {{}}}}, got {item!r}")
-        extra = sorted(set(item) - {"name", "coef", "params"})
-        if extra:
-            raise ConfigError(f"{key}: unknown key(s) {extra}; an auxiliary loss has name, "
-                              f"coef and params")
-        coef = item.get("coef", 1.0)
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(
-                coef):
-            raise ConfigError(f"{key}.coef must be a finite number, got {coef!r}")
-        params = item.get("params") or {}
-        if not isinstance(params, dict):
-            raise ConfigError(f"{key}.params must be a mapping, got {params!r}")
-        out.append((item["name"], float(coef), tuple(sorted(params.items()))))
+    the entry for a malformed one or a loss given twice (a bare name: coef 1, the defaults)."""
+    out = named_entries(cfg.loss.aux, "loss.aux", "auxiliary loss", coef=True)
     names_ = [n for n, _, _ in out]
     dup = sorted({n for n in names_ if names_.count(n) > 1})
     if dup:
@@ -907,22 +906,7 @@ def aux_losses(cfg: "RunConfig") -> tuple:
 def signal_stages(cfg: "RunConfig") -> tuple:
     """``signals`` as ``((name, ((param, value), ...)), ...)``; ``ConfigError`` naming the
     entry for a malformed one."""
-    out = []
-    for i, item in enumerate(cfg.signals):
-        key = f"signals[{i}]"
-        if isinstance(item, str):
-            item = {"name": item}
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ConfigError(f"{key} must be a signal name or {{name: str, params: {{}}}}, "
-                              f"got {item!r}")
-        extra = sorted(set(item) - {"name", "params"})
-        if extra:
-            raise ConfigError(f"{key}: unknown key(s) {extra}; a signal has name and params")
-        params = item.get("params") or {}
-        if not isinstance(params, dict):
-            raise ConfigError(f"{key}.params must be a mapping, got {params!r}")
-        out.append((item["name"], tuple(sorted(params.items()))))
-    return tuple(out)
+    return tuple(named_entries(cfg.signals, "signals", "signal"))
 
 
 def _check_teacher(cfg: RunConfig) -> None:

@@ -286,6 +286,27 @@ def known_shape(path: str) -> str | None:
     return name if name in HF_SHAPES else None
 
 
+def teacher_model_config(cfg: config_lib.RunConfig, notes: list | None = None) -> ModelConfig:
+    """The shapes of a checkpoint teacher (``teacher.source`` a path): its folder's
+    config.json, or a known model's published shapes (``HF_SHAPES``) when the path is not on
+    this machine; in the student's dtype, no value head, no adapters."""
+    src = cfg.teacher.source
+    try:
+        source = config_lib.teacher_folder(cfg)
+    except config_lib.ConfigError:
+        source = known_shape(src)
+        if source is None:
+            raise PlanError(f"teacher.source {src!r}: no config.json there, and not a known "
+                            f"shape ({', '.join(sorted(HF_SHAPES))})") from None
+        if notes is not None:
+            notes.append(f"teacher.source {src} is not on this machine: planned with the "
+                         f"published shapes of {source}")
+    try:
+        return ModelConfig.from_hf(load_hf_config(source), dtype=cfg.model.dtype)
+    except ValueError as e:
+        raise PlanError(f"teacher model config: {e}") from None
+
+
 def model_config(cfg: config_lib.RunConfig, hf_config: str | None = None,
                  notes: list | None = None) -> ModelConfig:
     """The ``ModelConfig`` the trainer would build (shapes only): ``hf_config`` (see
@@ -658,6 +679,9 @@ class Plan:
     #: per device, what one all-gather of every FSDP-split weight returns (``_gathered_bytes``):
     #: the unit of ``gathers_per_micro_batch``
     weights_gathered_bytes: int = 0
+    #: the teacher's parameters per device (an EMA copy or another checkpoint; 0 without, and
+    #: for ``base``, whose copy is ``ref_bytes``, and ``live``)
+    teacher_bytes: int = 0
 
     @property
     def gathers_per_micro_batch(self) -> float | None:
@@ -694,9 +718,9 @@ class Plan:
 
     @property
     def state_bytes(self) -> int:
-        """The train state every device keeps between steps: parameters, optimizer state and
-        KL reference parameters."""
-        return self.params_bytes + self.opt_bytes + self.ref_bytes
+        """The train state every device keeps between steps: parameters, optimizer state, the
+        frozen start copy (KL reference, ``base`` teacher) and the teacher's parameters."""
+        return self.params_bytes + self.opt_bytes + self.ref_bytes + self.teacher_bytes
 
     @property
     def sampler_device_bytes(self) -> int | None:
@@ -744,7 +768,7 @@ class Plan:
                 out.append("this layout gathers the whole model on every device at once "
                            "(a collective as large as all parameters): check mesh.rules")
         if self.fits is False:
-            state = self.params_bytes + self.opt_bytes + self.ref_bytes
+            state = self.state_bytes
             if 2 * state > self.hbm_bytes:  # old + new state alone do not fit
                 key = ("raise mesh.fsdp (parameters and optimizer state are split over it) or "
                        "mesh.tensor, or use a larger slice")
@@ -1120,7 +1144,16 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
     opt = run_optimizer(cfg)
     rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
     est_state = pipe.init(cfg.trainer.task_capacity)
-    with_ref = cfg.loss.kl_coef > 0
+    teacher = scfg.teacher if scfg.needs_teacher else "none"
+    with_ref = cfg.loss.kl_coef > 0 or teacher == "base" or scfg.needs_reference
+    teacher_model, teacher_params = None, ()
+    if teacher == "model":
+        tmc = teacher_model_config(cfg, notes)
+        teacher_model = nnx.eval_shape(lambda: Transformer(tmc, rngs=nnx.Rngs(0)))
+        teacher_params = nnx.state(teacher_model, nnx.Param)
+    if scfg.teacher_view:
+        notes.append("teacher.context / teacher.system_prompt: the teacher's own rows (the "
+                     "context's tokens longer) are not in this plan's batch")
     if cfg.trainer.prefix_sharing:
         notes.append("trainer.prefix_sharing: the step is compiled with prefix trees at their "
                      "largest (one tree row per batch row, no shared prefix); shared prefixes "
@@ -1129,9 +1162,11 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
     model = nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.trainer.seed)))
     params = nnx.state(model, nnx.Param)
     state = jax.eval_shape(
-        lambda p, e: init_state_from_params(p, opt, seed=cfg.trainer.seed, est_state=e,
-                                            trainable=trainable_filter(mc),
-                                            with_reference=with_ref), params, est_state)
+        lambda p, e, t: init_state_from_params(p, opt, seed=cfg.trainer.seed, est_state=e,
+                                               trainable=trainable_filter(mc),
+                                               with_reference=with_ref,
+                                               ema_teacher=teacher == "ema", teacher_params=t),
+        params, est_state, teacher_params)
     shardings = sharding.train_state_shardings(state, opt, mesh, rules,
                                                trainable=trainable_filter(mc))
     for row in sharding.layout_table(params, mesh, rules):
@@ -1146,7 +1181,7 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
                            tree_len=cfg.trainer.prefix_tree_len)
 
     step = make_train_step(model, opt, scfg, donate=True, mesh=mesh, state_shardings=shardings,
-                           rules=rules)
+                           rules=rules, teacher_model=teacher_model)
     state_b = _local_bytes(state, shardings)
     batch_b = _local_bytes(batch, jax.tree.map(lambda _: bsh, batch))
     # a refused compile: arguments and outputs from the shardings (old state + batch in, new
@@ -1179,11 +1214,14 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
               "mini_batches": scfg.mini_batches, "ppo_epochs": scfg.ppo_epochs,
               "remat": scfg.remat, "logits_chunk": scfg.logits_chunk,
               "attention": scfg.attention, "mlp_chunk": scfg.mlp_chunk,
-              "kl_reference": with_ref, "layout": cfg.trainer.layout},
+              "kl_reference": cfg.loss.kl_coef > 0, "layout": cfg.trainer.layout,
+              "teacher": teacher},
         params_bytes=_local_bytes(state.params, shardings.params),
         params_total_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)),
         opt_bytes=_local_bytes(state.opt_state, shardings.opt_state),
         ref_bytes=_local_bytes(state.ref_params, shardings.ref_params) if with_ref else 0,
+        teacher_bytes=(_local_bytes(state.teacher_params, shardings.teacher_params)
+                       if teacher in ("ema", "model") else 0),
         batch_bytes=batch_b, memory=memory, notes=notes,
         floor=memory_floor(mc, scfg, dims, dict(mesh.shape), state_bytes=state_b,
                            params_bytes=_local_bytes(
@@ -1260,7 +1298,8 @@ def format_plan(p: Plan, source: str = "") -> str:
         f"mini_batches={s['mini_batches']} ppo_epochs={s['ppo_epochs']} remat={s['remat']} "
         f"attention={s['attention']} logits_chunk={s['logits_chunk']}"
         + (f" mlp_chunk={s['mlp_chunk']}" if s.get("mlp_chunk") else "")
-        + (", KL reference" if s["kl_reference"] else ""),
+        + (", KL reference" if s["kl_reference"] else "")
+        + (f", teacher {s['teacher']}" if s.get("teacher", "none") != "none" else ""),
         f"batch: {b['num_traj']} trajectories x {b['num_turns']} turns, {b['num_rows']} rows x "
         f"{b['row_len']} tokens (the largest the config packs: rows of "
         "rollout.max_context_tokens)",
@@ -1274,7 +1313,9 @@ def format_plan(p: Plan, source: str = "") -> str:
            if p.model.get("lora_rank") else ""),
     ]
     if p.ref_bytes:
-        lines.append(f"{'  KL reference parameters':<34}{_mib(p.ref_bytes):>12}")
+        lines.append(f"{'  start copy (KL ref., base teacher)':<34}{_mib(p.ref_bytes):>12}")
+    if p.teacher_bytes:
+        lines.append(f"{'  teacher parameters':<34}{_mib(p.teacher_bytes):>12}")
     lines += [
         f"{'  batch':<34}{_mib(p.batch_bytes):>12}",
         f"{'  arguments (compiled)':<34}{_mib(mem.argument_bytes):>12}",
