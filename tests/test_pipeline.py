@@ -261,8 +261,9 @@ def test_cli_lists_every_kind(capsys):
 def test_config_stages_validate_and_describe():
     cfg = C.from_dict({"estimator": {"name": "grpo", "then": ["reallocate"]}})
     assert C.stages(cfg.estimator, "then") == (("reallocate", ()),)
-    with pytest.raises(C.ConfigError, match="training loop supplies no such input"):
-        C.validate(cfg)  # weights the loop does not produce
+    with pytest.raises(C.ConfigError, match=r"reallocate reads extras\['weights'\], which no "
+                                            r"source of this run supplies.*signals:"):
+        C.validate(cfg)  # weights no source of the default run supplies
     cfg = C.from_dict({"estimator": {"name": "grpo", "then": [
         {"name": "reallocate", "params": {"weights": "switch"}}]},
         "env": {"name": "gridworld"}})
