@@ -130,23 +130,25 @@ def _dense(model, batch, temperature):
     return jnp.where(m, lp, 0.0), jnp.where(m, ent, 0.0)
 
 
-def test_step_sources_equal_precomputed_inputs():
+@pytest.mark.parametrize("micro", [1, 2])
+def test_step_sources_equal_precomputed_inputs(micro):
     """An EMA teacher, the policy's entropies and the reference policy computed in the step
-    give the same update as the same step on a batch that carries them precomputed from the
-    full logits (teacher and reference: another model A, the policy: model B, on-policy
-    rollouts); the EMA teacher then equals d A + (1 - d) B'."""
+    (one micro-batch of rows at a time with ``micro``) give the same update as the same step
+    on a batch that carries them precomputed from the full logits (teacher and reference:
+    another model A, the policy: model B, on-policy rollouts); the EMA teacher then equals
+    d A + (1 - d) B'."""
     from flax import nnx
 
     from jaxrl_agent.models.transformer import Transformer
     temp = 0.7
     teacher_model, policy = _model(), _model()
     policy = Transformer(policy.config, rngs=nnx.Rngs(1))
-    batch, _ = pack_records(_records(), layout="per_step")
+    batch, _ = pack_records(_records(), layout="per_step", num_shards=micro)
     lp_t, _ = _dense(teacher_model, batch, temp)
     lp_p, ent = _dense(policy, batch, temp)
     batch = batch.replace(old_logprobs=lp_p)  # on-policy: the PPO ratio starts at 1
     common = dict(estimator="opd", then=(("eapo", ()), ("oprl", (("prm", "teacher_logprobs"),))),
-                  aux_losses=(("sdl", 0.5, ()),), temperature=temp)
+                  aux_losses=(("sdl", 0.5, ()),), temperature=temp, micro_batches=micro)
     in_step = StepConfig(**common, teacher="ema", teacher_ema=0.9,
                          extra_reads=("entropy", "ref_logprobs", "teacher_logprobs"))
     opt = optax.sgd(0.1)  # Adam would amplify float noise of near-zero gradients

@@ -493,6 +493,35 @@ def _split_rows(x, cfg: StepConfig):
     return x.reshape((b, u, d * r) + x.shape[4:])
 
 
+def _unsplit_rows(x, cfg: StepConfig):
+    """The inverse of ``_split_rows``: [mini, micro, R / (mini * micro), ...] -> [R, ...]."""
+    d, b, u = cfg.data_shards, cfg.mini_batches, cfg.micro_batches
+    r = x.shape[2] // d
+    x = jnp.moveaxis(x.reshape((b, u, d, r) + x.shape[3:]), 2, 0)
+    return x.reshape((d * b * u * r,) + x.shape[4:])
+
+
+def _by_micro_batch(f, rows: dict, cfg: StepConfig, pin=None):
+    """``f(rows)`` (a forward-only pass: ``rows`` a dict of [R, ...] arrays, the outputs any
+    pytree of [R, ...] arrays) one micro-batch of rows at a time (``_split_rows``' blocks,
+    under ``lax.map``), so a teacher's or reference pass holds one micro-batch's activations,
+    as the update does; the outputs are put back in row order. ``pin``: the rows' sharding
+    of each block."""
+    if cfg.mini_batches * cfg.micro_batches == 1:
+        return f(rows)
+    split = {k: _split_rows(v, cfg) for k, v in rows.items()}
+    lead = split["tokens"].shape[:2]
+    flat = {k: v.reshape((-1,) + v.shape[2:]) for k, v in split.items()}
+
+    def one(block):
+        if pin is not None:
+            block = {k: jax.lax.with_sharding_constraint(v, pin) for k, v in block.items()}
+        return f(block)
+
+    out = jax.lax.map(one, flat)
+    return jax.tree.map(lambda y: _unsplit_rows(y.reshape(lead + y.shape[1:]), cfg), out)
+
+
 # ----------------------------------------------------------------------------- the step
 
 
@@ -593,8 +622,20 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
     out = {"values": None, "hidden": None, "teacher_logprobs": None, "entropy": None,
            "ref_logprobs": None}
     ext = {**batch.extras, **tree}
-    run = lambda f, p, ent=False: f(p, tokens=batch.tokens, extras=ext,  # noqa: E731
-                                    want_entropy=ent, blocks=cfg.blocks)
+    pin = fwd.keywords.get("pin")
+
+    def run(f, p, ent=False, tokens=None):
+        """One forward-only pass of ``f`` with parameters ``p``; one micro-batch at a time
+        unless the rows are packed as prefix trees (their blocks are the trees')."""
+        if tree:
+            return f(p, tokens=batch.tokens, extras=ext, want_entropy=ent, blocks=cfg.blocks)
+        rows = {"tokens": tokens}
+        if tokens is None:  # the policy's rows, with their positions / segments if packed so
+            rows = {"tokens": batch.tokens, **{k: batch.extras[k] for k in
+                                               ("positions", "segment_ids")
+                                               if k in batch.extras}}
+        return _by_micro_batch(lambda r: f(p, tokens=r["tokens"], extras=r, want_entropy=ent,
+                                           blocks=cfg.blocks), rows, cfg, pin)
     if cfg.needs_values:
         out["values"] = run(fwd, view.params)[2]
     if cfg.needs_hidden:
@@ -619,8 +660,7 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
         if shared:
             out["teacher_logprobs"] = run(f, params[teacher]())[0]
         else:  # its own rows (a context the policy does not see), aligned token for token
-            lp = f(params[teacher](), tokens=batch.extras["teacher_tokens"], extras={},
-                   want_entropy=False, blocks=cfg.blocks)[0]
+            lp = run(f, params[teacher](), tokens=batch.extras["teacher_tokens"])[0]
             out["teacher_logprobs"] = segments.align_action_tokens(
                 lp, batch.extras["teacher_action_mask"], batch.action_mask)
     return {k: None if v is None else jax.lax.stop_gradient(v) for k, v in out.items()}
