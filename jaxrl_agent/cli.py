@@ -457,7 +457,7 @@ def _with_imports(cfg, imports):
 
 def _train_config_of(args):
     from jaxrl_agent import config as config_lib
-    from jaxrl_agent.train.loop import find_run, run_config
+    from jaxrl_agent.train.rundir import find_run, run_config
 
     if args.resume is None:
         return config_lib.load(args.config, args.set or (), validate=False)
@@ -509,7 +509,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from jaxrl_agent.train.loop import find_run
+    from jaxrl_agent.train.rundir import find_run
 
     folder = os.path.join(find_run(args.run), "rollouts")
     steps = sorted(int(n[5:-6]) for n in (os.listdir(folder) if os.path.isdir(folder) else [])
@@ -785,7 +785,8 @@ def main(argv=None) -> int:
         from jaxrl_agent.config import ConfigError
         from jaxrl_agent.envs.tasks import TaskFileError
         from jaxrl_agent.rollout.chat import ChatError
-        from jaxrl_agent.train.loop import EnvFailureError, RunLockedError, StaleBatchError
+        from jaxrl_agent.train.loop import EnvFailureError, StaleBatchError
+        from jaxrl_agent.train.rundir import RunLockedError
 
         if not isinstance(e, (ConfigError, StaleBatchError, RunLockedError, EnvFailureError,
                               TaskFileError, ChatError)):

@@ -409,7 +409,7 @@ def test_sampler_shorthand():
 @pytest.mark.parametrize("value, policy", [("true", "full"), ("false", "none"),
                                            ("save_dots", "save_dots"), ("full", "full")])
 def test_remat_takes_a_policy_or_a_bool(value, policy):
-    from jaxrl_agent.train.loop import step_config
+    from jaxrl_agent.train.build import step_config
 
     cfg = C.load(None, [f"trainer.remat={value}", "trainer.logits_chunk=64",
                         "trainer.attention=dense"])

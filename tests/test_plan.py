@@ -15,7 +15,7 @@ from flax import nnx
 from jaxrl_agent import cli
 from jaxrl_agent import config as config_lib
 from jaxrl_agent.models.transformer import Transformer
-from jaxrl_agent.train import loop
+from jaxrl_agent.train import build
 from jaxrl_agent.train import plan as plan_lib
 
 # tiny rollouts: 8 tasks x 2 = 16 trajectories of up to 2 turns, rows of 32 tokens; the
@@ -385,9 +385,9 @@ def test_sampler_dims_follow_generate_buckets():
     # 6 x 5 x 3 = 90 prompts: generate chunks them by the largest bucket (64)
     assert (d["prompts"], d["call"], d["batch"]) == (90, "train", 64)
     assert (d["prompt_len"], d["new_tokens"], d["cache_len"]) == (256, 16, 272)
-    assert loop.sampler_batch_buckets(no_eval) == (128, 256)
+    assert build.sampler_batch_buckets(no_eval) == (128, 256)
     # per host: 3 of the 6 tasks x 5 x 3 = 45 prompts; eval 64 of the 128 tasks
-    assert loop.sampler_batch_buckets(no_eval, 2) == (64, 128)
+    assert build.sampler_batch_buckets(no_eval, 2) == (64, 128)
 
 
 @pytest.mark.parametrize("sets", [[], BF16], ids=["float32", "bfloat16"])

@@ -16,7 +16,7 @@ import pytest
 
 from jaxrl_agent import cli
 from jaxrl_agent import config as config_lib
-from jaxrl_agent.train import loop
+from jaxrl_agent.train import loop, rundir
 from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.metrics import read_metrics
 from tests.runs import TINY, deterministic, tiny_config
@@ -106,7 +106,7 @@ def test_a_refused_second_process_does_not_touch_the_live_run(finished, tmp_path
     inflight = run / "checkpoints" / "6.orbax-checkpoint-tmp"
     inflight.mkdir()
     (inflight / "data").write_bytes(b"half-written")
-    held = loop._lock_run_dir(str(run))
+    held = rundir.lock_run_dir(str(run))
     try:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.run([sys.executable, "-m", "jaxrl_agent.cli", "train", "--resume",

@@ -333,7 +333,7 @@ def test_a_run_with_every_source_trains_and_saves_credit_records(tmp_path):
 def test_every_method_trains_one_step(kind, name):
     """One train step of every registered method with its sources: finite loss and
     gradient, and an update that moved the parameters."""
-    from jaxrl_agent.train.loop import step_config
+    from jaxrl_agent.train.build import step_config
     cfg = C.load(None, PLUGIN + method_overrides(kind, name))
     scfg = step_config(cfg, 1)
     model = _model(value_head=True)

@@ -17,8 +17,9 @@ from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs.gridworld import GridWorld
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
-from jaxrl_agent.train import loop
+from jaxrl_agent.train import loop, rundir
 from jaxrl_agent.train.checkpoint import Checkpointer
+from jaxrl_agent.sampling.jax_sampler import JaxSampler
 from jaxrl_agent.train.metrics import read_metrics
 from jaxrl_agent.train.step import StepConfig, init_state, make_optimizer, make_train_step
 
@@ -84,9 +85,9 @@ def test_resume_equals_uninterrupted_run(full_run, tmp_path, monkeypatch):
 
 def test_two_runs_never_share_a_checkpoint_dir(tmp_path):
     cfg = tiny_config(tmp_path)
-    held = loop._lock_run_dir(config_lib.run_paths(cfg).root)
+    held = rundir.lock_run_dir(config_lib.run_paths(cfg).root)
     try:
-        with pytest.raises(loop.RunLockedError, match="another process"):
+        with pytest.raises(rundir.RunLockedError, match="another process"):
             loop.Trainer(cfg, progress=False).run()
     finally:
         held.close()
@@ -195,7 +196,7 @@ def test_staleness_guard_in_the_loop(tmp_path, monkeypatch):
     # A sampler that never receives new weights (nor frees its old ones during the step) keeps
     # stamping version 0.
     monkeypatch.setattr(loop.Trainer, "_sync", lambda self, state: None)
-    monkeypatch.setattr(loop.JaxSampler, "release_weights", lambda self: None)
+    monkeypatch.setattr(JaxSampler, "release_weights", lambda self: None)
     cfg = tiny_config(tmp_path, "trainer.steps=3", "trainer.eval_every=0",
                       "checkpoint.every=0", "trainer.max_policy_lag=1")
     with pytest.raises(loop.StaleBatchError, match="max_policy_lag"):

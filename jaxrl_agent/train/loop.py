@@ -5,12 +5,19 @@ an uninterrupted one exactly)::
 
     tasks    = env.sample_tasks(rng(seed, s), tasks_per_step, "train")
     records  = collect_groups(env, tasks, sampler @ policy version s, ...)   # G per task
+    records  = run_signals(records, signals)   # judges / signal plug-ins (train.signals)
     records  = refuse_stale(records, version=s, max_lag)                    # whole groups
     batch    = pack(records, plan)             # one plan: num_shards = data*fsdp * mini_batches *
-                                              # micro_batches, sizes fixed in per_step
+                                              # micro_batches, sizes fixed in per_step; with a
+                                              # teacher-only context, the teacher's rows too
     state    = train_step(state, batch)       # ppo_epochs x mini_batches updates; version s + 1
     sampler.sync_weights(state.params, version=s + 1)
     log, evaluate (greedy, held-out "test" tasks), checkpoint
+
+The loop's parts live beside it: the run directory (``train.rundir``), building the model,
+sampler, step settings and optimizer from the config (``train.build``), the teacher
+(``train.teacher``), signal plug-ins (``train.signals``), the inputs' sources
+(``train.inputs``), and a step's samples as text (``train.samples``).
 
 Before step 0 of a fresh run: the optional supervised warm-up on solver demonstrations, then a
 held-out evaluation (step 0 of the learning curve).
@@ -37,19 +44,16 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxrl_agent import config as config_lib
-from jaxrl_agent import envs, run_checks, segments
+from jaxrl_agent import envs, run_checks
 from jaxrl_agent import sharding
 from jaxrl_agent.sharding import multihost
 from jaxrl_agent.batch import bucket, round_up_to_step
 from jaxrl_agent.rollout.records import pack, parse_records, plan_packing
-from jaxrl_agent.models.config import ModelConfig
-from jaxrl_agent.models.transformer import Transformer, trainable_filter
-from jaxrl_agent.rollout.collect import ByteCodec, RolloutConfig, collect_groups
+from jaxrl_agent.rollout.collect import RolloutConfig, collect_groups
 from jaxrl_agent.rollout.tree import attach_prefix_trees, attention_cost
 from jaxrl_agent.rollout.workers import RolloutWorkers
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
@@ -57,66 +61,20 @@ from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.inputs import attach_env_inputs
 from jaxrl_agent.train.signals import SignalError, run_signals
+from jaxrl_agent.train.build import (build_model, build_sampler, lora_fields, lora_summary,
+                                     run_lr_schedule, run_optimizer, sampler_batch_buckets,
+                                     step_config, step_paths)
+from jaxrl_agent.train.rundir import (LORA_BASE, RunLockedError, existing_outputs,
+                                      lock_run_dir, never_trained, run_config, write_config)
+from jaxrl_agent.train.samples import (credit_trajectories, sample_conversations,
+                                       samples_markdown, turn_credit)
 from jaxrl_agent.train.teacher import load_teacher, teacher_records, teacher_summary
 from jaxrl_agent.train.metrics import MetricsLogger, read_metrics
-from jaxrl_agent.train.step import (StepConfig, TrainState, init_state, init_state_from_params,
-                                    lr_schedule, make_optimizer, make_train_step,
-                                    split_trainable,
-                                    trainable_of)
+from jaxrl_agent.train.step import (TrainState, init_state, init_state_from_params,
+                                    make_train_step, split_trainable, trainable_of)
 
-__all__ = ["Trainer", "build_sampler", "jax_sampler_args", "sampler_batch_buckets", "StaleBatchError",
-           "RunLockedError", "refuse_stale", "step_seed", "build_model", "find_run",
-           "run_config", "evaluate_run"]
-
-
-class RunLockedError(ValueError):
-    """Another live process is training in the same run directory."""
-
-
-def _lock_run_dir(directory):
-    """An exclusive advisory lock on ``directory/.lock`` held for the trainer's lifetime (the OS
-    drops it when the process dies), so two processes never write one run directory. Taken
-    before anything in the directory is opened, created or cleaned."""
-    import fcntl
-
-    try:
-        os.makedirs(directory, exist_ok=True)
-        f = open(os.path.join(directory, ".lock"), "a+")
-    except OSError as e:
-        raise config_lib.ConfigError(f"cannot write the run directory {directory!r}: "
-                                     f"{e.strerror or e}; choose another run.dir or name") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise RunLockedError(f"another process is training in {directory!r}; wait for it, stop "
-                             "it, or start another run (--set name=NEW)") from None
-    return f
-
-
-def _existing_outputs(root: str) -> list[str]:
-    """What of a run lives in ``root`` (config, checkpoints, metrics, exported models)."""
-    return [n for n in config_lib.RunPaths.OUTPUTS if os.path.exists(os.path.join(root, n))]
-
-
-def _never_trained(root: str) -> bool:
-    """The run in ``root`` stopped before it saved anything but its config and metrics: no
-    checkpoint, no exported model (a start that failed; nothing in it is work to keep)."""
-    ck = os.path.join(root, "checkpoints")
-    return (not (os.path.isdir(ck) and os.listdir(ck))
-            and not any(os.path.exists(os.path.join(root, n))
-                        for n in ("final_model", "warmup_model")))
-
-
-def _write_config(cfg, path: str) -> None:
-    """The resolved config as YAML, written atomically (a temporary file, then a rename)."""
-    tmp = f"{path}.tmp"
-    config_lib.dump_yaml(cfg, tmp)
-    os.replace(tmp, path)
-
-
-#: a LoRA run's base after its warm-up (checkpoints hold the adapters, not the base)
-LORA_BASE = "lora_base"
+__all__ = ["EnvFailureError", "StaleBatchError", "Summary", "Trainer", "evaluate_run",
+           "refuse_stale", "staleness_metrics", "step_seed", "success_se"]
 
 
 class StaleBatchError(ValueError):
@@ -176,79 +134,6 @@ def staleness_metrics(records: list[dict], version: int) -> dict:
     return out
 
 
-def builtin_model_config(cfg: config_lib.RunConfig) -> ModelConfig:
-    """The built-in model's shapes (``model.hf_path: null``): a Qwen3-style decoder of the
-    ``model`` section's dims over the byte codec's ids."""
-    m, codec = cfg.model, ByteCodec()
-    return ModelConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
-                       intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                       max_position_embeddings=m.max_position_embeddings, dtype=m.dtype,
-                       family="qwen3", qk_norm=True, value_head=m.value_head,
-                       value_stop_gradient=m.value_stop_gradient,
-                       bos_token_id=codec.bos_token_id, eos_token_id=codec.eos_token_id,
-                       pad_token_id=codec.pad_token_id, **lora_fields(cfg))
-
-
-def lora_summary(mc: ModelConfig, params, sampler=None) -> str:
-    """``"LoRA rank r on q_proj, ...: N of M parameters trained (x%), the base frozen; "`` for
-    the start-up summary, and how the sampler gets the adapters (empty without LoRA)."""
-    if not mc.lora_rank:
-        return ""
-    trained, _ = split_trainable(params, trainable_filter(mc))
-    n = sum(x.size for x in jax.tree.leaves(trained))
-    total = sum(x.size for x in jax.tree.leaves(params))
-    return (f"LoRA rank {mc.lora_rank} (alpha {mc.lora_alpha:g}) on "
-            f"{', '.join(mc.lora_targets)}: {n:,} of {total:,} parameters trained "
-            f"({100 * n / total:.1f}%), the base frozen, "
-            + ("the sampler runs the adapters; " if not hasattr(sampler, "adapter_sync") else
-               "vLLM receives the adapters alone at each sync (its LoRA path); "
-               if sampler.adapter_sync else "vLLM receives the merged weights at each sync; "))
-
-
-def lora_fields(cfg: config_lib.RunConfig) -> dict:
-    """The ``ModelConfig`` fields of the run's ``model.lora`` section (none without LoRA)."""
-    lo = cfg.model.lora
-    if not lo.rank:
-        return {}
-    return dict(lora_rank=lo.rank, lora_alpha=lo.alpha, lora_targets=tuple(lo.targets),
-                lora_train_norms=lo.train_norms)
-
-
-def build_model(cfg: config_lib.RunConfig, seed: int):
-    """``(model, codec, where)`` for the config: a local HF folder, or the tiny built-in model
-    with the byte codec (saved as an HF folder, with the codec as its tokenizer, at
-    ``model.builtin_dir`` or ``<run.dir>/base_model`` on first use and loaded from there
-    afterwards)."""
-    m = cfg.model
-    if m.hf_path is not None:
-        from jaxrl_agent.models.hf import load_hf
-        from jaxrl_agent.models.tokenizer import load_tokenizer
-        model, _ = load_hf(m.hf_path, dtype=m.dtype, seed=seed, value_head=m.value_head,
-                           value_stop_gradient=m.value_stop_gradient, **lora_fields(cfg))
-        return model, load_tokenizer(m.hf_path), m.hf_path
-    from jaxrl_agent.models.hf import load_hf, save_hf
-    codec = ByteCodec()
-    mc = builtin_model_config(cfg)
-    folder = pathlib.Path(config_lib.run_paths(cfg).base_model)
-    if (folder / "config.json").exists():
-        model, loaded = load_hf(str(folder), dtype=m.dtype, seed=seed, value_head=m.value_head,
-                                value_stop_gradient=m.value_stop_gradient, **lora_fields(cfg))
-        same = {k: getattr(loaded, k) for k in ("vocab_size", "hidden_size", "num_layers",
-                                                 "num_heads", "num_kv_heads", "head_dim")}
-        want = {k: getattr(mc, k) for k in same}
-        if same != want:
-            raise config_lib.ConfigError(
-                f"model.builtin_dir {str(folder)!r} holds a model with {same}, but the config "
-                f"asks for {want}; point model.builtin_dir elsewhere or delete that folder")
-        return model, codec, f"{folder} (built-in, loaded)"
-    model = Transformer(mc, rngs=nnx.Rngs(seed))  # the same weights on every process (seeded)
-    if multihost.is_main_process():
-        save_hf(model, mc, str(folder))
-        codec.save_pretrained(str(folder))
-    return model, codec, f"{folder} (built-in, created now)"
-
-
 @dataclasses.dataclass
 class Summary:
     steps: int
@@ -259,68 +144,6 @@ class Summary:
     checkpoint_dir: str
     metrics_dir: str
     plots: list
-
-
-def sampler_batch_buckets(cfg: config_lib.RunConfig, num_hosts: int = 1) -> tuple[int, ...]:
-    """The batch buckets of the run's sampler: the most prompts one host sends at once in a
-    step (its share of ``tasks_per_step`` x ``group_size`` x the forks of ``branch_turns``)
-    and in an evaluation (its share of ``trainer.eval_tasks``), each rounded up to a power of
-    two >= 8."""
-    r, hosts = cfg.rollout, max(int(num_hosts), 1)
-    train = -(-r.tasks_per_step // hosts) * r.group_size * r.branch_factor ** len(r.branch_turns)
-    return tuple(sorted({bucket(train, 8), bucket(-(-cfg.trainer.eval_tasks // hosts), 8)}))
-
-
-def jax_sampler_args(cfg: config_lib.RunConfig, model, batch_buckets,
-                     devices=None) -> dict:
-    """The keyword arguments the run gives ``JaxSampler`` besides ``model``: ``max_len =
-    rollout.max_context_tokens``, ``batch_buckets``, the run's seed, ``sampler.prefill_chunk``
-    and, with ``sampler.data_parallel`` x ``tensor_parallel`` != 1 x 1, a
-    ``sharding.sampler_mesh`` over ``devices`` (default this process's) with the parameters
-    laid out by the run's partition rules.
-
-    Raises:
-      ValueError: sampler sizes that do not fit the devices.
-    """
-    s = cfg.sampler
-    mesh = shardings = None
-    if (s.data_parallel, s.tensor_parallel) != (1, 1):  # split over this host's devices
-        mesh = sharding.sampler_mesh(s.data_parallel, s.tensor_parallel, devices=devices)
-        shardings = sharding.param_shardings(nnx.state(model), mesh,
-                                             {**sharding.DEFAULT_RULES, **cfg.mesh.rules})
-    return dict(max_len=cfg.rollout.max_context_tokens, batch_buckets=batch_buckets,
-                seed=cfg.trainer.seed, mesh=mesh, param_shardings=shardings,
-                prefill_chunk=s.prefill_chunk or None)
-
-
-def build_sampler(cfg: config_lib.RunConfig, model, *, batch_buckets=(8, 32, 128)):
-    """The run's sampler (``cfg.sampler``): the JAX KV-cache sampler, or vLLM's engine in this
-    process (``sampling.vllm.VllmSampler``), both starting from ``model``'s weights."""
-    if cfg.sampler.name == "jax":
-        try:
-            return JaxSampler(model, **jax_sampler_args(cfg, model, batch_buckets))
-        except ValueError as e:  # sizes that do not fit the host, heads tensor does not divide
-            msg = str(e)
-            raise config_lib.ConfigError(msg if msg.startswith("sampler") else
-                                         f"sampler: {msg}") from None
-    from jaxrl_agent.sampling.vllm import VllmSampler
-    try:
-        return _vllm_sampler(VllmSampler, cfg, model)
-    except ValueError as e:   # a head size vLLM's CPU kernels lack: a config problem
-        if "head_dim" not in str(e):
-            raise
-        raise config_lib.ConfigError(f"sampler: vllm: {e}") from None
-
-
-def _vllm_sampler(VllmSampler, cfg, model):
-    s, r, seed = cfg.sampler, cfg.rollout, cfg.trainer.seed
-    return VllmSampler(model, max_len=r.max_context_tokens, dtype=s.dtype,
-                       max_num_seqs=s.max_num_seqs,
-                       kv_cache_bytes=s.kv_cache_mb * 2 ** 20 if s.kv_cache_mb else None,
-                       gpu_memory_utilization=s.gpu_memory_utilization,
-                       enforce_eager=s.enforce_eager, seed=seed, transfer=s.transfer,
-                       probe_every=s.probe_every, probe_tol=s.probe_tol,
-                       adapter_sync=s.lora_sync == "adapters")
 
 
 class Trainer:
@@ -361,7 +184,7 @@ class Trainer:
         err = None
         if multihost.is_main_process():
             try:
-                self._lock = _lock_run_dir(self.paths.root)
+                self._lock = lock_run_dir(self.paths.root)
             except (RunLockedError, config_lib.ConfigError) as e:
                 err = (type(e).__name__, str(e))
         err = multihost.agree(err)  # every process stops, not only process 0
@@ -379,17 +202,17 @@ class Trainer:
 
     def _prepare_run_dir(self, overwrite: bool) -> str | None:
         """Process 0, holding the lock: an error message, or None when the run may go on."""
-        root, found = self.paths.root, _existing_outputs(self.paths.root)
+        root, found = self.paths.root, existing_outputs(self.paths.root)
         if self.resume:
             if os.path.exists(self.paths.config):
                 saved = config_lib.from_dict(config_lib.read_yaml(self.paths.config))
                 allowed, refused = config_lib.config_changes(saved, self.cfg)
-                if refused and _never_trained(root):  # nothing trained yet: the new settings
+                if refused and never_trained(root):  # nothing trained yet: the new settings
                     for k, a, b in refused:
                         self._say(f"--resume: {k} {a!r} -> {b!r} (the run has no checkpoint "
                                   "yet, so it starts with the new value)")
                     allowed, refused = allowed, []
-                    _write_config(self.cfg, self.paths.config)
+                    write_config(self.cfg, self.paths.config)
                 if refused:
                     return ("--resume: the run in " + root + " was started with other settings; "
                             "resume with the same values, or start a new run (--set name=NEW). "
@@ -398,14 +221,14 @@ class Trainer:
                 for k, a, b in allowed:
                     self._say(f"--resume: {k} {a!r} -> {b!r}")
                 if allowed:
-                    _write_config(self.cfg, self.paths.config)
+                    write_config(self.cfg, self.paths.config)
             elif found:
                 return (f"--resume: {root} holds {', '.join(found)} but no config.yaml; it was "
                         f"not written by this version's trainer")
             else:
-                _write_config(self.cfg, self.paths.config)
+                write_config(self.cfg, self.paths.config)
             return None
-        if found and not overwrite and _never_trained(root):
+        if found and not overwrite and never_trained(root):
             import shutil
             for n in found:
                 p = os.path.join(root, n)
@@ -423,7 +246,7 @@ class Trainer:
                 p = os.path.join(root, n)
                 shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
             self._say(f"--overwrite: removed {', '.join(found)} of the earlier run in {root}")
-        _write_config(self.cfg, self.paths.config)
+        write_config(self.cfg, self.paths.config)
         return None
 
     def _say(self, text: str) -> None:
@@ -1277,31 +1100,6 @@ class _NullLogger:
         pass
 
 
-def step_config(cfg: config_lib.RunConfig, data_shards: int, pipeline=None) -> StepConfig:
-    """The train step's static settings of a run (``data_shards``: the batch's split over the
-    mesh's data x fsdp axes; ``pipeline``: the run's ``config.pipeline``, built here when not
-    given); the trainer and ``jaxrl-agent plan`` build the step from it."""
-    t, r = cfg.trainer, cfg.rollout
-    pipe = pipeline if pipeline is not None else config_lib.pipeline(cfg)
-    return StepConfig(
-        estimator=pipe.estimator[0], estimator_params=pipe.estimator[1],
-        shaping=pipe.shaping, then=pipe.then,
-        policy_loss=cfg.loss.policy, policy_params=tuple(sorted(cfg.loss.params.items())),
-        agg=cfg.loss.agg, kl_coef=cfg.loss.kl_coef, kl_estimator=cfg.loss.kl_estimator,
-        entropy_coef=cfg.loss.entropy_coef, value_coef=cfg.loss.value_coef,
-        micro_batches=t.micro_batches, mini_batches=t.mini_batches, ppo_epochs=t.ppo_epochs,
-        data_shards=data_shards, remat=t.remat, logits_chunk=t.logits_chunk,
-        attention=t.attention, mlp_chunk=t.mlp_chunk,
-        temperature=r.temperature,
-        top_k=r.top_k, top_p=r.top_p, is_weights=cfg.loss.is_weights,
-        is_level=cfg.loss.is_level, is_cap=cfg.loss.is_cap, is_lower=cfg.loss.is_lower,
-        decoupled=cfg.loss.decoupled, teacher=config_lib.teacher_kind(cfg),
-        teacher_ema=cfg.teacher.ema_decay, extra_reads=run_checks.step_reads(cfg),
-        teacher_view=config_lib.teacher_has_context(cfg),
-        aux_losses=config_lib.aux_losses(cfg), sarsa_coef=cfg.loss.sarsa_coef,
-        sarsa_gamma=cfg.loss.sarsa_gamma)
-
-
 def _json_default(x):
     """numpy scalars and arrays in records, as JSON numbers and lists."""
     if isinstance(x, np.generic):
@@ -1314,39 +1112,6 @@ def _json_default(x):
 def _donated(tree) -> bool:
     """Some array of ``tree`` was donated to a jitted call (its buffer is gone)."""
     return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree))
-
-
-def step_paths(scfg: StepConfig) -> str:
-    """How the train step computes, in words (the start-up summary): layers under one scan
-    with the remat policy, the attention path, log-probs chunked over positions."""
-    mlp = f"; MLP in tiles of {scfg.mlp_chunk} positions" if scfg.mlp_chunk else ""
-    return (f"layers scanned, remat {scfg.remat}; attention {scfg.attention}{mlp}; "
-            f"log-probs/entropy in chunks of {scfg.logits_chunk} positions (no [rows, T, vocab] "
-            "logits)")
-
-
-def _schedule(cfg: config_lib.RunConfig) -> tuple[int, dict]:
-    """``(updates per step, the schedule's arguments counted in updates)`` of the run."""
-    t, o = cfg.trainer, cfg.optimizer
-    updates = t.ppo_epochs * t.mini_batches
-    return updates, dict(total_steps=t.steps * updates, warmup_steps=o.warmup_steps * updates,
-                         decay=o.decay)
-
-
-def run_lr_schedule(cfg: config_lib.RunConfig):
-    """``step -> learning rate`` of step ``step``'s first update (``run_optimizer``'s
-    schedule)."""
-    updates, args = _schedule(cfg)
-    sched = lr_schedule(cfg.optimizer.lr, **args)
-    return lambda step: float(sched(step * updates))
-
-
-def run_optimizer(cfg: config_lib.RunConfig):
-    """The run's optax optimizer: AdamW on the schedule of ``cfg.optimizer``, counted in
-    updates (``ppo_epochs x mini_batches`` per step)."""
-    o = cfg.optimizer
-    return make_optimizer(o.lr, **_schedule(cfg)[1], weight_decay=o.weight_decay,
-                          grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, eps=o.eps)
 
 
 def _merge_stats(parts: list) -> dict:
@@ -1376,121 +1141,6 @@ def _length_stats(records) -> dict:
             "train/response_len_turn_max": int(max(turns)),
             "train/response_len_traj": float(np.mean(trajs)),
             "train/response_len_traj_max": int(max(trajs))}
-
-
-def _printable(text: str) -> str:
-    return "".join(c if 32 <= ord(c) < 127 else "?" for c in text) or "''"
-
-
-#: characters of an observation kept in a rollout sample (its end: the newest text)
-SAMPLE_OBS_CHARS = 2000
-
-
-def turn_credit(batch, advantages):
-    """``[N, K]`` per-turn credit of a step: the estimator's turn-level credit when it has
-    one, else the token-mean over each turn (a device array; jit-safe on every process)."""
-    if advantages.turn is not None:
-        return advantages.turn
-    return segments.token_to_turn(jnp.asarray(advantages.token), batch, reduce="mean")
-
-
-def sample_conversations(records, turn, codec, limit: int = 4) -> list[dict]:
-    """The trajectories ``credit_trajectories`` shows (a mixed group's best and worst, then
-    one of each other group), as text: per turn the observation (its last
-    ``SAMPLE_OBS_CHARS`` characters, decoded), the reply as sampled, the reward, the turn's
-    credit (``turn``: ``turn_credit`` on the host) and why the reply ended (``stop`` or
-    ``length``: cut at ``max_new_tokens``)."""
-    out = []
-    for i, credit in _credit_rows(records, np.asarray(turn), limit):
-        rec = records[i]
-        turns = []
-        for k, t in enumerate(rec["turns"]):
-            obs = codec.decode(t["observation"]) if t.get("observation") else ""
-            turns.append({"observation": obs[-SAMPLE_OBS_CHARS:], "reply": t.get("action_text",
-                                                                            codec.decode(t["action"])),
-                          "reward": float(t["reward"]), "credit": float(credit[k]),
-                          "finish_reason": t.get("finish_reason")})
-        out.append({"task": rec.get("task"), "group": rec.get("group"),
-                    "outcome": float(rec.get("outcome", 0.0)),
-                    "success": bool(rec.get("success", False)),
-                    "env_error": rec.get("env_error"), "turns": turns})
-    return out
-
-
-def samples_markdown(rows: list[dict], obs_chars: int = 300) -> str:
-    """``sample_conversations``' rows as markdown (TensorBoard's Text tab): per trajectory a
-    heading with the task and outcome, per turn the observation's end, the reply, the reward
-    and the credit."""
-    out = []
-    for r in rows:
-        out.append(f"### {r.get('task')}: outcome {r.get('outcome', 0):.2f}"
-                   + (f" (env error: {r['env_error']})" if r.get("env_error") else ""))
-        for k, t in enumerate(r["turns"]):
-            obs = t["observation"][-obs_chars:].replace("\n", " ")
-            cut = " (cut at max_new_tokens)" if t.get("finish_reason") == "length" else ""
-            out.append(f"{k + 1}. reward {t['reward']:+.2f}, credit {t['credit']:+.3f}{cut}  \n"
-                       f"   observation: `{obs}`  \n   reply: `{t['reply']}`")
-    return "\n\n".join(out)
-
-
-def _credit_rows(records, turn, limit: int) -> list:
-    """``[(record index, per-turn credit)]`` of the trajectories ``credit_trajectories``
-    shows (``turn``: ``turn_credit`` on the host)."""
-    groups: dict = {}
-    for i, rec in enumerate(records):
-        groups.setdefault(rec["group"], []).append(i)
-    score = lambda i: records[i].get("outcome", 0.0)  # noqa: E731
-    mixed = [g for g, idx in groups.items() if len({score(i) for i in idx}) > 1]
-    picked = []
-    if mixed:
-        idx = groups[mixed[0]]
-        picked += [max(idx, key=score), min(idx, key=score)]
-    picked += [idx[0] for g, idx in groups.items() if not mixed or g != mixed[0]]
-    return [(i, turn[i]) for i in dict.fromkeys(picked[:limit])]
-
-
-def credit_trajectories(records, batch, advantages, limit: int = 4) -> list[dict]:
-    """Per-turn credit of the first few trajectories of a step, for ``plots.credit_picture``:
-    the estimator's turn-level credit when it has one, else the token-mean over each turn.
-    Shown is where credit is decided: the best and the worst rollout of a group with mixed
-    outcomes, then one rollout of each of a few other groups (all-equal groups get 0)."""
-    out = []
-    turn = np.asarray(jax.device_get(turn_credit(batch, advantages)))
-    for i, credit in _credit_rows(records, turn, limit):
-        rec = records[i]
-        out.append({"title": f"{rec['task'][:40]}  success={rec.get('success', 0):.0f}",
-                    "turns": [{"action": _printable(t.get("action_text", "?")),
-                               "reward": t["reward"],
-                               "credit": float(credit[k])} for k, t in enumerate(rec["turns"])]})
-    return out
-
-
-def find_run(run) -> str:
-    """The run directory that ``run`` names: a path to a run directory (one holding
-    ``config.yaml``), the ``checkpoints`` folder inside one, or a run name (``runs/<name>``).
-    ``ConfigError`` saying what was looked for otherwise."""
-    run = os.fspath(run)
-    candidates = [run]
-    if os.path.basename(os.path.normpath(run)) == "checkpoints":
-        candidates.append(os.path.dirname(os.path.normpath(run)))
-    if os.sep not in run and not os.path.exists(run):
-        candidates.append(os.path.join("runs", run))
-    for c in candidates:
-        if os.path.isfile(os.path.join(c, "config.yaml")):
-            return c
-    raise config_lib.ConfigError(
-        f"{run!r} is not a run: no config.yaml in {' or '.join(map(repr, candidates))} (give a "
-        f"run directory, e.g. runs/cpu_default, or a run name)")
-
-
-def run_config(run, overrides=()) -> config_lib.RunConfig:
-    """The config a run was started with (``<run>/config.yaml``), ``overrides`` applied, with
-    ``run.dir`` pointing at where the run is now."""
-    root = find_run(run)
-    d = config_lib.read_yaml(os.path.join(root, "config.yaml"))
-    d = config_lib.apply_overrides(d, overrides)
-    d["run"] = dict(d.get("run") or {}, dir=root)
-    return config_lib.from_dict(d)
 
 
 def evaluate_run(run, *, step: int | None = None, num_tasks: int | None = None,

@@ -77,8 +77,8 @@ from jaxrl_agent.batch import TrajectoryBatch, bucket
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer, param_dtype, trainable_filter
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
-from jaxrl_agent.train.loop import (builtin_model_config, jax_sampler_args, lora_fields,
-                                    run_optimizer, sampler_batch_buckets, step_config)
+from jaxrl_agent.train.build import (builtin_model_config, jax_sampler_args, lora_fields,
+                                     run_optimizer, sampler_batch_buckets, step_config)
 from jaxrl_agent.train.step import init_state_from_params, make_train_step, split_trainable
 
 __all__ = ["PlanError", "Plan", "SamplerPlan", "CompiledMemory", "HBM_GIB", "HF_SHAPES",
@@ -988,7 +988,7 @@ class _ShapesOnlySampler(JaxSampler):
 
 def abstract_sampler(cfg: config_lib.RunConfig, model: Transformer, devices,
                      num_hosts: int = 1) -> JaxSampler:
-    """The run's ``JaxSampler`` as ``loop.build_sampler`` makes it (``loop.jax_sampler_args``
+    """The run's ``JaxSampler`` as ``build.build_sampler`` makes it (``build.jax_sampler_args``
     with one host's batch buckets) on the first host's share of ``devices``, around ``model``, a
     ``Transformer`` of shapes only (``nnx.eval_shape``): no weights are made. Only its
     buckets, ``state`` (shapes) and ``lower`` are meant to be used.
