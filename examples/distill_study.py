@@ -10,13 +10,13 @@ loop").
 2. The teacher: a stronger checkpoint of the same tokenizer, a warm-up on a demonstrator that
    never errs (``TEACHER_SETS``), made the same way; its held-out success (the warm-up run's
    step-0 evaluation: 128 held-out layouts of seed 0) is the ceiling.
-3. From the student's warm start, four variants x seeds, each ``jaxrl-agent train`` with the
+3. From the student's warm start, the variants x seeds, each ``jaxrl-agent train`` with the
    horizon study's L2 budget (4 tasks x 8 samples, 60 steps, 128 held-out layouts; evaluated
-   every 20 steps to fit the session): GRPO; OPD alone (``estimator.name: opd``, the advantage
+   every 30 steps to fit a session): GRPO; OPD alone (``estimator.name: opd``, the advantage
    beta (lp_T - lp_old) per token); GRPO + OPD (``estimator.then: [seed]``: the GRPO advantage
-   plus lp_T - lp_old, as slime's ``--use-opd``); and PBRS with the grid world's potential
-   (``estimator.shaping: [pbrs]``, no teacher). The same seed gives every variant the same
-   task stream and held-out layouts, so differences are paired.
+   plus lp_T - lp_old, as slime's ``--use-opd``); with ``--pbrs`` also PBRS with the grid
+   world's potential (``estimator.shaping: [pbrs]``, no teacher). The same seed gives every
+   variant the same task stream and held-out layouts, so differences are paired.
 4. ``--report``: ``OUT/distill.md`` (table: step 0, final, paired difference to GRPO, the
    teacher's ceiling and the final / teacher ratio, s / step) and ``OUT/distill.png``.
 """
@@ -44,18 +44,18 @@ def _load(name):
 horizon = _load("horizon_study")
 compare = _load("compare_runs")
 
-#: the level and budget of the horizon study's L2 runs (an evaluation every 20 steps, not 15)
-BASE = horizon.LEVELS["L2"][1] + horizon.BUDGET + ["trainer.eval_every=20"]
+#: the level and budget of the horizon study's L2 runs (an evaluation every 30 steps, not 15)
+BASE = horizon.LEVELS["L2"][1] + horizon.BUDGET + ["trainer.eval_every=30"]
 #: the teacher's warm-up: the same recipe with a demonstrator that never errs
 TEACHER_SETS = ["trainer.sft_noise=0.0"]
 
 
-def variants(teacher: pathlib.Path) -> list[tuple[str, str]]:
+def variants(teacher: pathlib.Path, pbrs: bool = False) -> list[tuple[str, str]]:
     t = f"teacher.source={teacher}"
     return [("grpo", "estimator.name=grpo"),
             ("opd", f"estimator.name=opd,{t}"),
-            ("grpo+opd", f"estimator.name=grpo,estimator.then=[seed],{t}"),
-            ("pbrs", "estimator.name=grpo,estimator.shaping=[pbrs]")]
+            ("grpo+opd", f"estimator.name=grpo,estimator.then=[seed],{t}")] + (
+        [("pbrs", "estimator.name=grpo,estimator.shaping=[pbrs]")] if pbrs else [])
 
 
 def teacher_ceiling(out: pathlib.Path) -> dict:
@@ -66,7 +66,7 @@ def teacher_ceiling(out: pathlib.Path) -> dict:
     return {"success": p, "se": (p * (1 - p) / 128) ** 0.5}
 
 
-def run(out: pathlib.Path, seeds, jobs: int) -> None:
+def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool) -> None:
     for d in ("student", "teacher"):
         (out / d).mkdir(parents=True, exist_ok=True)
     student = compare.warm_start(out / "student", BASE)
@@ -75,7 +75,7 @@ def run(out: pathlib.Path, seeds, jobs: int) -> None:
     print(f"teacher {teacher}: held-out success {ceiling}", flush=True)
     argv = [str(out / "runs"), "--seeds", *map(str, seeds), "--jobs", str(jobs),
             "--warm-start", str(student)]
-    for name, sets in variants(teacher):
+    for name, sets in variants(teacher, pbrs):
         argv += ["--variant", f"{name}:{sets}"]
     for s in BASE:
         argv += ["--set", s]
@@ -93,12 +93,12 @@ def _step_times(root: pathlib.Path, name: str, seeds) -> float:
     return float(np.mean(t)) if t else float("nan")
 
 
-def report(out: pathlib.Path) -> str:
+def report(out: pathlib.Path, pbrs: bool = False) -> str:
     summary = json.loads((out / "runs" / "summary.json").read_text())
     ceiling = json.loads((out / "ceiling.json").read_text())
     seeds, steps = summary["seeds"], summary["steps"]
     last = steps[-1]
-    names = [v[0] for v in variants(pathlib.Path("T"))]
+    names = [v[0] for v in variants(pathlib.Path("T"), pbrs)]
     t_mean = ceiling["success"]
     lines = [f"Teacher (warm-up without demonstrator noise): held-out success {t_mean:.2f} "
              f"(standard error {ceiling['se']:.2f}, 128 layouts).", "",
@@ -148,11 +148,12 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--report", action="store_true")
+    p.add_argument("--pbrs", action="store_true", help="also GRPO with PBRS shaping")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out).absolute()
     if not a.report:
-        run(out, a.seeds, a.jobs)
-    print(report(out))
+        run(out, a.seeds, a.jobs, a.pbrs)
+    print(report(out, a.pbrs))
     return 0
 
 
