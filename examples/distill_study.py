@@ -12,11 +12,12 @@ loop").
    step-0 evaluation: 128 held-out layouts of seed 0) is the ceiling.
 3. From the student's warm start, the variants x seeds, each ``jaxrl-agent train`` with the
    horizon study's L2 budget (4 tasks x 8 samples, 60 steps, 128 held-out layouts; evaluated
-   every 30 steps to fit a session): GRPO; OPD alone (``estimator.name: opd``, the advantage
-   beta (lp_T - lp_old) per token); GRPO + OPD (``estimator.then: [seed]``: the GRPO advantage
-   plus lp_T - lp_old, as slime's ``--use-opd``); with ``--pbrs`` also PBRS with the grid
-   world's potential (``estimator.shaping: [pbrs]``, no teacher). The same seed gives every
-   variant the same task stream and held-out layouts, so differences are paired.
+   every 30 steps to fit a session): GRPO and OPD alone (``estimator.name: opd``, the
+   advantage beta (lp_T - lp_old) per token); with ``--all`` also GRPO + OPD
+   (``estimator.then: [seed]``: the GRPO advantage plus lp_T - lp_old, as slime's
+   ``--use-opd``) and PBRS with the grid world's potential (``estimator.shaping: [pbrs]``, no
+   teacher). The same seed gives every variant the same task stream and held-out layouts, so
+   differences are paired.
 4. ``--report``: ``OUT/distill.md`` (table: step 0, final, paired difference to GRPO, the
    teacher's ceiling and the final / teacher ratio, s / step) and ``OUT/distill.png``.
 """
@@ -50,12 +51,11 @@ BASE = horizon.LEVELS["L2"][1] + horizon.BUDGET + ["trainer.eval_every=30"]
 TEACHER_SETS = ["trainer.sft_noise=0.0"]
 
 
-def variants(teacher: pathlib.Path, pbrs: bool = False) -> list[tuple[str, str]]:
+def variants(teacher: pathlib.Path, every: bool = False) -> list[tuple[str, str]]:
     t = f"teacher.source={teacher}"
-    return [("grpo", "estimator.name=grpo"),
-            ("opd", f"estimator.name=opd,{t}"),
-            ("grpo+opd", f"estimator.name=grpo,estimator.then=[seed],{t}")] + (
-        [("pbrs", "estimator.name=grpo,estimator.shaping=[pbrs]")] if pbrs else [])
+    return [("grpo", "estimator.name=grpo"), ("opd", f"estimator.name=opd,{t}")] + (
+        [("grpo+opd", f"estimator.name=grpo,estimator.then=[seed],{t}"),
+         ("pbrs", "estimator.name=grpo,estimator.shaping=[pbrs]")] if every else [])
 
 
 def teacher_ceiling(out: pathlib.Path) -> dict:
@@ -148,12 +148,13 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--report", action="store_true")
-    p.add_argument("--pbrs", action="store_true", help="also GRPO with PBRS shaping")
+    p.add_argument("--all", action="store_true",
+                   help="also GRPO + OPD and GRPO with PBRS shaping")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out).absolute()
     if not a.report:
-        run(out, a.seeds, a.jobs, a.pbrs)
-    print(report(out, a.pbrs))
+        run(out, a.seeds, a.jobs, a.all)
+    print(report(out, a.all))
     return 0
 
 
