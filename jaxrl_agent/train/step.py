@@ -229,7 +229,6 @@ class StepConfig:
         """A method reads the reference policy's log-probs (the start weights' copy)."""
         return "reference" in inputs.sources(self.reads)
 
-
     @property
     def needs_values(self) -> bool:
         """The pipeline reads the value head (a critic estimator): values are computed and the
