@@ -130,10 +130,10 @@ def _dense(model, batch, temperature):
     return jnp.where(m, lp, 0.0), jnp.where(m, ent, 0.0)
 
 
-@pytest.mark.parametrize("micro", [1, 2])
-def test_step_sources_equal_precomputed_inputs(micro):
+def test_step_sources_equal_precomputed_inputs(micro=2):
     """An EMA teacher, the policy's entropies and the reference policy computed in the step
-    (one micro-batch of rows at a time with ``micro``) give the same update as the same step
+    (one micro-batch of rows at a time; the single-pass case is the next test's) give the
+    same update as the same step
     on a batch that carries them precomputed from the full logits (teacher and reference:
     another model A, the policy: model B, on-policy rollouts); the EMA teacher then equals
     d A + (1 - d) B'."""
