@@ -299,6 +299,8 @@ class MetricsSection:
     plots: bool = True
     rollout_samples: int = 4           # trajectories per step written as text to rollouts/ (0: none)
     save_records: bool = False         # every step's records to rollouts/records_<step>.jsonl (for `credit`)
+    policy_drift: bool = False         # train/kl_after_update and train/kl_to_start: one more
+                                       # forward pass per step (and a start copy of the weights)
     wandb: bool = False                # also log to Weights & Biases (pip install 'jaxrl-agent[wandb]')
     wandb_project: str = "jaxrl-agent"  # the W&B project; the run is named after `name`
 

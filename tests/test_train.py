@@ -29,7 +29,8 @@ from tests.runs import TINY, deterministic as _deterministic, tiny_config  # noq
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("full")
-    cfg = tiny_config(d, "trainer.steps=4", "trainer.warmup_sft_steps=2")
+    cfg = tiny_config(d, "trainer.steps=4", "trainer.warmup_sft_steps=2",
+                      "metrics.policy_drift=true")
     summary = loop.Trainer(cfg, progress=False).run()
     return d, cfg, summary
 
@@ -44,8 +45,12 @@ def test_smoke_run_writes_everything(full_run):
                   "train/entropy", "train/approx_kl", "train/approx_kl_k3",
                   "train/clip_fraction", "train/clip_low_fraction", "train/clip_high_fraction",
                   "train/group_zero_frac", "train/adv_std", "train/response_len_turn",
-                  "train/response_len_traj", "train/updates", "train/idle_total"):
+                  "train/response_len_traj", "train/updates", "train/idle_total",
+                  "train/kl_after_update", "train/kl_to_start", "train/truncated",
+                  "train/noop_turns", "train/repeat_turns", "train/credit_failed",
+                  "train/credit_no_success_groups"):
             assert math.isfinite(r[k]), (k, r)
+        assert r["train/kl_after_update"] > 0  # every step moves the policy
         assert r["train/update_skipped"] == 0 and r["train/entropy"] > 0
         assert 1 <= r["train/response_len_turn"] <= 8  # rollout.max_new_tokens
     assert "eval/success" in rows[2] and "eval/success" in rows[4]
@@ -59,7 +64,8 @@ def test_smoke_run_writes_everything(full_run):
 
 def test_resume_equals_uninterrupted_run(full_run, tmp_path, monkeypatch):
     d_full, _, full_summary = full_run
-    cfg = tiny_config(tmp_path, "trainer.steps=4", "trainer.warmup_sft_steps=2")
+    cfg = tiny_config(tmp_path, "trainer.steps=4", "trainer.warmup_sft_steps=2",
+                      "metrics.policy_drift=true")
     real_step = loop.Trainer._one_step
 
     def crash_at_3(self, state, s):

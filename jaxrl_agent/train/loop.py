@@ -66,6 +66,7 @@ from jaxrl_agent.train.build import (build_model, build_sampler, lora_fields, lo
                                      step_config, step_paths)
 from jaxrl_agent.train.rundir import (LORA_BASE, RunLockedError, existing_outputs,
                                       lock_run_dir, never_trained, run_config, write_config)
+from jaxrl_agent.train.diagnostics import credit_metrics, episode_metrics
 from jaxrl_agent.train.samples import (credit_trajectories, sample_conversations,
                                        samples_markdown, turn_credit)
 from jaxrl_agent.train.teacher import load_teacher, teacher_records, teacher_summary
@@ -353,7 +354,8 @@ class Trainer:
         reference, or the ``base`` teacher), an EMA teacher."""
         teacher = self.step_cfg.teacher if self.step_cfg.needs_teacher else "none"
         return dict(with_reference=(self.cfg.loss.kl_coef > 0 or teacher == "base"
-                                    or self.step_cfg.needs_reference),
+                                    or self.step_cfg.needs_reference
+                                    or self.step_cfg.policy_drift),
                     ema_teacher=teacher == "ema")
 
     def _teacher_params(self):
@@ -580,13 +582,13 @@ class Trainer:
                                     min_step=MIN_ROW_STEP)
             plan = plan.padded(num_traj=n_traj, num_turns=k, num_rows=rows,
                                row_len=16 * math.ceil(plan.need["row_len"] / 16))
-        batch, _ = pack(recs, plan, task_index=self.task_index)
+        batch, where = pack(recs, plan, task_index=self.task_index)
         if self.step_cfg.teacher_view and self.step_cfg.needs_teacher:
             batch = self._with_teacher_view(batch, records, plan)
         if len(self.task_index) > t.task_capacity and self.pipeline.stateful:
             raise RuntimeError(f"more than trainer.task_capacity={t.task_capacity} distinct "
                                f"tasks seen; raise it for {self.cfg.estimator.name!r}")
-        return batch
+        return batch, np.asarray(where.traj)
 
     def _with_teacher_view(self, batch, records, plan):
         """``batch`` with the teacher's own rows (``train.step.TEACHER_VIEW``): the records with
@@ -859,7 +861,7 @@ class Trainer:
                                   f"policies older than version {version} - "
                                   f"trainer.max_policy_lag ({t.max_policy_lag})")
         t1 = time.perf_counter()
-        batch = self._pack(records)
+        batch, traj = self._pack(records)
         shared = {}
         if t.prefix_sharing:  # one forward/backward per prefix tree, the same loss and gradient
             batch, tree = attach_prefix_trees(batch, self.step_cfg.blocks,
@@ -903,9 +905,15 @@ class Trainer:
             metrics["sampler/probe_error"] = probe
         if "chat_rerender_differs" in stats:  # chat rollouts (docs/envs.md)
             metrics["train/chat_rerender_differs"] = stats["chat_rerender_differs"] / n
+        # the per-turn credit of each record (a global computation, then its small [N, K]
+        # gathered on every process; row i = records[i], whatever block the packer put it in)
+        turn = np.asarray(jax.device_get(multihost.host_gather(
+            turn_credit(batch, out["advantages"]))))[traj]
+        metrics.update(episode_metrics(records))
+        metrics.update(credit_metrics(records, turn))
         self._watch_signal(s + 1, m)
         self._watch_truncation(s + 1, metrics.get("train/response_truncated_frac", 0.0))
-        return state, metrics, (records, batch, out["advantages"])
+        return state, metrics, (records, turn)
 
     def _write_samples(self, step: int, out) -> None:
         """A few of the step's trajectories as text (``sample_conversations``) in
@@ -914,10 +922,7 @@ class Trainer:
         n = self.cfg.metrics.rollout_samples
         if not n:
             return
-        records, batch, advantages = out
-        # the credit on every process (a global computation, then its small [N, K] gathered);
-        # the file is process 0's
-        turn = np.asarray(jax.device_get(multihost.host_gather(turn_credit(batch, advantages))))
+        records, turn = out  # the file is process 0's
         if not multihost.is_main_process():
             return
         folder = os.path.join(self.paths.root, "rollouts")
@@ -1041,8 +1046,6 @@ class Trainer:
         plots = []
         # Collectives first, on every process; the files below belong to process 0.
         last_out = getattr(self, "_last_out", None)
-        if last_out is not None and cfg.metrics.plots:
-            last_out = (last_out[0], *multihost.host_gather(last_out[1:]))
         params = multihost.host_gather(state.params) if cfg.checkpoint.export else None
         main = multihost.is_main_process()
         if cfg.metrics.plots and main:

@@ -42,6 +42,7 @@ DEFAULT_PROGRESS_KEYS = {
     "entropy": "train/entropy",         # of the sampling policy, nats per action token
     "zero-adv": "train/group_zero_frac",  # groups that teach nothing (all rollouts alike)
     "clip": "train/clip_fraction",      # 0 unless the ratio moves (ppo_epochs, mini_batches)
+    "moved": "train/kl_after_update",   # KL(rollout policy || after the step): metrics.policy_drift
     "tok/s": "train/tokens_per_s",
     # shown only while non-zero: what a run should not be doing, and the schedule
     "env-errors": "train/env_errors",   # trajectories ended by an env / reward exception
@@ -52,7 +53,7 @@ DEFAULT_PROGRESS_KEYS = {
     "lr": "train/lr",
 }
 #: progress fields left out while their value is 0
-_ONLY_NONZERO = ("env-errors", "invalid", "truncated", "kl", "lag")
+_ONLY_NONZERO = ("env-errors", "invalid", "truncated", "kl", "lag", "clip")
 
 _RESERVED = ("step", "time", "nonfinite")
 _BAR_WIDTH = 20

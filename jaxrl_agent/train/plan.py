@@ -1145,7 +1145,8 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
     rules = {**sharding.DEFAULT_RULES, **cfg.mesh.rules}
     est_state = pipe.init(cfg.trainer.task_capacity)
     teacher = scfg.teacher if scfg.needs_teacher else "none"
-    with_ref = cfg.loss.kl_coef > 0 or teacher == "base" or scfg.needs_reference
+    with_ref = (cfg.loss.kl_coef > 0 or teacher == "base" or scfg.needs_reference
+                or scfg.policy_drift)
     teacher_model, teacher_params = None, ()
     if teacher == "model":
         tmc = teacher_model_config(cfg, notes)

@@ -4,7 +4,6 @@ and the credit picture: a few conversations with their per-turn credit.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -85,13 +84,12 @@ def _credit_rows(records, turn, limit: int) -> list:
     return [(i, turn[i]) for i in dict.fromkeys(picked[:limit])]
 
 
-def credit_trajectories(records, batch, advantages, limit: int = 4) -> list[dict]:
-    """Per-turn credit of the first few trajectories of a step, for ``plots.credit_picture``:
-    the estimator's turn-level credit when it has one, else the token-mean over each turn.
-    Shown is where credit is decided: the best and the worst rollout of a group with mixed
-    outcomes, then one rollout of each of a few other groups (all-equal groups get 0)."""
+def credit_trajectories(records, turn, limit: int = 4) -> list[dict]:
+    """Per-turn credit of the first few trajectories of a step, for ``plots.credit_picture``
+    (``turn``: ``turn_credit`` on the host, row i for ``records[i]``). Shown is where credit
+    is decided: the best and the worst rollout of a group with mixed outcomes, then one
+    rollout of each of a few other groups (all-equal groups get 0)."""
     out = []
-    turn = np.asarray(jax.device_get(turn_credit(batch, advantages)))
     for i, credit in _credit_rows(records, turn, limit):
         rec = records[i]
         out.append({"title": f"{rec['task'][:40]}  success={rec.get('success', 0):.0f}",

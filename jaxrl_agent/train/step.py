@@ -169,6 +169,9 @@ class StepConfig:
     teacher_view: bool = False  # the teacher reads rows of its own (extras TEACHER_VIEW)
     sarsa_coef: float = 0.0  # SAPO's auxiliary SARSA loss on the value head (needs one)
     sarsa_gamma: float = 1.0
+    # how far the step moved the policy (``drift_metrics``): one more forward pass after the
+    # update; KL to the start weights too when the state holds them (``ref_params``)
+    policy_drift: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "remat", remat_policy_name(self.remat))  # True -> "full"
@@ -607,6 +610,22 @@ def _run_estimator(pipe, est_batch, est_state, mesh):
                          out_specs=(rows, P()))(est_batch, est_state)
 
 
+def _forward_only(f, p, ent=False, tokens=None, *, cfg: StepConfig, batch, tree):
+    """One forward-only pass of ``f`` (a ``_forward``) with parameters ``p`` over the batch's
+    rows (or ``tokens``: rows of the same count, e.g. a teacher's view), one micro-batch at a
+    time unless the rows are packed as prefix trees (their blocks are the trees'). Returns
+    ``f``'s outputs ``(log-probs, entropies, values, outside)``."""
+    if tree:
+        return f(p, tokens=batch.tokens, extras={**batch.extras, **tree}, want_entropy=ent,
+                 blocks=cfg.blocks)
+    rows = {"tokens": tokens}
+    if tokens is None:  # the policy's rows, with their positions / segments if packed so
+        rows = {"tokens": batch.tokens, **{k: batch.extras[k] for k in
+                                           ("positions", "segment_ids") if k in batch.extras}}
+    return _by_micro_batch(lambda r: f(p, tokens=r["tokens"], extras=r, want_entropy=ent,
+                                       blocks=cfg.blocks), rows, cfg, f.keywords.get("pin"))
+
+
 def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, batch, tree,
                   join) -> dict:
     """The model outputs the run's methods and losses read (``inputs.LOOP_INPUTS``), each
@@ -620,21 +639,7 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
     action tokens (``segments.align_action_tokens``)."""
     out = {"values": None, "hidden": None, "teacher_logprobs": None, "entropy": None,
            "ref_logprobs": None}
-    ext = {**batch.extras, **tree}
-    pin = fwd.keywords.get("pin")
-
-    def run(f, p, ent=False, tokens=None):
-        """One forward-only pass of ``f`` with parameters ``p``; one micro-batch at a time
-        unless the rows are packed as prefix trees (their blocks are the trees')."""
-        if tree:
-            return f(p, tokens=batch.tokens, extras=ext, want_entropy=ent, blocks=cfg.blocks)
-        rows = {"tokens": tokens}
-        if tokens is None:  # the policy's rows, with their positions / segments if packed so
-            rows = {"tokens": batch.tokens, **{k: batch.extras[k] for k in
-                                               ("positions", "segment_ids")
-                                               if k in batch.extras}}
-        return _by_micro_batch(lambda r: f(p, tokens=r["tokens"], extras=r, want_entropy=ent,
-                                           blocks=cfg.blocks), rows, cfg, pin)
+    run = functools.partial(_forward_only, cfg=cfg, batch=batch, tree=tree)
     if cfg.needs_values:
         out["values"] = run(fwd, view.params)[2]
     if cfg.needs_hidden:
@@ -683,6 +688,30 @@ def teacher_metrics(outputs: dict, batch: TrajectoryBatch) -> dict:
     m = batch.action_mask
     n = jnp.maximum(jnp.sum(m.astype(jnp.float32)), 1.0)
     return {"teacher_kl": jnp.sum(jnp.where(m, batch.old_logprobs - t, 0.0)) / n}
+
+
+def drift_metrics(new_lp, batch: TrajectoryBatch, ref_lp=None) -> dict:
+    """How far the policy is from where it was, over the batch's action tokens (sampled by the
+    rollout policy b, log-probs ``batch.old_logprobs``), each the k3 estimate mean of (r - 1) -
+    log r, >= 0 and 0 when the two policies agree on the sampled tokens:
+
+    * ``kl_after_update``: KL(b || the policy after this step's updates), r = p_new / b: how
+      far the step moved the policy (with one update per step the PPO ratio is 1 during the
+      update, so ``approx_kl`` and ``clip_fraction`` read 0 and say nothing about this);
+    * ``kl_to_start`` (when ``ref_lp``, the start weights' log-probs, is given): KL(b || the
+      start weights), r = p_start / b: how far the rollout policy has drifted from the warm
+      start."""
+    m = batch.action_mask
+    n = jnp.maximum(jnp.sum(m.astype(jnp.float32)), 1.0)
+
+    def k3(lp):
+        lr = jnp.where(m, lp - batch.old_logprobs, 0.0)
+        return jnp.sum(jnp.where(m, jnp.exp(lr) - 1.0 - lr, 0.0)) / n
+
+    out = {"kl_after_update": k3(new_lp)}
+    if ref_lp is not None:
+        out["kl_to_start"] = k3(ref_lp)
+    return out
 
 
 def _step_metrics(cfg: StepConfig, per, dens, n_bad, n_idle, adv_tok, batch) -> dict:
@@ -959,6 +988,15 @@ def train_step(graphdef, rest, optimizer, cfg: StepConfig, state: TrainState,
                             batch)
     metrics.update(off_metrics)
     metrics.update(teacher_metrics(outputs, batch))
+    if cfg.policy_drift:
+        run = functools.partial(_forward_only, cfg=cfg, batch=batch, tree=tree)
+        new_lp = jax.lax.stop_gradient(run(fwd, join(params))[0])
+        ref_lp = outputs["ref_logprobs"]
+        if ref_lp is None and cfg.kl_coef:
+            ref_lp = _unsplit_rows(split["ref"], cfg)
+        elif ref_lp is None and has_ref:
+            ref_lp = jax.lax.stop_gradient(run(fwd, view.ref_params)[0])
+        metrics.update(drift_metrics(new_lp, batch, ref_lp))
     return new_state, {"metrics": metrics, "advantages": adv}
 
 
