@@ -1,0 +1,172 @@
+"""Why GRPO falls below its warm start on the grid world's L2 (docs/training.md, "Why RL fell
+below its warm start"): the horizon study's L2 runs with the per-step diagnostics on
+(``metrics.policy_drift``, ``train.diagnostics``) and one ablation per lead.
+
+    python examples/collapse_study.py run [--out runs/collapse] [--seeds 0 1 2] [--jobs 2]
+        [--warm-start HF_DIR] [--arms grpo no_penalty ...]
+    python examples/collapse_study.py report [--out runs/collapse]
+
+``run`` calls ``examples/compare_runs.py`` with the horizon study's L2 level and budget
+(``horizon_study.LEVELS``, ``BUDGET``) and the arms of ``ARMS`` (the first is the baseline of
+the paired differences); every run logs the diagnostics. ``report`` writes ``OUT/collapse.md``
+(per arm: held-out success at the start and end, and the diagnostics averaged over the first
+and the last 15 steps, means over seeds) and ``OUT/collapse.png`` (per diagnostic, one curve
+per arm: the mean over seeds of a 5-step moving average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+#: arm -> (what it tests, overrides). Lead (a): nothing bounds how far an update moves the
+#: policy; lead (b): the invalid-move penalty under the std normalisation turns groups where
+#: every rollout failed into full-size updates that push clean failures up.
+ARMS = {
+    "grpo": ("the horizon study's L2 recipe", []),
+    "no_penalty": ("(b) no invalid-move penalty: groups without a success carry no credit",
+                   ["env.kwargs.invalid_penalty=0.0"]),
+    "dr_grpo": ("(b) no std normalisation: a penalty-only group's credit stays penalty-sized",
+                ["estimator.name=dr_grpo"]),
+    "kl_anchor": ("(a) a KL term to the warm start (k3, coefficient 0.05)",
+                  ["loss.kl_coef=0.05"]),
+    "lr1e-4": ("(a) a 5x smaller learning rate", ["optimizer.lr=1e-4"]),
+}
+DEFAULT_ARMS = ["grpo", "no_penalty", "dr_grpo", "kl_anchor"]
+
+#: the diagnostics plotted and tabulated: metric key -> label
+DIAGNOSTICS = {
+    "train/success": "train success",
+    "train/kl_to_start": "KL(rollout policy || warm start)",
+    "train/kl_after_update": "KL moved per step",
+    "train/entropy": "entropy (nats / action token)",
+    "train/grad_norm": "gradient norm",
+    "train/group_zero_frac": "groups with all-zero advantages",
+    "train/credit_no_success_groups": "credit mass on groups without a success",
+    "train/credit_failed_signed": "signed credit on failures / mass",
+    "train/invalid": "invalid actions per episode",
+    "train/truncated": "episodes timed out",
+    "train/noop_turns": "no-op turns",
+    "train/repeat_turns": "turns in a state already visited",
+}
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(out: pathlib.Path, seeds, jobs: int, arms, warm_start: str | None) -> int:
+    hs = _load("horizon_study")
+    argv = [str(out), "--seeds", *map(str, seeds), "--jobs", str(jobs)]
+    if warm_start:
+        argv += ["--warm-start", warm_start]
+    for arm in arms:
+        argv += ["--variant", f"{arm}:" + ",".join(ARMS[arm][1])]
+    for s in hs.LEVELS["L2"][1] + hs.BUDGET + ["estimator.name=grpo",
+                                               "metrics.policy_drift=true"]:
+        argv += ["--set", s]
+    (out).mkdir(parents=True, exist_ok=True)
+    (out / "arms.json").write_text(json.dumps({a: ARMS[a] for a in arms}, indent=1))
+    return _load("compare_runs").main(argv)
+
+
+def _series(path: pathlib.Path, key: str, steps: int) -> np.ndarray:
+    rows = {int(r["step"]): r for r in _load_rows(path)}
+    return np.array([float(rows[s][key]) if s in rows and rows[s].get(key) is not None
+                     else np.nan for s in range(1, steps + 1)])
+
+
+def _load_rows(path: pathlib.Path) -> list:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def report(out: pathlib.Path) -> str:
+    summary = json.loads((out / "summary.json").read_text())
+    arms = list(json.loads((out / "arms.json").read_text()))
+    seeds = sorted({int(p.name[4:]) for a in arms for p in (out / a).glob("seed*")})
+    steps = max(int(r["step"]) for a in arms for s in seeds
+                for r in _load_rows(out / a / f"seed{s}" / "metrics" / "metrics.jsonl"))
+    data = {a: {k: np.stack([_series(out / a / f"seed{s}" / "metrics" / "metrics.jsonl", k,
+                                     steps) for s in seeds]) for k in DIAGNOSTICS}
+            for a in arms}
+    lines = [f"Seeds {seeds}; diagnostics: means over seeds of the mean over steps 1-15 "
+             f"-> steps {steps - 14}-{steps}.", "",
+             "| arm | held-out step 0 | final | lift | paired diff vs " + arms[0] + " | " +
+             " | ".join(DIAGNOSTICS.values()) + " |",
+             "|---|---|---|---|---|" + "---|" * len(DIAGNOSTICS)]
+    variants, evals = summary["variants"], summary["steps"]
+    for a in arms:
+        first, last = (variants[a]["per_step"][str(st)] for st in (evals[0], evals[-1]))
+        cells = []
+        for k in DIAGNOSTICS:
+            x = data[a][k]
+            cells.append(f"{np.nanmean(x[:, :15]):.3g} -> {np.nanmean(x[:, -15:]):.3g}")
+        diff = "" if a == arms[0] else (f"{last['diff_vs_' + arms[0]]:+.2f} +- "
+                                        f"{last['diff_ci95']:.2f}")
+        lines.append(f"| {a} | {first['mean']:.2f} +- {first['ci95']:.2f} | "
+                     f"{last['mean']:.2f} +- {last['ci95']:.2f} | "
+                     f"{last['lift']:+.2f} +- {last['lift_ci95']:.2f} | {diff} | "
+                     + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    (out / "collapse.md").write_text(text)
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    keys = ["eval"] + list(DIAGNOSTICS)
+    cols = 4
+    fig = Figure(figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)))
+    FigureCanvasAgg(fig)
+    for i, k in enumerate(keys):
+        ax = fig.add_subplot((len(keys) + cols - 1) // cols, cols, i + 1)
+        for a in arms:
+            if k == "eval":
+                per = variants[a]["per_step"]
+                xs = list(evals)
+                m = np.array([per[str(st)]["mean"] for st in xs])
+                ci = np.array([per[str(st)]["ci95"] for st in xs])
+                ax.plot(xs, m, marker="o", label=a)
+                ax.fill_between(xs, m - ci, m + ci, alpha=0.15)
+            else:
+                x = data[a][k]
+                smooth = np.stack([np.convolve(np.nan_to_num(r), np.ones(5) / 5, "valid")
+                                   for r in x])
+                ax.plot(np.arange(5, steps + 1), smooth.mean(0), label=a)
+        ax.set_title("held-out success (95% interval)" if k == "eval" else DIAGNOSTICS[k],
+                     fontsize=9)
+        ax.set_xlabel("RL step", fontsize=8)
+        if i == 0:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "collapse.png", dpi=90)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=("run", "report"))
+    p.add_argument("--out", default="runs/collapse")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=sorted(ARMS))
+    p.add_argument("--warm-start", default=None,
+                   help="the L2 warm start (HF folder); default: made here")
+    a = p.parse_args(argv)
+    out = pathlib.Path(a.out).absolute()
+    if a.what == "run":
+        return run(out, a.seeds, a.jobs, a.arms, a.warm_start)
+    print(report(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
