@@ -65,7 +65,7 @@ from typing import Any, Union
 
 import yaml
 
-from jaxrl_agent.models.config import DTYPES, LORA_TARGETS
+from jaxrl_agent.models.config import DTYPES, LORA_TARGETS, ModelConfig, projection_shapes
 from jaxrl_agent.models.transformer import ATTENTION_IMPLS, REMAT_POLICIES
 from jaxrl_agent.registry import is_path
 from jaxrl_agent.rollout.collect import RolloutConfig
@@ -982,6 +982,25 @@ def _check_model(cfg: RunConfig) -> None:
         if bad or not lo.targets:
             raise ConfigError(f"model.lora.targets must be a non-empty list of "
                               f"{list(LORA_TARGETS)}; got {list(lo.targets)}")
+        if m.hf_path is None:  # the built-in model's shapes are the section's (check_paths: HF)
+            hd = m.head_dim or m.hidden_size // m.num_heads
+            _check_lora_rank(cfg, dict(hidden_size=m.hidden_size, head_dim=hd,
+                                       intermediate_size=m.intermediate_size,
+                                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads),
+                             "the built-in model")
+
+
+def _check_lora_rank(cfg: RunConfig, dims: dict, what: str) -> None:
+    """``model.lora.rank`` below the smaller side of every matrix it adapts
+    (``ModelConfig.projection_shapes`` of ``dims``), or a ConfigError naming the largest valid
+    rank."""
+    lo = cfg.model.lora
+    shapes = projection_shapes(**dims)
+    name, (n_in, n_out) = min(((t, shapes[t]) for t in lo.targets), key=lambda x: min(x[1]))
+    if lo.rank >= min(n_in, n_out):
+        raise ConfigError(f"model.lora.rank {lo.rank} is not below the smaller side of {name} "
+                          f"({n_in} x {n_out}) of {what}: an adapter that large is no low-rank "
+                          f"update; the largest valid rank is {min(n_in, n_out) - 1}")
 
 
 def _check_rollout(cfg: RunConfig) -> None:
@@ -1182,6 +1201,19 @@ def check_paths(cfg: RunConfig) -> None:
     p = cfg.model.hf_path
     if p is not None and not os.path.exists(p):
         raise ConfigError(f"model.hf_path: {p!r} does not exist")
+    hf_json = None if p is None else os.path.join(p, "config.json")
+    if cfg.model.lora.rank and hf_json is not None and os.path.isfile(hf_json):
+        import json
+        try:
+            with open(hf_json) as f:
+                mc = ModelConfig.from_hf(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError):
+            mc = None  # an unreadable checkpoint config is reported where the model is loaded
+        if mc is not None:
+            _check_lora_rank(cfg, dict(hidden_size=mc.hidden_size, head_dim=mc.head_dim,
+                                       intermediate_size=mc.intermediate_size,
+                                       num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads),
+                             p)
     if teacher_kind(cfg) == "model":
         teacher_folder(cfg)
 

@@ -354,13 +354,29 @@ def check_methods(cfg: RunConfig) -> None:
     step_reads(cfg)
 
 
+#: the last few configs ``step_reads`` traced, with the registry they were traced under and
+#: the answer (the run checks and the step's build both ask; tracing takes seconds)
+_READS_SEEN: list = []
+
+
 def step_reads(cfg: RunConfig) -> tuple:
     """The fields the run's methods and losses read from a model the train step runs for them
     (the teacher's log-probs, the policy's entropies: ``train.inputs.STEP_SOURCES``), found by
     tracing them on a batch without those fields (``dry_batch``) and adding each one a method
     asks for; the step computes only these. A field no configured source supplies is a
     ``ConfigError`` naming the method and the config key that would supply it
-    (``inputs.missing_message``)."""
+    (``inputs.missing_message``). The answer for an equal config under the same registered
+    methods is remembered."""
+    known = tuple(registry.entries())
+    for seen, entries, reads in _READS_SEEN:
+        if seen == cfg and entries == known:
+            return reads
+    reads = _step_reads(cfg)
+    _READS_SEEN[:] = [*_READS_SEEN[-3:], (cfg, known, reads)]
+    return reads
+
+
+def _step_reads(cfg: RunConfig) -> tuple:
     table = run_table(cfg)
     optional = {n for n, s in table.items() if s.source in ("teacher", "policy", "reference")}
     given: set = set()

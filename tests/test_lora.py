@@ -105,6 +105,31 @@ def test_trainable_filter_and_lora_config_errors():
             config_lib.load(None, sets)
 
 
+def test_a_rank_as_large_as_the_matrix_is_refused_naming_the_largest_valid_one(
+        tiny_checkpoint):
+    # BASE: q/o 32 x 32 (4 heads of 8), k/v 32 x 16 (2 heads), gate/up 32 x 64, down 64 x 32
+    with pytest.raises(ValueError, match=r"k_proj \(32 x 16\); the largest valid rank is 15"):
+        BASE.replace(lora_rank=16)
+    assert BASE.replace(lora_rank=31, lora_targets=("gate_proj",)).lora_rank == 31
+    small = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=1",
+             "model.intermediate_size=512"]
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"model.lora.rank 32 .* k_proj \(128 x 32\).*largest valid rank is 31"):
+        config_lib.load(None, small + ["model.lora.rank=32"])
+    # only the targeted matrices count: without k/v the smallest side is 128
+    ok = config_lib.load(None, small + ["model.lora.rank=32",
+                                        "model.lora.targets=[q_proj,o_proj,gate_proj]"])
+    assert ok.model.lora.rank == 32
+    # a checkpoint's shapes come from its config.json (check_paths, before anything is built)
+    hf = json.loads((tiny_checkpoint / "config.json").read_text())
+    side = min(hf["hidden_size"], hf["num_key_value_heads"] * (
+        hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]))
+    cfg = config_lib.load(None, [f"model.hf_path={tiny_checkpoint}",
+                                 f"model.lora.rank={side}"])
+    with pytest.raises(config_lib.ConfigError, match=f"largest valid rank is {side - 1}"):
+        config_lib.check_paths(cfg)
+
+
 # ----------------------------------------------------------------------------- the step
 
 

@@ -110,6 +110,15 @@ def _normalize_rope_scaling(rope_scaling, max_position_embeddings) -> FrozenDict
     return FrozenDict(d)
 
 
+def projection_shapes(hidden_size: int, head_dim: int, intermediate_size: int,
+                      num_heads: int, num_kv_heads: int) -> dict:
+    """``(in, out)`` of each projection of a decoder layer (the ``LORA_TARGETS``)."""
+    h, d, i = hidden_size, head_dim, intermediate_size
+    return {"q_proj": (h, num_heads * d), "k_proj": (h, num_kv_heads * d),
+            "v_proj": (h, num_kv_heads * d), "o_proj": (num_heads * d, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of the decoder-only transformer (Llama / Qwen2 / Qwen3 layout).
@@ -215,6 +224,20 @@ class ModelConfig:
         if not self.lora_alpha > 0:
             raise ValueError(f"ModelConfig.lora_alpha must be > 0, got {self.lora_alpha!r}")
         set_("lora_alpha", float(self.lora_alpha))
+        if r:
+            shapes = self.projection_shapes
+            name, (n_in, n_out) = min(((t, shapes[t]) for t in self.lora_targets),
+                                      key=lambda x: min(x[1]))
+            if r >= min(n_in, n_out):
+                raise ValueError(
+                    f"ModelConfig.lora_rank {r} is not below the smaller side of {name} "
+                    f"({n_in} x {n_out}); the largest valid rank is {min(n_in, n_out) - 1}")
+
+    @property
+    def projection_shapes(self) -> dict:
+        """``(in, out)`` of each projection a LoRA adapter can target (``LORA_TARGETS``)."""
+        return projection_shapes(self.hidden_size, self.head_dim, self.intermediate_size,
+                                 self.num_heads, self.num_kv_heads)
 
     @property
     def num_kv_groups(self) -> int:
