@@ -1,8 +1,8 @@
 """Multi-turn text environments: the protocol, built-in envs, fault handling and adapters.
 
 See docs/envs.md. ``make_env(name, **kwargs)`` builds a registered environment (``gridworld``,
-``calculator``, ``chain``, ``tasks``, ``reasoning_gym``, ``mcp``, plug-ins) or one of the name forms
-``gymnasium:<id>``, ``http:<base_url>``, ``mcp:<server command>``, ``reasoning_gym:<dataset>``
+``sokoban``, ``calculator``, ``chain``, ``tasks``, ``reasoning_gym``, ``mcp``, plug-ins) or one
+of the name forms ``gymnasium:<id>``, ``http:<base_url>``, ``mcp:<server command>``, ``reasoning_gym:<dataset>``
 (``resolve_env``).
 """
 
@@ -11,6 +11,7 @@ from jaxrl_agent.envs.base import (Env, Episode, FirstErrors, SafeEnv, StepResul
                                    reset_group, run_episode, solver_policy, split_of,
                                    stable_hash)
 from jaxrl_agent.envs.gridworld import GridWorld
+from jaxrl_agent.envs.sokoban import Sokoban
 from jaxrl_agent.envs.calculator import Calculator, ParseError, evaluate
 from jaxrl_agent.envs.chain import Chain
 from jaxrl_agent.envs.adapters import GymnasiumTextAdapter, HTTPEnv
@@ -25,7 +26,7 @@ from jaxrl_agent.envs.mcp import MCPEnv, MCPServerError, close_idle_servers
 
 __all__ = ["Env", "Episode", "FirstErrors", "SafeEnv", "first_errors", "StepResult", "Task", "env_class", "make_env", "names",
            "normalize_action", "register", "reset_group", "run_episode", "solver_policy",
-           "split_of", "stable_hash", "GridWorld", "Calculator", "ParseError", "evaluate",
+           "split_of", "stable_hash", "GridWorld", "Sokoban", "Calculator", "ParseError", "evaluate",
            "Chain", "GymnasiumTextAdapter", "HTTPEnv", "ENV_NAME_FORMS", "gymnasium_env",
            "resolve_env", "ConversationEnv", "ReasoningGymEnv", "RewardError", "TaskEnv",
            "TaskFileError", "answer_reward", "load_reward", "load_tasks", "make_tasks", "run_reward", "FunctionTool", "Tool", "ToolCall",
