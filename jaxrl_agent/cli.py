@@ -598,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="multi-turn agentic RL (default: the built-in CPU run)",
                        description="Trains a policy with RL on a multi-turn environment. "
                                    "Without CONFIG: the built-in CPU default (tiny model, "
-                                   "supervised warm-up, GRPO on the grid world).")
+                                   "supervised warm-up, GiGPO on the grid world).")
     t.add_argument("config", nargs="?", default=None, metavar="CONFIG.yaml",
                    help="a YAML run config (see configs/); default: the built-in CPU default")
     t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",

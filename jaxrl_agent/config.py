@@ -1230,6 +1230,27 @@ def teacher_folder(cfg: RunConfig) -> str:
                       f"config.json, or a run directory with final_model/config.json)")
 
 
+def _schedule_words(cfg: RunConfig) -> str:
+    """The learning-rate schedule a run follows, in words, counted in RL steps: the warm-up is
+    cut to leave at least one step at the full rate (``train.step.lr_schedule``), and a run
+    that ends inside its warm-up never decays."""
+    o, steps = cfg.optimizer, cfg.trainer.steps
+    warm = min(o.warmup_steps, max(steps - 1, 0))
+    if not warm:
+        if o.decay == "constant" or steps <= 1:
+            return "constant, no warm-up"
+        last = 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * (steps - 1) / steps))
+        return f"no warm-up, cosine: {last:.0%} of lr at the last step"
+    cut = f" (optimizer.warmup_steps {o.warmup_steps}, cut to the run)" \
+        if warm < o.warmup_steps else ""
+    if o.decay == "constant":
+        return f"warm-up over {warm} of {steps} steps{cut}, constant after it"
+    frac = (steps - 1 - warm) / max(steps - warm, 1)  # of the cosine, at the last step
+    last = 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return (f"warm-up over {warm} of {steps} steps{cut}, then cosine: {last:.0%} of lr at the "
+            f"last step")
+
+
 def describe(cfg: RunConfig) -> str:
     """A short multi-line summary for logs."""
     m, r, t, o, lo = cfg.model, cfg.rollout, cfg.trainer, cfg.optimizer, cfg.loss
@@ -1262,7 +1283,7 @@ def describe(cfg: RunConfig) -> str:
         f"  estimator {est}",
         f"  loss      {lo.policy} ({lo.agg}){kl}{ent}{off}",
         f"  sampler   {cfg.sampler.name}{smesh}{asy}",
-        f"  optimizer adamw lr {o.lr:g} ({o.decay}, warmup {o.warmup_steps}), clip {o.grad_clip:g}",
+        f"  optimizer adamw lr {o.lr:g} ({_schedule_words(cfg)}), clip {o.grad_clip:g}",
         f"  mesh      data={cfg.mesh.data} fsdp={cfg.mesh.fsdp} tensor={cfg.mesh.tensor}",
     ])
 

@@ -415,3 +415,28 @@ def test_remat_takes_a_policy_or_a_bool(value, policy):
                         "trainer.attention=dense"])
     scfg = step_config(cfg, 1)
     assert (scfg.remat, scfg.logits_chunk, scfg.attention) == (policy, 64, "dense")
+
+
+@pytest.mark.parametrize("sets", [[], ["trainer.steps=6"], ["trainer.steps=1"],
+                                  ["optimizer.decay=constant"],
+                                  ["optimizer.warmup_steps=0", "trainer.steps=4"],
+                                  ["trainer.steps=12", "trainer.mini_batches=2",
+                                   "rollout.tasks_per_step=4"]])
+def test_the_banner_says_the_schedule_the_run_follows(sets):
+    from jaxrl_agent.train.build import run_lr_schedule
+    cfg = C.load(None, sets)
+    words = C._schedule_words(cfg)
+    assert words in C.describe(cfg)
+    lr = run_lr_schedule(cfg)
+    steps, o = cfg.trainer.steps, cfg.optimizer
+    last = lr(steps - 1) / o.lr
+    if "% of lr at the last step" in words:
+        assert f"{last:.0%} of lr at the last step" in words
+    else:
+        assert last == pytest.approx(1.0)
+    warm = next((k for k in range(steps) if lr(k) >= o.lr * (1 - 1e-6)), steps)
+    if "warm-up over" in words:
+        assert f"warm-up over {warm} of {steps} steps" in words
+        assert ("cut to the run" in words) == (warm < o.warmup_steps)
+    else:
+        assert warm == 0

@@ -118,3 +118,17 @@ def test_credit_metrics_split_the_mass_by_outcome_and_group():
     assert m["train/credit_failed_signed"] == pytest.approx((-2.0 + 1.0 - 1.0) / total)
     zero = credit_metrics(recs, np.zeros((4, 3)))
     assert set(zero.values()) == {0.0}
+
+
+def test_samples_fill_the_limit_and_carry_each_records_own_credit():
+    from jaxrl_agent.train.samples import credit_trajectories
+    recs = [{"group": g, "task": f"t{g}", "outcome": float(i), "success": float(i),
+             "turns": [{"action_text": f"a{g}{i}", "reward": 0.0}]}
+            for g in range(2) for i in range(2)]
+    turn = np.arange(4, dtype=float)[:, None] * 10.0  # record i's credit is 10 i
+    rows = credit_trajectories(recs, turn, limit=4)
+    assert len(rows) == 4  # 2 groups: one mixed group's best and worst, then the rest
+    for r in rows:
+        g, i = (int(c) for c in r["turns"][0]["action"][1:])
+        assert r["turns"][0]["credit"] == 10.0 * (2 * g + i)
+    assert len(credit_trajectories(recs, turn, limit=10)) == 4

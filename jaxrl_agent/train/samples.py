@@ -70,7 +70,8 @@ def samples_markdown(rows: list[dict], obs_chars: int = 300) -> str:
 
 def _credit_rows(records, turn, limit: int) -> list:
     """``[(record index, per-turn credit)]`` of the trajectories ``credit_trajectories``
-    shows (``turn``: ``turn_credit`` on the host)."""
+    shows (``turn``: ``turn_credit`` on the host): ``limit`` of them, or every record when
+    there are fewer."""
     groups: dict = {}
     for i, rec in enumerate(records):
         groups.setdefault(rec["group"], []).append(i)
@@ -81,7 +82,8 @@ def _credit_rows(records, turn, limit: int) -> list:
         idx = groups[mixed[0]]
         picked += [max(idx, key=score), min(idx, key=score)]
     picked += [idx[0] for g, idx in groups.items() if not mixed or g != mixed[0]]
-    return [(i, turn[i]) for i in dict.fromkeys(picked[:limit])]
+    picked += range(len(records))  # fewer groups than ``limit``: the rest in order
+    return [(i, turn[i]) for i in list(dict.fromkeys(picked))[:limit]]
 
 
 def credit_trajectories(records, turn, limit: int = 4) -> list[dict]:
