@@ -469,9 +469,11 @@ def _train_config_of(args):
         if not os.path.isfile(os.path.join(root, "config.yaml")):
             return named  # nothing to resume there: starts fresh
     if args.config is not None:  # the file states the values; the run keeps its location
-        d = config_lib.apply_overrides(config_lib.read_yaml(args.config), args.set or (),
-                                       defaults=config_lib.to_dict(config_lib.RunConfig()))
-        d["run"] = dict(d.get("run") or {}, dir=root)
+        # resolved exactly as a fresh start resolves it (defaults that depend on the
+        # environment, its files' folder, environment variables), so an unchanged file is an
+        # unchanged config
+        d = config_lib.to_dict(config_lib.load(args.config, args.set or (), validate=False))
+        d["run"] = dict(d["run"], dir=root)
         return config_lib.from_dict(d)
     return run_config(root, args.set or ())
 

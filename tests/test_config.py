@@ -440,3 +440,24 @@ def test_the_banner_says_the_schedule_the_run_follows(sets):
         assert ("cut to the run" in words) == (warm < o.warmup_steps)
     else:
         assert warm == 0
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (
+    pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml")))
+def test_resume_with_the_same_shipped_config_changes_nothing(name, tmp_path, monkeypatch):
+    # `train CONFIG` then `train CONFIG --resume`, from another working directory: the values
+    # the program fills in (the task file's folder, a text environment's estimator) are
+    # resolved the same way both times
+    from jaxrl_agent import cli
+    from jaxrl_agent.train.rundir import write_config
+    config = pathlib.Path(__file__).resolve().parents[1] / "configs" / name
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    sets = ["--set", f"run.dir={run}"]
+    fresh = cli._train_config(cli.build_parser().parse_args(["train", str(config), *sets]))
+    run.mkdir()
+    write_config(fresh, str(run / "config.yaml"))
+    resumed = cli._train_config(cli.build_parser().parse_args(
+        ["train", str(config), *sets, "--resume"]))
+    saved = C.from_dict(C.read_yaml(run / "config.yaml"))
+    assert C.config_changes(saved, resumed) == ([], [])
