@@ -461,3 +461,13 @@ def test_resume_with_the_same_shipped_config_changes_nothing(name, tmp_path, mon
         ["train", str(config), *sets, "--resume"]))
     saved = C.from_dict(C.read_yaml(run / "config.yaml"))
     assert C.config_changes(saved, resumed) == ([], [])
+
+
+@pytest.mark.parametrize("name", ["tiny_chat_tasks.yaml"])
+def test_shipped_configs_find_their_files_from_any_directory(name, tmp_path, monkeypatch):
+    from jaxrl_agent import envs
+    config = pathlib.Path(__file__).resolve().parents[1] / "configs" / name
+    monkeypatch.chdir(tmp_path)  # neither the repository root nor configs/
+    cfg = C.load(str(config), validate=False)
+    env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
+    assert env is not None
