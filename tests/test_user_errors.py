@@ -103,7 +103,14 @@ def test_a_failed_start_does_not_block_the_corrected_command(tmp_path):
     assert "stopped before its first checkpoint" in out
     # the split is said at start-up, and the evaluation's error counts distinct tasks
     assert "tasks: 5 train, 1 held-out" in out and "each about 4 times" in out
-    assert "standard error over 1 distinct held-out tasks, 4 episodes" in out
+    assert "standard error, 1 distinct held-out tasks, 4 episodes" in out
+    # one evaluation of the start weights: the summary quotes the printed one, with the same
+    # count (issue 45)
+    import re
+    printed = re.search(r"held-out success at step 0: ([0-9.]+) \+- ", out).group(1)
+    assert f"held-out success: {printed} at start" in out, out[-1500:]
+    assert "before warm-up" not in out
+    assert re.search(r"at start.*1 distinct held-out tasks, 4 episodes\)", out)
     assert (tmp_path / "run" / "checkpoints").is_dir()
     # the learning rate and the share of replies cut at max_new_tokens are logged
     import json

@@ -484,11 +484,14 @@ class Trainer:
                 "eval/invalid": stats["invalid_actions"] / n}
 
     def _with_se(self, success: float) -> str:
+        return (f"{success:.2f} +- {success_se(success, self.eval_distinct):.2f} (standard "
+                f"error, {self._eval_count_words()})")
+
+    def _eval_count_words(self) -> str:
+        """What an evaluation averages over: ``n tasks``, or ``d distinct held-out tasks, n
+        episodes`` when the held-out set has fewer tasks than ``trainer.eval_tasks``."""
         n, d = self.cfg.trainer.eval_tasks, self.eval_distinct
-        if d < n:
-            return (f"{success:.2f} +- {success_se(success, d):.2f} (standard error over "
-                    f"{d} distinct held-out tasks, {n} episodes)")
-        return f"{success:.2f} +- {success_se(success, n):.2f} (standard error, {n} tasks)"
+        return f"{d} distinct held-out tasks, {n} episodes" if d < n else f"{n} tasks"
 
     def split_summary(self) -> str | None:
         """How the env's tasks fall into the splits, and what evaluation draws (for envs with a
@@ -644,8 +647,8 @@ class Trainer:
         try:
             if latest is None:
                 self._sync_model_to_sampler(version=0)
-                eval_before = self.evaluate(-1)["eval/success"] if t.eval_every else None
-                if t.warmup_sft_steps:
+                if t.warmup_sft_steps:  # one evaluation per state of the weights
+                    eval_before = self.evaluate(-1)["eval/success"] if t.eval_every else None
                     if eval_before is not None:
                         self._print(f"held-out success before warm-up: "
                                     f"{self._with_se(eval_before)}")
@@ -656,6 +659,8 @@ class Trainer:
                 if t.eval_every:
                     ev = self.evaluate(0)
                     eval_after_sft = ev["eval/success"]
+                    if not t.warmup_sft_steps:  # the start is step 0's weights
+                        eval_before = eval_after_sft
                     self.logger.log(0, ev)
                     self._print(f"held-out success at step 0"
                                 f"{' (after warm-up)' if t.warmup_sft_steps else ''}: "
@@ -1072,8 +1077,8 @@ class Trainer:
                          + (f", {eval_after_sft:.2f} after warm-up"
                             if cfg.trainer.warmup_sft_steps and eval_after_sft is not None else "")
                          + (f", {last_eval:.2f} at the end" if last_eval is not None else "")
-                         + f" (standard error <= {success_se(0.5, cfg.trainer.eval_tasks):.2f} "
-                           f"each, {cfg.trainer.eval_tasks} tasks)")
+                         + f" (standard error <= {success_se(0.5, self.eval_distinct):.2f} "
+                           f"each, {self._eval_count_words()})")
         lines.append(f"  run:         {os.path.abspath(self.paths.root)} (resume: "
                      f"jaxrl-agent train --resume {self.paths.root})")
         lines.append(f"  checkpoints: {os.path.abspath(self.paths.checkpoints)}")
