@@ -47,10 +47,39 @@ def test_a_reward_that_raises_is_shown_once_and_stops_the_run(tmp_path):
     assert p.returncode == 2, out[-3000:]
     assert "KeyError" in out and "my_reward.py" in out and "task['answr']" in out
     assert out.count("an environment raised") == 1  # once, not per trajectory
-    assert "steps 1-2: every trajectory ended in an environment error" in out
+    # the first rollouts are step 0's evaluation: it stops there, labelled as evaluation
+    assert "evaluation at step 0: an environment raised RewardError" in out
+    assert "evaluation at step 0: every held-out episode ended in an environment error" in out
     assert "trainer.max_failed_steps" in out and "group_size" not in out.split("error:")[-1]
     log = (tmp_path / "run" / "env_errors.log").read_text()
     assert "KeyError" in log and "answr" in log
+
+
+def test_reward_errors_on_held_out_tasks_are_counted_as_the_evaluations(tmp_path):
+    """A reward that raises only on the held-out task: shown once as the evaluation's, counted
+    in eval/env_errors (train/env_errors stays 0), and said to count as failures."""
+    (tmp_path / "tasks.jsonl").write_text(TASKS + "\n")
+    (tmp_path / "my_reward.py").write_text(
+        "def score(task, messages):\n"
+        "    if task['id'] == 't5':\n"
+        "        raise KeyError('held-out only')\n"
+        "    return 0.0\n")
+    p = _train(tmp_path, "env.name=tasks",
+               "env.kwargs={path: tasks.jsonl, reward: 'my_reward.py:score'}",
+               "rollout.history=full", "trainer.layout=concatenated", "trainer.steps=2",
+               "trainer.max_failed_steps=0", "run.dir=run")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "evaluation at step 0: an environment raised RewardError" in out
+    assert out.count("an environment raised") == 1
+    assert "evaluation at step 0: 4 of 4 held-out episodes ended in an environment error " \
+           "(eval/env_errors); eval/success counts them as failures" in out
+    import json
+    rows = [json.loads(x) for x in
+            (tmp_path / "run" / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval/env_errors"] for r in rows if "eval/env_errors" in r] == [4, 4]
+    assert "8 held-out episodes ended in an environment error" in out.split("done:")[-1]
+    assert all(r["train/env_errors"] == 0 for r in rows if "train/env_errors" in r)
 
 
 def test_switching_env_estimator_or_loss_starts_their_settings_empty():

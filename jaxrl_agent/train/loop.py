@@ -473,6 +473,7 @@ class Trainer:
         "eval/success_se" (binomial standard error), "eval/reward", ...}``."""
         _, stats = self._collect(self.eval_tasks, self.eval_cfg,
                                  step_seed(self.cfg.trainer.seed, step, "eval"))
+        self._watch_eval_errors(step, stats)
         n = max(stats["trajectories"], 1)
         # episodes of one task are not independent draws of the task population: the error
         # counts distinct tasks
@@ -481,7 +482,8 @@ class Trainer:
                 "eval/distinct_tasks": self.eval_distinct,
                 "eval/reward": stats["mean_reward"],
                 "eval/turns": stats["turns"] / n,
-                "eval/invalid": stats["invalid_actions"] / n}
+                "eval/invalid": stats["invalid_actions"] / n,
+                "eval/env_errors": stats["env_errors"]}
 
     def _with_se(self, success: float) -> str:
         return (f"{success:.2f} +- {success_se(success, self.eval_distinct):.2f} (standard "
@@ -956,21 +958,51 @@ class Trainer:
     #: consecutive steps without any learning signal before the run says so (once)
     NO_SIGNAL_STEPS = 3
 
+    def _show_new_errors(self, when: str, counter: str) -> None:
+        """The first traceback of every new kind of environment / reward exception, shown once
+        (labelled ``when``) and appended to ``<run>/env_errors.log``; later ones of a kind are
+        only counted (``counter``)."""
+        new = envs.first_errors.take_new()
+        if new and multihost.is_main_process():
+            log = os.path.join(self.paths.root, "env_errors.log")
+            if not self.read_only:
+                with open(log, "a") as f:
+                    for head, tb in new:
+                        f.write(f"{when}: {head}\n{tb}\n")
+            for head, tb in new:
+                self._print(f"{when}: an environment raised {head}; the trajectory ended "
+                            f"there with reward 0; later ones of this kind are only counted "
+                            f"({counter}); traceback"
+                            + ("" if self.read_only else f" (also in {log})")
+                            + f":\n{tb.rstrip()}")
+        if new:
+            self._first_env_error = getattr(self, "_first_env_error", None) or new[0][0]
+
+    def _watch_eval_errors(self, step: int, stats: dict) -> None:
+        """Environment errors of an evaluation: shown as the evaluation's (not the next
+        training step's), said when they count as failures in ``eval/success``, and, when
+        every held-out episode failed so, the run stops (``trainer.max_failed_steps`` > 0):
+        an evaluation of errors is no evaluation of the policy."""
+        when = "evaluation before warm-up" if step < 0 else f"evaluation at step {step}"
+        self._show_new_errors(when, "eval/env_errors")
+        n, failed = stats["trajectories"], stats["env_errors"]
+        if not failed:
+            return
+        self._eval_errors = getattr(self, "_eval_errors", 0) + failed
+        if n and failed >= n and self.cfg.trainer.max_failed_steps:
+            raise EnvFailureError(
+                f"{when}: every held-out episode ended in an environment error (first: "
+                f"{getattr(self, '_first_env_error', None) or 'see eval/env_errors'}); the "
+                f"run stops here (trainer.max_failed_steps: {self.cfg.trainer.max_failed_steps};"
+                f" 0 never stops)")
+        self._print(f"{when}: {failed} of {n} held-out episodes ended in an environment error "
+                    f"(eval/env_errors); eval/success counts them as failures")
+
     def _watch_env_errors(self, step: int, stats: dict) -> None:
         """Shows the first traceback of every new kind of environment / reward exception once
         (and appends it to ``<run>/env_errors.log``); stops the run with ``EnvFailureError``
         when every trajectory of ``trainer.max_failed_steps`` steps in a row failed."""
-        new = envs.first_errors.take_new()
-        if new and multihost.is_main_process():
-            log = os.path.join(self.paths.root, "env_errors.log")
-            with open(log, "a") as f:
-                for head, tb in new:
-                    f.write(f"step {step}: {head}\n{tb}\n")
-            for head, tb in new:
-                self._print(f"step {step}: an environment raised {head}; the trajectory ended "
-                            f"there with reward 0; later ones of this kind are only counted "
-                            f"(train/env_errors); traceback (also in {log}):\n{tb.rstrip()}")
-            self._first_env_error = getattr(self, "_first_env_error", None) or new[0][0]
+        self._show_new_errors(f"step {step}", "train/env_errors")
         n, failed = stats["trajectories"], stats["env_errors"]
         self._failed_steps = getattr(self, "_failed_steps", 0) + 1 if n and failed >= n else 0
         limit = self.cfg.trainer.max_failed_steps
@@ -1079,6 +1111,9 @@ class Trainer:
                          + (f", {last_eval:.2f} at the end" if last_eval is not None else "")
                          + f" (standard error <= {success_se(0.5, self.eval_distinct):.2f} "
                            f"each, {self._eval_count_words()})")
+            if getattr(self, "_eval_errors", 0):
+                lines.append(f"  (of which {self._eval_errors} held-out episodes ended in an "
+                             f"environment error and count as failures: eval/env_errors)")
         lines.append(f"  run:         {os.path.abspath(self.paths.root)} (resume: "
                      f"jaxrl-agent train --resume {self.paths.root})")
         lines.append(f"  checkpoints: {os.path.abspath(self.paths.checkpoints)}")
