@@ -82,6 +82,20 @@ def test_reward_errors_on_held_out_tasks_are_counted_as_the_evaluations(tmp_path
     assert all(r["train/env_errors"] == 0 for r in rows if "train/env_errors" in r)
 
 
+def test_an_mcp_server_that_does_not_exist_is_one_line_naming_it(tmp_path):
+    """Every trajectory fails at reset: the run stops at once naming the server command and
+    the OS error, with no traceback and no policy-lag message (issue 45)."""
+    p = _train(tmp_path, "env.name=mcp:/nonexistent/server-binary", "trainer.eval_every=0",
+               "run.dir=run")
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("jaxrl-agent train: error: step 1: every trajectory failed before "
+                           "its first turn: MCPServerError"), last
+    assert "/nonexistent/server-binary" in last and "No such file or directory" in last
+    assert "Traceback" not in out and "max_policy_lag" not in out
+
+
 def test_switching_env_estimator_or_loss_starts_their_settings_empty():
     from jaxrl_agent import config as config_lib
     load = lambda *s: config_lib.load(None, list(s), validate=False)  # noqa: E731

@@ -395,8 +395,12 @@ class FirstErrors:
             if key in self._seen:
                 return
             self._seen.add(key)
-            self._new.append((f"{type(exc).__name__}: {exc} (at {where})",
-                              "".join(traceback.format_exception(exc))))
+            # an error whose message says everything (``traceback_helps = False`` on its
+            # class: a server command that does not exist) is shown without our frames
+            tb = ("".join(traceback.format_exception(exc))
+                  if getattr(exc, "traceback_helps", True) else "")
+            self._new.append((f"{type(exc).__name__}: {exc}"
+                              + (f" (at {where})" if tb else ""), tb))
 
     def reset(self) -> None:
         """Forgets every kind seen (a new run shows its own first errors again)."""
@@ -405,8 +409,8 @@ class FirstErrors:
             self._new = []
 
     def take_new(self) -> list[tuple[str, str]]:
-        """``[(one-line summary, traceback text)]`` of the kinds first seen since the last
-        call."""
+        """``[(one-line summary, traceback text or "")]`` of the kinds first seen since the
+        last call."""
         with self._lock:
             out, self._new = self._new, []
         return out

@@ -111,7 +111,11 @@ _WORDS = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember"
 
 
 class MCPServerError(ToolEnvironmentError):
-    """An MCP server could not start, died, hung past a timeout, or broke the protocol."""
+    """An MCP server could not start, died, hung past a timeout, or broke the protocol. The
+    message names the server command and what went wrong (its stderr, the OS error): shown
+    without a traceback (``FirstErrors``)."""
+
+    traceback_helps = False
 
 
 def parse_command(command: Any) -> list[str]:

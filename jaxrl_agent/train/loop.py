@@ -972,9 +972,10 @@ class Trainer:
             for head, tb in new:
                 self._print(f"{when}: an environment raised {head}; the trajectory ended "
                             f"there with reward 0; later ones of this kind are only counted "
-                            f"({counter}); traceback"
-                            + ("" if self.read_only else f" (also in {log})")
-                            + f":\n{tb.rstrip()}")
+                            f"({counter})" + (
+                                "" if not tb else "; traceback" + (
+                                    "" if self.read_only else f" (also in {log})")
+                                + f":\n{tb.rstrip()}"))
         if new:
             self._first_env_error = getattr(self, "_first_env_error", None) or new[0][0]
 
@@ -989,7 +990,7 @@ class Trainer:
         if not failed:
             return
         self._eval_errors = getattr(self, "_eval_errors", 0) + failed
-        if n and failed >= n and self.cfg.trainer.max_failed_steps:
+        if failed >= n and (self.cfg.trainer.max_failed_steps or not n):
             raise EnvFailureError(
                 f"{when}: every held-out episode ended in an environment error (first: "
                 f"{getattr(self, '_first_env_error', None) or 'see eval/env_errors'}); the "
@@ -1004,6 +1005,10 @@ class Trainer:
         when every trajectory of ``trainer.max_failed_steps`` steps in a row failed."""
         self._show_new_errors(f"step {step}", "train/env_errors")
         n, failed = stats["trajectories"], stats["env_errors"]
+        if failed and not n:  # every trajectory failed at its start: nothing was collected
+            raise EnvFailureError(
+                f"step {step}: every trajectory failed before its first turn: "
+                f"{getattr(self, '_first_env_error', None) or 'see train/env_errors'}")
         self._failed_steps = getattr(self, "_failed_steps", 0) + 1 if n and failed >= n else 0
         limit = self.cfg.trainer.max_failed_steps
         if limit and self._failed_steps >= limit:
