@@ -560,3 +560,15 @@ def test_a_template_that_drops_tool_messages_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"renders 'tool' messages as nothing.*observation_role"):
         collect_groups(env, env.sample_tasks(0, 1), ToolPolicySampler(tok, tok.token_to_id(
             "<|im_end|>")), tok, config)
+
+    class NoSchemas(AddEnv):  # sends tool-role observations without declaring its tools
+        tools = None
+
+        def clone(self):
+            return NoSchemas()
+
+    env = NoSchemas()
+    with pytest.raises(ValueError, match=r"env NoSchemas, task .*renders 'tool' messages as "
+                                         r"nothing.*observation_role"):
+        collect_groups(env, env.sample_tasks(0, 1), ToolPolicySampler(tok, tok.token_to_id(
+            "<|im_end|>")), tok, config)

@@ -753,6 +753,13 @@ def _observe_chat(tr: _Live, obs_text: str, info: dict, config: RolloutConfig):
     """The new observation's tokens of a chat trajectory (module docstring)."""
     try:
         new = observation_messages(obs_text, info)
+        silent = sorted({m["role"] for m in new if m["role"] in tr.chat.silent_roles})
+        if silent:  # the template would render the observation as nothing: the agent is blind
+            raise ChatError(
+                f"the chat template renders {silent[0]!r} messages as nothing, so this "
+                f"observation would never reach the agent; send it as a user message "
+                f"(info['observation_role'] = 'user') or use a chat template with a branch "
+                f"for the {silent[0]!r} role")
     except ValueError as e:
         env = getattr(tr.env, "env", tr.env)  # the env inside its SafeEnv
         raise ValueError(f"rollout.chat: env {type(env).__name__}, task {tr.task}: {e}") from None
