@@ -132,3 +132,16 @@ def test_samples_fill_the_limit_and_carry_each_records_own_credit():
         g, i = (int(c) for c in r["turns"][0]["action"][1:])
         assert r["turns"][0]["credit"] == 10.0 * (2 * g + i)
     assert len(credit_trajectories(recs, turn, limit=10)) == 4
+
+
+def test_the_start_up_says_which_prompt_format_a_run_uses():
+    import types
+    from jaxrl_agent import config as config_lib
+    from jaxrl_agent.train.loop import Trainer
+    say = lambda chat, template: Trainer.prompt_summary(types.SimpleNamespace(  # noqa: E731
+        cfg=config_lib.load(None, [f"rollout.chat={str(chat).lower()}"], validate=False),
+        codec=types.SimpleNamespace(chat_template=template)))
+    assert say(True, "{{ x }}") == "prompts: the checkpoint's chat template (rollout.chat: true)"
+    assert say(False, None) == "prompts: raw text, no chat template (rollout.chat: false)"
+    assert "has a chat template, unused: a task's system message is not in the prompt" in say(
+        False, "{{ x }}")

@@ -430,6 +430,16 @@ class Trainer:
     def _shard_batch(self, batch):
         return multihost.global_tree(batch, sharding.batch_sharding(self.mesh))
 
+    def prompt_summary(self) -> str:
+        """How the policy's prompts are written: the checkpoint's chat template, or raw text
+        (and then whether the checkpoint has a template the run leaves unused)."""
+        if self.cfg.rollout.chat:
+            return "prompts: the checkpoint's chat template (rollout.chat: true)"
+        unused = ("; the checkpoint has a chat template, unused: a task's system message is "
+                  "not in the prompt (rollout.chat: true uses it)"
+                  if getattr(self.codec, "chat_template", None) else "")
+        return f"prompts: raw text, no chat template (rollout.chat: false){unused}"
+
     def layout_summary(self) -> str:
         """One line on the mesh, how much of the train state each device holds, and the paths
         the train step takes (layer scan + remat policy, chunked log-probs, attention)."""
@@ -623,6 +633,7 @@ class Trainer:
         wall0 = time.time()
         self._print(config_lib.describe(cfg))
         self._print(f"model: {self.model_from}; {self.layout_summary()}")
+        self._print(self.prompt_summary())
         for line in (teacher_summary(cfg, self.step_cfg.reads), self._signals_summary()):
             if line:
                 self._print(line)
