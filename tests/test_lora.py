@@ -7,6 +7,7 @@ and the PEFT adapter folder give the adapted model's logits in transformers / pe
 import dataclasses
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -289,3 +290,26 @@ def test_a_lora_run_checkpoints_the_adapters_and_resumes_whole(tmp_path):
         t.close()
     res = loop.evaluate_run(str(tmp_path / "run"))
     assert res["step"] == 2
+    # the PEFT adapter names the base it was trained on (the warm-up's), and on that base it
+    # is the merged export (issue 45)
+    adapter = tmp_path / "run" / "final_model" / "adapter"
+    named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == os.path.abspath(tmp_path / "run" / "lora_base")
+    on_base, _ = load_hf(named, lora_rank=4, lora_alpha=cfg.model.lora.alpha)
+    load_peft_adapter(on_base, str(adapter))
+    merged, _ = load_hf(str(tmp_path / "run" / "final_model"))
+    got = to_hf_tensors(on_base)
+    for k, v in to_hf_tensors(merged).items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_a_run_that_trains_the_norms_writes_no_adapter_it_could_not_hold(tmp_path, capsys):
+    from jaxrl_agent.train import loop
+    from tests.runs import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", "model.lora.rank=4", "model.lora.train_norms=true",
+                      "trainer.steps=1", "trainer.eval_every=0")
+    loop.Trainer(cfg, progress=True, stream=sys.stdout).run()
+    assert (tmp_path / "run" / "final_model" / "config.json").exists()
+    assert not (tmp_path / "run" / "final_model" / "adapter").exists()
+    assert "no adapter/ folder: model.lora.train_norms" in capsys.readouterr().out

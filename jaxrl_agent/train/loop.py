@@ -786,8 +786,16 @@ class Trainer:
         works on every model the trainer writes."""
         from jaxrl_agent.models.hf import save_hf, save_peft_adapter
         save_hf(self.model, None, folder)  # LoRA: the adapters merged into the base
-        if self.model.config.lora_rank:  # ... and alone, as a PEFT folder on the local base
-            base = self.cfg.model.hf_path or self.paths.base_model
+        mc = self.model.config
+        if mc.lora_rank and mc.lora_train_norms:
+            self._print(f"{folder}: no adapter/ folder: model.lora.train_norms trained the "
+                        f"norms too, which a LoRA adapter does not hold; {folder} (merged) is "
+                        f"the trained policy")
+        elif mc.lora_rank:  # ... and alone, as a PEFT folder on the base it was trained on:
+            # the warm-up's (it trains the base in place) or the start's
+            base = os.path.join(self.paths.root, LORA_BASE)
+            if not os.path.isfile(os.path.join(base, "config.json")):
+                base = self.cfg.model.hf_path or self.paths.base_model
             save_peft_adapter(self.model, os.path.join(folder, "adapter"),
                               base_model_name_or_path=os.path.abspath(base))
         if hasattr(self.codec, "save_pretrained"):
