@@ -33,6 +33,7 @@ from ``Env.teacher_context()``): privileged text about the task that only a teac
 from __future__ import annotations
 
 import abc
+import collections
 import copy
 import dataclasses
 import hashlib
@@ -371,6 +372,33 @@ def names() -> list[str]:
 def env_class(name: str) -> Callable[..., Any]:
     """The class or factory registered as ``name``; ValueError listing the names."""
     return _registry.lookup(name, "env").fn
+
+
+def shortest_plan(start, actions, step: Callable, is_goal: Callable) -> list | None:
+    """The shortest action list from ``start`` to a state where ``is_goal`` holds, by
+    breadth-first search over ``step(state, action) -> state`` (states hashable; ``actions``
+    tried in order, so ties go to the earlier action): ``[]`` when ``start`` is a goal, None
+    when no goal is reachable. The built-in envs' solvers (``gridworld.bfs_plan``,
+    ``sokoban.bfs_plan``)."""
+    if is_goal(start):
+        return []
+    prev = {start: None}
+    q = collections.deque([start])
+    while q:
+        s = q.popleft()
+        for act in actions:
+            t = step(s, act)
+            if t in prev:
+                continue
+            prev[t] = (s, act)
+            if is_goal(t):
+                plan = []
+                while prev[t] is not None:
+                    t, a = prev[t]
+                    plan.append(a)
+                return plan[::-1]
+            q.append(t)
+    return None
 
 
 class FirstErrors:

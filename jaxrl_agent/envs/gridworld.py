@@ -37,9 +37,7 @@ of a configuration (the levels of the credit study in docs/training.md).
 
 from __future__ import annotations
 
-import collections
-
-from jaxrl_agent.envs.base import Env, Task, register, split_of
+from jaxrl_agent.envs.base import Env, Task, register, shortest_plan, split_of
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ALIASES = {"u": "up", "n": "up", "north": "up", "d": "down", "s": "down", "south": "down",
@@ -252,25 +250,8 @@ def transition(n, lay, state, act):
 def bfs_plan(n, lay, state=None):
     """Shortest action list from ``state`` (default: the start) to the goal, or None."""
     start = state if state is not None else (lay["start"], False, 0)
-    if start[0] == lay["goal"]:
-        return []
-    prev = {start: None}
-    q = collections.deque([start])
-    while q:
-        s = q.popleft()
-        for act in ACTIONS:
-            t = transition(n, lay, s, act)
-            if t in prev:
-                continue
-            prev[t] = (s, act)
-            if t[0] == lay["goal"]:
-                plan = []
-                while prev[t] is not None:
-                    t, a = prev[t]
-                    plan.append(a)
-                return plan[::-1]
-            q.append(t)
-    return None
+    return shortest_plan(start, ACTIONS, lambda s, a: transition(n, lay, s, a),
+                         lambda s: s[0] == lay["goal"])
 
 
 def render(n, lay, pos, has_key, door_open) -> str:

@@ -72,10 +72,9 @@ levels). ``horizon_stats`` reports the optimal solution lengths of a configurati
 
 from __future__ import annotations
 
-import collections
 import functools
 
-from jaxrl_agent.envs.base import Env, Task, register, split_of
+from jaxrl_agent.envs.base import Env, Task, register, shortest_plan, split_of
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ACTIONS = ("up", "down", "left", "right")
@@ -131,25 +130,8 @@ def bfs_plan(room, state=None):
     """Shortest move list from ``state`` (default: the start) to a solved state, or None when
     there is none (a dead lock); a forward breadth-first search over (player, boxes)."""
     start = state if state is not None else start_state(room)
-    if solved(room, start):
-        return []
-    prev = {start: None}
-    q = collections.deque([start])
-    while q:
-        s = q.popleft()
-        for act in ACTIONS:
-            t = transition(room, s, act)
-            if t in prev:
-                continue
-            prev[t] = (s, act)
-            if solved(room, t):
-                plan = []
-                while prev[t] is not None:
-                    t, a = prev[t]
-                    plan.append(a)
-                return plan[::-1]
-            q.append(t)
-    return None
+    return shortest_plan(start, ACTIONS, lambda s, a: transition(room, s, a),
+                         lambda s: solved(room, s))
 
 
 class DistanceTable:
