@@ -37,6 +37,14 @@ LEVELS = {
     "L3": ("7x7, two doors (three rooms)",
            ["env.kwargs.size=7", "env.kwargs.doors=2", "env.kwargs.max_turns=24",
             "rollout.max_turns=24", "trainer.sft_noise=0.1"]),
+    # the second family (docs/envs.md, "sokoban"): rooms drawn with an optimal solution of at
+    # least min_moves moves; not run yet in docs/training.md
+    "S1": ("Sokoban 6x6, one box, >= 8 moves",
+           ["env.name=sokoban", "env.kwargs={size: 6, boxes: 1, min_moves: 8, max_turns: 20, "
+            "action_names: letters}", "rollout.max_turns=20"]),
+    "S2": ("Sokoban 8x8, two boxes, >= 12 moves",
+           ["env.name=sokoban", "env.kwargs={size: 8, boxes: 2, min_moves: 12, max_turns: 30, "
+            "action_names: letters}", "rollout.max_turns=30"]),
 }
 
 #: the methods compared; the first is the baseline of the paired differences
