@@ -90,30 +90,50 @@ def _load_rows(path: pathlib.Path) -> list:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def report(out: pathlib.Path) -> str:
-    summary = json.loads((out / "summary.json").read_text())
-    arms = list(json.loads((out / "arms.json").read_text()))
-    seeds = sorted({int(p.name[4:]) for a in arms for p in (out / a).glob("seed*")})
-    steps = max(int(r["step"]) for a in arms for s in seeds
-                for r in _load_rows(out / a / f"seed{s}" / "metrics" / "metrics.jsonl"))
+def _finished(out: pathlib.Path, arm: str, steps: int) -> list[int]:
+    """The seeds of ``arm`` whose run reached ``steps``."""
+    done = []
+    for p in sorted((out / arm).glob("seed*")):
+        rows = _load_rows(p / "metrics" / "metrics.jsonl") if (
+            p / "metrics" / "metrics.jsonl").exists() else []
+        if any(int(r["step"]) >= steps and "eval/success" in r for r in rows):
+            done.append(int(p.name[4:]))
+    return done
+
+
+def report(out: pathlib.Path, arms, steps: int = 60) -> str:
+    """The table and figure of the finished runs of ``arms`` (an arm's unfinished or missing
+    seeds are left out of it; paired differences use the seeds both arms finished)."""
+    cr = _load("compare_runs")
+    seeds = {a: _finished(out, a, steps) for a in arms}
+    cfg_tasks = 128  # the horizon study's evaluation (horizon_study.BUDGET)
+    summary = {"variants": {}}
+    for a in arms:  # compare_runs' summary of this arm against the baseline on common seeds
+        common = [s for s in seeds[a] if s in seeds[arms[0]]]
+        part = cr.summarize(out, [(arms[0], []), (a, [])] if a != arms[0] else [(a, [])],
+                            common, cfg_tasks)
+        summary["variants"][a] = part["variants"][a]
+        summary["steps"] = part["steps"]
+    (out / "collapse_summary.json").write_text(json.dumps(summary, indent=1))
     data = {a: {k: np.stack([_series(out / a / f"seed{s}" / "metrics" / "metrics.jsonl", k,
-                                     steps) for s in seeds]) for k in DIAGNOSTICS}
+                                     steps) for s in seeds[a]]) for k in DIAGNOSTICS}
             for a in arms}
-    lines = [f"Seeds {seeds}; diagnostics: means over seeds of the mean over steps 1-15 "
-             f"-> steps {steps - 14}-{steps}.", "",
-             "| arm | held-out step 0 | final | lift | paired diff vs " + arms[0] + " | " +
-             " | ".join(DIAGNOSTICS.values()) + " |",
-             "|---|---|---|---|---|" + "---|" * len(DIAGNOSTICS)]
+    lines = [f"Seeds per arm: {seeds} (paired differences over the seeds both arms ran); "
+             f"diagnostics: means over seeds of the mean over steps 1-15 -> steps "
+             f"{steps - 14}-{steps}.", "",
+             "| arm | seeds | held-out step 0 | final | lift | paired diff vs " + arms[0] +
+             ", final | " + " | ".join(DIAGNOSTICS.values()) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(DIAGNOSTICS)]
     variants, evals = summary["variants"], summary["steps"]
     for a in arms:
-        first, last = (variants[a]["per_step"][str(st)] for st in (evals[0], evals[-1]))
+        first, last = (variants[a]["per_step"][st] for st in (evals[0], evals[-1]))
         cells = []
         for k in DIAGNOSTICS:
             x = data[a][k]
             cells.append(f"{np.nanmean(x[:, :15]):.3g} -> {np.nanmean(x[:, -15:]):.3g}")
         diff = "" if a == arms[0] else (f"{last['diff_vs_' + arms[0]]:+.2f} +- "
                                         f"{last['diff_ci95']:.2f}")
-        lines.append(f"| {a} | {first['mean']:.2f} +- {first['ci95']:.2f} | "
+        lines.append(f"| {a} | {len(seeds[a])} | {first['mean']:.2f} +- {first['ci95']:.2f} | "
                      f"{last['mean']:.2f} +- {last['ci95']:.2f} | "
                      f"{last['lift']:+.2f} +- {last['lift_ci95']:.2f} | {diff} | "
                      + " | ".join(cells) + " |")
@@ -132,8 +152,8 @@ def report(out: pathlib.Path) -> str:
             if k == "eval":
                 per = variants[a]["per_step"]
                 xs = list(evals)
-                m = np.array([per[str(st)]["mean"] for st in xs])
-                ci = np.array([per[str(st)]["ci95"] for st in xs])
+                m = np.array([per[st]["mean"] for st in xs])
+                ci = np.nan_to_num(np.array([per[st]["ci95"] for st in xs]))
                 ax.plot(xs, m, marker="o", label=a)
                 ax.fill_between(xs, m - ci, m + ci, alpha=0.15)
             else:
@@ -164,7 +184,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(a.out).absolute()
     if a.what == "run":
         return run(out, a.seeds, a.jobs, a.arms, a.warm_start)
-    print(report(out))
+    print(report(out, a.arms))
     return 0
 
 
