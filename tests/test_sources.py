@@ -110,7 +110,7 @@ def test_sources_listing(capsys):
     assert cli.main(["estimators", "--sources"]) == 0
     out = capsys.readouterr().out
     assert "opd                  estimator  teacher_logprobs <- teacher (teacher.source" in out
-    assert "pbrs                 shaping    potential <- env (reported by gridworld)" in out
+    assert "pbrs                 shaping    potential <- env (reported by gridworld, sokoban)" in out
     assert "taco                 transform  entropy <- policy" in out
     assert "oprl" in out and "ref_logprobs <- reference" in out
     assert f"{len(all_methods())} methods;" in out
