@@ -23,6 +23,16 @@ def _train(tmp_path, *sets, timeout=600):
                           timeout=timeout)
 
 
+def _train_with_reward(tmp_path, body: str, *sets):
+    """A run on TASKS with the reward ``def score(task, messages):`` + ``body`` in
+    ``my_reward.py`` (conversations in one row each), into ``tmp_path / "run"``."""
+    (tmp_path / "tasks.jsonl").write_text(TASKS + "\n")
+    (tmp_path / "my_reward.py").write_text("def score(task, messages):\n" + body)
+    return _train(tmp_path, "env.name=tasks",
+                  "env.kwargs={path: tasks.jsonl, reward: 'my_reward.py:score'}",
+                  "rollout.history=full", "trainer.layout=concatenated", *sets, "run.dir=run")
+
+
 def test_a_task_file_without_test_tasks_is_one_line(tmp_path):
     (tmp_path / "tasks.jsonl").write_text(TASKS.replace('"split": "test"', '"split": "train"'))
     p = _train(tmp_path, "env.name=tasks", "run.dir=run",
@@ -35,14 +45,9 @@ def test_a_reward_that_raises_is_shown_once_and_stops_the_run(tmp_path):
     """A typo'd key in the reward function: the KeyError and the user's line are printed (once)
     and saved in the run directory; every trajectory failing for trainer.max_failed_steps
     steps stops the run with a message that names the exception, not the group size."""
-    (tmp_path / "tasks.jsonl").write_text(TASKS + "\n")
-    (tmp_path / "my_reward.py").write_text(
-        "def score(task, messages):\n"
-        "    return float(messages[-1]['content'] == task['answr'])\n")
-    p = _train(tmp_path, "env.name=tasks",
-               "env.kwargs={path: tasks.jsonl, reward: 'my_reward.py:score'}",
-               "rollout.history=full", "trainer.layout=concatenated", "trainer.steps=6",
-               "trainer.max_failed_steps=2", "run.dir=run")
+    p = _train_with_reward(tmp_path, "    return float(messages[-1]['content'] == "
+                                     "task['answr'])\n", "trainer.steps=6",
+                           "trainer.max_failed_steps=2")
     out = p.stdout + p.stderr
     assert p.returncode == 2, out[-3000:]
     assert "KeyError" in out and "my_reward.py" in out and "task['answr']" in out
@@ -58,16 +63,10 @@ def test_a_reward_that_raises_is_shown_once_and_stops_the_run(tmp_path):
 def test_reward_errors_on_held_out_tasks_are_counted_as_the_evaluations(tmp_path):
     """A reward that raises only on the held-out task: shown once as the evaluation's, counted
     in eval/env_errors (train/env_errors stays 0), and said to count as failures."""
-    (tmp_path / "tasks.jsonl").write_text(TASKS + "\n")
-    (tmp_path / "my_reward.py").write_text(
-        "def score(task, messages):\n"
-        "    if task['id'] == 't5':\n"
-        "        raise KeyError('held-out only')\n"
-        "    return 0.0\n")
-    p = _train(tmp_path, "env.name=tasks",
-               "env.kwargs={path: tasks.jsonl, reward: 'my_reward.py:score'}",
-               "rollout.history=full", "trainer.layout=concatenated", "trainer.steps=2",
-               "trainer.max_failed_steps=0", "run.dir=run")
+    p = _train_with_reward(tmp_path, "    if task['id'] == 't5':\n"
+                                     "        raise KeyError('held-out only')\n"
+                                     "    return 0.0\n", "trainer.steps=2",
+                           "trainer.max_failed_steps=0")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     assert "evaluation at step 0: an environment raised RewardError" in out
