@@ -38,6 +38,11 @@ ARMS = {
     "kl_anchor": ("(a) a KL term to the warm start (k3, coefficient 0.05)",
                   ["loss.kl_coef=0.05"]),
     "lr1e-4": ("(a) a 5x smaller learning rate", ["optimizer.lr=1e-4"]),
+    "shuffled": ("null control: the step's returns permuted across its episodes (the update "
+                 "keeps its size and loses its signal)", ["trainer.shuffle_outcomes=true"]),
+    "tasks16x2": ("(a) the same 32 episodes a step from 16 tasks x 2 instead of 4 x 8: more "
+                  "independent groups with a signal per update",
+                  ["rollout.tasks_per_step=16", "rollout.group_size=2"]),
 }
 DEFAULT_ARMS = ["grpo", "no_penalty", "dr_grpo", "kl_anchor"]
 

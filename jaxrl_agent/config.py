@@ -276,6 +276,10 @@ class TrainerSection:
     # stop the run when every trajectory of this many steps in a row ended in an environment
     # (or reward function) error; 0 = never stop
     max_failed_steps: int = 3
+    # a null control for studies: each step's episode returns permuted across its episodes
+    # before credit (train.diagnostics.shuffled_outcomes); the update keeps its size, not its
+    # signal
+    shuffle_outcomes: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1280,7 +1284,8 @@ def describe(cfg: RunConfig) -> str:
         f"  rollout   {r.tasks_per_step} tasks x {r.group_size} = "
         f"{r.tasks_per_step * r.group_size} traj/step, <= {r.max_turns} turns, "
         f"{r.max_new_tokens} new tokens/turn, T={r.temperature:g}{tree}",
-        f"  estimator {est}",
+        f"  estimator {est}" + (" on SHUFFLED returns (trainer.shuffle_outcomes: a null "
+                                 "control)" if t.shuffle_outcomes else ""),
         f"  loss      {lo.policy} ({lo.agg}){kl}{ent}{off}",
         f"  sampler   {cfg.sampler.name}{smesh}{asy}",
         f"  optimizer adamw lr {o.lr:g} ({_schedule_words(cfg)}), clip {o.grad_clip:g}",

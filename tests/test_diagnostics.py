@@ -12,7 +12,7 @@ from flax import nnx
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.rollout.records import pack_records
-from jaxrl_agent.train.diagnostics import credit_metrics, episode_metrics
+from jaxrl_agent.train.diagnostics import credit_metrics, episode_metrics, shuffled_outcomes
 from jaxrl_agent.train.step import (StepConfig, init_state, make_train_step,
                                     sampled_logprobs)
 
@@ -118,6 +118,25 @@ def test_credit_metrics_split_the_mass_by_outcome_and_group():
     assert m["train/credit_failed_signed"] == pytest.approx((-2.0 + 1.0 - 1.0) / total)
     zero = credit_metrics(recs, np.zeros((4, 3)))
     assert set(zero.values()) == {0.0}
+
+
+def test_shuffled_outcomes_permute_the_returns_and_keep_the_rest():
+    recs = [{"group": i // 3, "success": float(i == 4), "outcome": float(i),
+             "turns": [dict(t, reward=-0.1) for t in _turns(*"abc"[:1 + i % 3])]}
+            for i in range(6)]
+    recs.append({"group": 2, "success": 0.0, "turns": [dict(t, reward=0.25) for t in
+                                                        _turns("a", "b")]})  # no outcome: 0.5
+    before = [dict(r) for r in recs]
+    out = shuffled_outcomes(recs, seed=3)
+    assert recs == before                                   # the inputs are untouched
+    assert sorted(r["outcome"] for r in out) == sorted([0.0, 1, 2, 3, 4, 5, 0.5])
+    assert [r["outcome"] for r in out] != [r.get("outcome", 0.5) for r in recs]  # some move
+    for r, o in zip(recs, out):
+        assert [t["reward"] for t in o["turns"]] == [0.0] * (len(r["turns"]) - 1) + [o["outcome"]]
+        assert o["success"] == r["success"] and o["group"] == r["group"]
+        assert [t["state_key"] for t in o["turns"]] == [t["state_key"] for t in r["turns"]]
+    assert shuffled_outcomes(recs, seed=3) == out            # seeded
+    assert shuffled_outcomes(recs[:1], seed=0) == recs[:1]
 
 
 def test_samples_fill_the_limit_and_carry_each_records_own_credit():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["episode_metrics", "credit_metrics"]
+__all__ = ["episode_metrics", "credit_metrics", "shuffled_outcomes"]
 
 
 def episode_metrics(records) -> dict:
@@ -82,3 +82,29 @@ def credit_metrics(records, turn) -> dict:
     return {"train/credit_failed": float(mass[failed].sum() / total),
             "train/credit_no_success_groups": float(mass[no_success].sum() / total),
             "train/credit_failed_signed": float(signed[failed].sum() / total)}
+
+
+def shuffled_outcomes(records, seed: int) -> list:
+    """A null control: ``records`` with their episode returns permuted across all of the step's
+    episodes (across groups too), so the credit keeps its size and distribution and loses any
+    relation to what the policy did. Each returned record's ``outcome`` is another episode's
+    return (its ``outcome``, else the sum of its turn rewards) and its turn rewards are 0 but
+    the last, which carries that return; everything else (``success`` included) is the
+    record's own. An outcome-level method (GRPO and its kin) then sees exactly a permutation of
+    the step's returns. The inputs are not modified; one record or none comes back unchanged.
+
+    If RL falls below its warm start as fast with this control as with the true returns, the
+    fall comes from the updates' size and noise, not from what the credit says."""
+    records = list(records)
+    if len(records) < 2:
+        return records
+    returns = [float(r["outcome"]) if "outcome" in r else
+               float(sum(t.get("reward", 0.0) for t in r["turns"])) for r in records]
+    order = np.random.default_rng(seed).permutation(len(records))
+    out = []
+    for r, j in zip(records, order):
+        turns = [dict(t, reward=0.0) for t in r["turns"]]
+        if turns:
+            turns[-1]["reward"] = returns[j]
+        out.append(dict(r, outcome=returns[j], turns=turns))
+    return out

@@ -66,7 +66,7 @@ from jaxrl_agent.train.build import (build_model, build_sampler, lora_fields, lo
                                      step_config, step_paths)
 from jaxrl_agent.train.rundir import (LORA_BASE, RunLockedError, existing_outputs,
                                       lock_run_dir, never_trained, run_config, write_config)
-from jaxrl_agent.train.diagnostics import credit_metrics, episode_metrics
+from jaxrl_agent.train.diagnostics import credit_metrics, episode_metrics, shuffled_outcomes
 from jaxrl_agent.train.samples import (credit_trajectories, sample_conversations,
                                        samples_markdown, turn_credit)
 from jaxrl_agent.train.teacher import load_teacher, teacher_records, teacher_summary
@@ -887,6 +887,8 @@ class Trainer:
                                   f"policies older than version {version} - "
                                   f"trainer.max_policy_lag ({t.max_policy_lag})")
         t1 = time.perf_counter()
+        if t.shuffle_outcomes:  # the null control: the credit loses its relation to the episodes
+            records = shuffled_outcomes(records, seed=t.seed * 1_000_003 + s)
         batch, traj = self._pack(records)
         shared = {}
         if t.prefix_sharing:  # one forward/backward per prefix tree, the same loss and gradient
