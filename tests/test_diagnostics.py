@@ -162,5 +162,6 @@ def test_the_start_up_says_which_prompt_format_a_run_uses():
         codec=types.SimpleNamespace(chat_template=template)))
     assert say(True, "{{ x }}") == "prompts: the checkpoint's chat template (rollout.chat: true)"
     assert say(False, None) == "prompts: raw text, no chat template (rollout.chat: false)"
-    assert "has a chat template, unused: a task's system message is not in the prompt" in say(
+    assert "has a chat template, unused (rollout.chat: true uses it; a task with a system " \
+           "message is refused without it)" in say(
         False, "{{ x }}")

@@ -18,6 +18,7 @@ from jaxrl_agent.envs import (GymnasiumTextAdapter, HTTPEnv, RewardError, SafeEn
                               solver_policy)
 from jaxrl_agent.envs.tasks import answer_reward, load_tasks, make_tasks
 from jaxrl_agent.rollout import ByteCodec, RolloutConfig, collect_groups
+from jaxrl_agent.rollout.chat import ChatError
 from jaxrl_agent.sampling import SampleOutput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,6 +142,9 @@ def test_collector_runs_the_task_env(at_repo):
     assert [r["num_turns"] for r in records] == [1, 1, 2, 2]
     assert [r["outcome"] for r in records] == [1.0] * 4 and stats["success_rate"] == 1.0
     assert stats["env_errors"] == 0
+    # raw-text prompts have no place for a task's system message: refused, never dropped
+    with pytest.raises(ChatError, match=r"task \S*opposite-1: .*system message.*rollout.chat: true"):
+        collect_groups(env, [task_of(env, "opposite-1")], Answer(), codec, cfg, seed=0)
 
 
 # --- the reward contract ------------------------------------------------------------------------

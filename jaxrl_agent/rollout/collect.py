@@ -504,6 +504,22 @@ def _rerender_differs(tr: _Live) -> bool:
         return True
 
 
+def _refuse_unused_system(env, label: str) -> None:
+    """Raw-text prompts (``rollout.chat: false``) have no place for a system message: one that
+    the task (or the environment) gives after ``reset`` would be dropped without a word, so it
+    is refused, naming the task and the two ways out."""
+    try:
+        system = getattr(env, "system_prompt", None)
+    except Exception:  # noqa: BLE001 - a property that fails: the chat path reports it
+        return
+    if system:
+        raise ChatError(
+            f"task {label}: the environment gives a system message ({system!r:.60}), which raw-"
+            f"text prompts (rollout.chat: false) leave out. Set rollout.chat: true to render it "
+            f"with the checkpoint's chat template, or remove it (the task's \"system\" field or "
+            f"system message, or the environment's system_prompt)")
+
+
 def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig,
            chats: _ChatTemplates | None = None, report_names: tuple = ()) -> list:
     """``G`` group-reset copies of every task, observed; a copy whose reset failed (or whose
@@ -522,6 +538,8 @@ def _start(base: Env, tasks: list, codec: TextCodec, config: RolloutConfig,
                     tr.chat = chats.for_env(env)
                 except _EnvAttributeError as e:  # like a failed reset
                     info = {"env_error": str(e)}
+            elif chats is None and g == 0 and not info.get("env_error"):
+                _refuse_unused_system(env, label)
             if info.get("done") or info.get("env_error"):  # reset failed: nothing to record
                 tr.done, tr.dropped, tr.env_error = True, True, str(info.get("env_error"))
             else:

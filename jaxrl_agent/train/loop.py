@@ -435,8 +435,8 @@ class Trainer:
         (and then whether the checkpoint has a template the run leaves unused)."""
         if self.cfg.rollout.chat:
             return "prompts: the checkpoint's chat template (rollout.chat: true)"
-        unused = ("; the checkpoint has a chat template, unused: a task's system message is "
-                  "not in the prompt (rollout.chat: true uses it)"
+        unused = ("; the checkpoint has a chat template, unused (rollout.chat: true uses it; "
+                  "a task with a system message is refused without it)"
                   if getattr(self.codec, "chat_template", None) else "")
         return f"prompts: raw text, no chat template (rollout.chat: false){unused}"
 
