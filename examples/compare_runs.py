@@ -247,8 +247,8 @@ def main(argv=None) -> int:
     root = pathlib.Path(a.out).absolute()
     root.mkdir(parents=True, exist_ok=True)
     variants = [_parse_variant(v) for v in a.variant]
-    from jaxrl_agent import config as config_lib
-    cfg = config_lib.load(None, a.sets)
+    from jaxrl_agent import run_checks
+    cfg = run_checks.load(None, a.sets)
     warm = pathlib.Path(a.warm_start).absolute() if a.warm_start else warm_start(root, a.sets)
     if not (warm / "config.json").exists():
         raise SystemExit(f"--warm-start {warm}: no config.json (not an HF model folder)")

@@ -71,10 +71,10 @@ def _compare_runs():
 
 def optimal_turns(level: str, num_tasks: int = 500) -> dict:
     """The solver's plan lengths on the level's layouts (``GridWorld.horizon_stats``)."""
-    from jaxrl_agent import config as config_lib
+    from jaxrl_agent import run_checks
     from jaxrl_agent import envs
 
-    cfg = config_lib.load(None, LEVELS[level][1])
+    cfg = run_checks.load(None, LEVELS[level][1])
     return envs.make_env(cfg.env.name, **cfg.env.kwargs).horizon_stats(num_tasks)
 
 

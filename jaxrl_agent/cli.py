@@ -446,25 +446,27 @@ def _train_config(args):
 def _with_imports(cfg, imports):
     """The run's plug-ins plus those given with --import (recorded in the run's config)."""
     from jaxrl_agent import config as config_lib
+    from jaxrl_agent import run_checks
 
     extra = [m for m in imports or () if m not in cfg.imports]
     if not extra:
         return cfg
     d = config_lib.to_dict(cfg)
     d["imports"] = list(cfg.imports) + extra
-    return config_lib.from_dict(d)
+    return run_checks.from_dict(d)
 
 
 def _train_config_of(args):
     from jaxrl_agent import config as config_lib
+    from jaxrl_agent import run_checks
     from jaxrl_agent.train.rundir import find_run, run_config
 
     if args.resume is None:
-        return config_lib.load(args.config, args.set or (), validate=False)
+        return run_checks.load(args.config, args.set or (), validate=False)
     if args.resume is not True:  # --resume RUN
         root = find_run(args.resume)
     else:  # the run the config names (default: runs/cpu_default)
-        named = config_lib.load(args.config, args.set or (), validate=False)
+        named = run_checks.load(args.config, args.set or (), validate=False)
         root = config_lib.run_dir(named)
         if not os.path.isfile(os.path.join(root, "config.yaml")):
             return named  # nothing to resume there: starts fresh
@@ -472,18 +474,19 @@ def _train_config_of(args):
         # resolved exactly as a fresh start resolves it (defaults that depend on the
         # environment, its files' folder, environment variables), so an unchanged file is an
         # unchanged config
-        d = config_lib.to_dict(config_lib.load(args.config, args.set or (), validate=False))
+        d = config_lib.to_dict(run_checks.load(args.config, args.set or (), validate=False))
         d["run"] = dict(d["run"], dir=root)
-        return config_lib.from_dict(d)
+        return run_checks.from_dict(d)
     return run_config(root, args.set or ())
 
 
 def cmd_train(args) -> int:
     from jaxrl_agent import config as config_lib
+    from jaxrl_agent import run_checks
 
     cfg = _train_config(args)
     if args.print_config:
-        print(yaml.safe_dump(config_lib.to_dict(config_lib.validate(cfg)), sort_keys=False))
+        print(yaml.safe_dump(config_lib.to_dict(run_checks.validate(cfg)), sort_keys=False))
         return 0
     from jaxrl_agent.sharding import multihost
 
@@ -555,9 +558,9 @@ def cmd_plan(args) -> int:
     """Compiles the run's train step (and the JAX sampler's prefill and decode step) ahead of
     time for a topology (shapes only) and prints the per-device memory, compile time and
     collectives; exit 1 when the run does not fit the chip's HBM."""
-    from jaxrl_agent import config as config_lib
+    from jaxrl_agent import run_checks
 
-    cfg = _with_imports(config_lib.load(args.config, args.set or (), validate=False),
+    cfg = _with_imports(run_checks.load(args.config, args.set or (), validate=False),
                         args.imports)
     from jaxrl_agent.train import plan as plan_lib
 

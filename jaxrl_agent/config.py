@@ -43,10 +43,13 @@ API:
 * ``apply_overrides(d, ["trainer.steps=5", "estimator.params.eps=1e-6"])`` on a raw dict.
 * ``load(path_or_None, overrides=(), *, validate=True)``: YAML (``None`` = the defaults, which equal
   ``configs/cpu_default.yaml``), then overrides, then ``from_dict`` and (by default) ``validate``.
-* ``validate(cfg)``: semantic checks: each section's values here, and what needs the
-  registries, environments or a trace of the run's methods in ``jaxrl_agent.run_checks``
-  (this module is the schema; that one imports the rest of the package).
+* ``validate(cfg)``: the checks of each section's values on their own (``SECTION_CHECKS``).
   It never touches the file system; ``check_paths(cfg)`` does (``model.hf_path`` exists).
+
+This module is the schema and imports nothing of the package above it. Whoever starts a run
+(the CLI, the trainer, ``plan``, the studies) loads its config through
+``jaxrl_agent.run_checks`` (``load``, ``from_dict``, ``validate``), which adds what needs the
+registries, the environments or a trace of the run's methods, between these section checks.
 * ``check_mesh(cfg, num_devices)`` -> resolved ``(data, fsdp, tensor)``.
 * ``to_dict(cfg)``, ``dump_yaml(cfg, path)``, ``describe(cfg)``.
 """
@@ -518,11 +521,10 @@ def _suggest(leaf: str) -> str:
 
 
 def from_dict(d: dict | None) -> RunConfig:
-    """A ``RunConfig`` from a nested dict (as read from YAML); missing keys take their defaults
-    and former hyper-parameter names their current ones (``canonical_params``). Raises
-    ``ConfigError`` naming the key for unknown keys and wrong types. No semantic checks."""
-    from jaxrl_agent import run_checks  # the hand-over to the package (it imports this module)
-    return run_checks.canonical_params(_build(RunConfig, d, ""))
+    """A ``RunConfig`` from a nested dict (as read from YAML); missing keys take their defaults.
+    Raises ``ConfigError`` naming the key for unknown keys and wrong types. No semantic checks
+    (``run_checks.from_dict`` also renames former hyper-parameter names)."""
+    return _build(RunConfig, d, "")
 
 
 def to_dict(cfg: RunConfig) -> dict:
@@ -733,16 +735,14 @@ def expand_env_vars(node, where: str, key: str = ""):
 
 def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
     """YAML file (``None`` = defaults, i.e. ``configs/cpu_default.yaml``), then ``--set`` overrides,
-    then ``from_dict``, then (unless ``validate=False``) ``validate``."""
+    then ``from_dict``, then (unless ``validate=False``) ``validate``: the schema alone; a run's
+    config is loaded with ``run_checks.load``."""
     raw = read_yaml(path) if path is not None else {}
     if path is not None and isinstance(raw.get("imports"), list):
         raw = dict(raw, imports=resolve_imports(raw["imports"], os.path.dirname(
             os.path.abspath(path))))
     d = apply_overrides(raw, overrides, defaults=to_dict(RunConfig()))
     cfg = _reply_length(from_dict(d), raw, overrides)
-    if path is not None:
-        from jaxrl_agent import run_checks
-        cfg = run_checks.with_env_base_dir(cfg, os.path.dirname(os.path.abspath(path)))
     if validate:
         _semantic_check(cfg)
     return cfg
@@ -1167,20 +1167,22 @@ def _check_distributed(cfg: RunConfig) -> None:
                           f"{d.process_id}")
 
 
+#: the checks of each section's values on their own, in the order of the file:
+#: section -> check (raises ``ConfigError`` naming the key). ``run_checks.validate`` runs them
+#: with its own checks in between.
+SECTION_CHECKS = {"name_and_run": _check_name_and_run, "model": _check_model,
+                  "rollout": _check_rollout, "optimizer": _check_optimizer,
+                  "trainer": _check_trainer, "sampler": _check_sampler,
+                  "run_dir": _check_run_dir, "mesh": _check_mesh,
+                  "distributed": _check_distributed, "teacher": _check_teacher}
+
+
 def validate(cfg: RunConfig) -> RunConfig:
-    """Semantic checks; raises ``ConfigError`` with a clear message, returns ``cfg`` otherwise.
-    Imports the run's plug-in modules first (``imports``), so the methods they register are
-    known; touches the file system for nothing else (see ``check_paths``). One check per
-    section, in the order of the file: this module's for the values of a section on their
-    own, ``run_checks``' where the registries, environments or a trace of the methods are
-    asked; the methods last (they pack a batch in ``trainer.layout``, checked before)."""
-    from jaxrl_agent import run_checks
-    run_checks.load_imports(cfg)
-    for check in (_check_name_and_run, _check_model, run_checks.check_env, _check_rollout,
-                  run_checks.check_estimator, run_checks.check_loss, _check_optimizer,
-                  _check_trainer, _check_sampler, _check_run_dir, _check_mesh,
-                  _check_distributed, _check_teacher, run_checks.check_signals,
-                  run_checks.check_methods, run_checks.check_group_size):
+    """The schema's semantic checks (``SECTION_CHECKS``, in order); raises ``ConfigError`` with
+    a clear message, returns ``cfg`` otherwise. Touches nothing outside ``cfg`` (see
+    ``check_paths``); the checks that ask the registries, environments or a trace of the
+    methods are ``run_checks.validate``'s."""
+    for check in SECTION_CHECKS.values():
         check(cfg)
     return cfg
 
@@ -1300,5 +1302,5 @@ __all__ = [
     "TrainerSection", "aux_losses", "signal_stages", "teacher_folder", "teacher_kind",
     "REMOVED_KEYS", "RESUMABLE_KEYS", "apply_overrides", "check_mesh", "check_paths",
     "config_changes", "describe", "dump_yaml", "from_dict", "load", "parse_override",
-    "read_yaml", "run_dir", "run_paths", "to_dict", "validate",
+    "read_yaml", "run_dir", "run_paths", "SECTION_CHECKS", "to_dict", "validate",
 ]

@@ -1,9 +1,17 @@
 """The checks of a run configuration that ask the rest of the package.
 
 ``jaxrl_agent.config`` is the schema: dataclasses, YAML, overrides and the checks of each
-section's values on their own. What needs the registries, the environments or a trace of the
-run's methods lives here, and ``config`` hands over to it (``config.validate``, ``from_dict``,
-``load``):
+section's values on their own (``config.SECTION_CHECKS``); it imports nothing of the package
+above it. A run's config is loaded here, by whoever starts the run (the CLI, the trainer,
+``plan``, the studies):
+
+* ``load(path, overrides)``: ``config.load`` without its checks, then ``canonical_params``,
+  ``with_env_base_dir`` and ``validate``; ``from_dict(d)``: a recorded config, renamed;
+* ``validate(cfg)``: the plug-in modules imported, then the schema's section checks with the
+  checks below in between, in the order of the sections (the methods last: they pack a batch
+  in ``trainer.layout``, checked before).
+
+The checks that ask the rest of the package:
 
 * ``load_imports``: the run's plug-in modules, imported before any name is looked up;
 * ``canonical_params``: former hyper-parameter names replaced by today's;
@@ -14,14 +22,14 @@ run's methods lives here, and ``config`` hands over to it (``config.validate``, 
   supplies, ``train.inputs.LOOP_INPUTS``);
 * ``check_group_size``: an estimator that compares a task's rollouts needs two of them.
 
-``config.validate`` runs them between its own section checks, in the order of the sections;
-each raises ``config.ConfigError`` naming the key.
+Each raises ``config.ConfigError`` naming the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +53,43 @@ LOSS_KEYS = {**{n: "loss.policy" for n in config.POLICY_LOSSES},
              **{n: "loss.kl_estimator (with loss.kl_coef)" for n in config.KL_ESTIMATORS},
              "entropy": "loss.entropy_coef", "value": "loss.value_coef (with a critic)",
              "sarsa": "loss.sarsa_coef (SAPO's SARSA loss on the value head)"}
+
+
+def load(path=None, overrides=(), *, validate: bool = True) -> RunConfig:
+    """A run's config: ``config.load(path, overrides)`` (the YAML file, ``None`` = the
+    defaults, then the ``--set`` overrides, parsed), former hyper-parameter names renamed
+    (``canonical_params``), a task-file environment pointed at the config file's folder
+    (``with_env_base_dir``), then (unless ``validate=False``) every check (``validate``)."""
+    cfg = canonical_params(config.load(path, overrides, validate=False))
+    if path is not None:
+        cfg = with_env_base_dir(cfg, os.path.dirname(os.path.abspath(path)))
+    return _check_all(cfg) if validate else cfg
+
+
+def from_dict(d: dict | None) -> RunConfig:
+    """A recorded config (a run's ``config.yaml``, a checkpoint's metadata): ``config.from_dict``
+    with former hyper-parameter names renamed (``canonical_params``). No semantic checks."""
+    return canonical_params(config.from_dict(d))
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Every check of a run's config; raises ``ConfigError`` with a clear message, returns
+    ``cfg`` otherwise. Imports the run's plug-in modules first (``imports``), so the methods
+    they register are known; touches the file system for nothing else (``config.check_paths``
+    does). One check per section, in the order of the file: the schema's for the values of a
+    section on their own, this module's where the registries, environments or a trace of the
+    methods are asked; the methods last (they pack a batch in ``trainer.layout``)."""
+    load_imports(cfg)
+    own = config.SECTION_CHECKS
+    for check in (own["name_and_run"], own["model"], check_env, own["rollout"],
+                  check_estimator, check_loss, own["optimizer"], own["trainer"],
+                  own["sampler"], own["run_dir"], own["mesh"], own["distributed"],
+                  own["teacher"], check_signals, check_methods, check_group_size):
+        check(cfg)
+    return cfg
+
+
+_check_all = validate  # ``load``'s keyword ``validate`` shadows the function
 
 
 def aux_loss_names() -> list[str]:

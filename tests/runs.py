@@ -1,6 +1,6 @@
 """Tiny training runs for the loop and run-directory tests: one shape, a few seconds each."""
 
-from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1",
         "model.num_heads=2", "model.num_kv_heads=2", "model.vocab_size=260",
@@ -14,7 +14,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=
 
 def tiny_config(run_dir, *extra):
     """The tiny run's config, living in ``run_dir``."""
-    return config_lib.load(None, TINY + [f"run.dir={run_dir}", *extra])
+    return run_checks.load(None, TINY + [f"run.dir={run_dir}", *extra])
 
 
 def deterministic(rows):

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from jaxrl_agent.envs.gridworld import GridWorld
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer
@@ -232,7 +233,7 @@ def test_decoupled_truncated_gradient_against_a_slow_reference():
 ])
 def test_config_refuses_inconsistent_off_policy_settings(sets, match):
     with pytest.raises(config_lib.ConfigError, match=match):
-        config_lib.load(None, sets)
+        run_checks.load(None, sets)
 
 
 # ----------------------------------------------------------------------------- runs

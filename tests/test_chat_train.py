@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from jaxrl_agent.train import loop
 from jaxrl_agent.train.metrics import read_metrics
 
@@ -24,7 +24,7 @@ SMALL = ["trainer.steps=1", "trainer.eval_every=0", "trainer.eval_tasks=2",
 def test_chat_config_trains(name, tiny_checkpoint, tmp_path, monkeypatch):
     pytest.importorskip("mcp")
     monkeypatch.chdir(ROOT)  # the configs name examples/ relative to the repository
-    cfg = config_lib.load(ROOT / "configs" / f"{name}.yaml",
+    cfg = run_checks.load(ROOT / "configs" / f"{name}.yaml",
                           SMALL + [f"model.hf_path={tiny_checkpoint}", f"run.dir={tmp_path}"])
     trainer = loop.Trainer(cfg, progress=False)
     seen = []

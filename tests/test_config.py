@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from jaxrl_agent import config as C
+from jaxrl_agent import run_checks
 from jaxrl_agent import estimators
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -22,39 +23,39 @@ def test_config_dir_has_the_expected_files():
 
 @pytest.mark.parametrize("path", VALID_YAML, ids=lambda p: p.name)
 def test_every_yaml_loads_and_validates(path):
-    cfg = C.load(path)
+    cfg = run_checks.load(path)
     assert isinstance(cfg, C.RunConfig)
-    assert C.validate(cfg) is cfg
+    assert run_checks.validate(cfg) is cfg
     assert cfg.name in C.describe(cfg)
 
 
 def test_critic_estimator_needs_a_value_head():
     with pytest.raises(C.ConfigError, match="model.value_head: true"):
-        C.load(None, ["estimator.name=turn_gae"])
-    C.load(None, ["estimator.name=hae", "model.value_head=true"])
+        run_checks.load(None, ["estimator.name=turn_gae"])
+    run_checks.load(None, ["estimator.name=hae", "model.value_head=true"])
 
 
 def test_estimator_extras_the_loop_cannot_supply_are_refused_early():
     with pytest.raises(C.ConfigError, match="turn_keys"):
-        C.load(None, ["estimator.name=step_group", "estimator.params={key: turn_key}"])
-    C.load(None, ["estimator.name=step_group", "estimator.params={key: history}"])
+        run_checks.load(None, ["estimator.name=step_group", "estimator.params={key: turn_key}"])
+    run_checks.load(None, ["estimator.name=step_group", "estimator.params={key: history}"])
 
 
 def test_grpo_and_gigpo_configs_differ_only_in_estimator_and_name():
-    a = C.to_dict(C.load(CONFIGS / "gridworld_grpo.yaml"))
-    b = C.to_dict(C.load(CONFIGS / "gridworld_gigpo.yaml"))
+    a = C.to_dict(run_checks.load(CONFIGS / "gridworld_grpo.yaml"))
+    b = C.to_dict(run_checks.load(CONFIGS / "gridworld_gigpo.yaml"))
     for d in (a, b):
         del d["estimator"], d["name"]
     assert a == b
 
 
 def test_cpu_default_yaml_equals_dataclass_defaults():
-    assert C.load(None) == C.RunConfig() == C.load(CONFIGS / "cpu_default.yaml")
+    assert run_checks.load(None) == C.RunConfig() == run_checks.load(CONFIGS / "cpu_default.yaml")
 
 
 def test_hf_examples_validate_without_checkpoint_on_disk():
     for name in ("gpu_example.yaml", "tpu_example.yaml"):
-        cfg = C.load(CONFIGS / name)
+        cfg = run_checks.load(CONFIGS / name)
         assert cfg.model.hf_path and cfg.model.dtype == "bfloat16"
         with pytest.raises(C.ConfigError, match="does not exist"):
             C.check_paths(cfg)
@@ -62,12 +63,12 @@ def test_hf_examples_validate_without_checkpoint_on_disk():
 
 
 def test_tpu_mesh_resolves():
-    cfg = C.load(CONFIGS / "tpu_example.yaml")
+    cfg = run_checks.load(CONFIGS / "tpu_example.yaml")
     assert C.check_mesh(cfg, 16) == (2, 4, 2)
     with pytest.raises(C.ConfigError, match="do not divide"):
         C.check_mesh(cfg, 12)
     assert C.check_mesh(C.RunConfig(), 8) == (8, 1, 1)
-    fixed = C.from_dict({"mesh": {"data": 2, "fsdp": 2, "tensor": 1}})
+    fixed = run_checks.from_dict({"mesh": {"data": 2, "fsdp": 2, "tensor": 1}})
     assert C.check_mesh(fixed, 4) == (2, 2, 1)
     assert C.check_mesh(fixed, 8) == (2, 2, 1)  # a smaller mesh: the first 4 devices
     with pytest.raises(C.ConfigError, match="only 2 devices"):
@@ -78,7 +79,7 @@ def test_tpu_mesh_resolves():
 
 
 def test_scalar_overrides():
-    cfg = C.load(None, ["trainer.steps=5", "optimizer.lr=1e-5", "model.value_head=true",
+    cfg = run_checks.load(None, ["trainer.steps=5", "optimizer.lr=1e-5", "model.value_head=true",
                         "name=exp1", "model.hf_path=null", "rollout.temperature=0"])
     assert cfg.trainer.steps == 5
     assert cfg.optimizer.lr == 1e-5 and isinstance(cfg.optimizer.lr, float)  # YAML 1.1 string
@@ -88,12 +89,12 @@ def test_scalar_overrides():
 
 
 def test_nested_dict_overrides():
-    cfg = C.load(CONFIGS / "gridworld_grpo.yaml",
+    cfg = run_checks.load(CONFIGS / "gridworld_grpo.yaml",
                  ["estimator.params.eps=1e-8", "env.kwargs.size=7", "loss.params.clip_high=0.3"])
     assert cfg.estimator.params == {"eps": 1e-8, "ddof": 1}  # 1e-8 is a float, not YAML 1.1's str
     assert cfg.env.kwargs == {"size": 7, "max_turns": 12}
     assert cfg.loss.params == {"clip_high": 0.3}
-    cfg = C.load(None, ["estimator.name=gae", "estimator.params.gamma=0.99",
+    cfg = run_checks.load(None, ["estimator.name=gae", "estimator.params.gamma=0.99",
                         "estimator.params.lam=0.95", "model.value_head=true"])
     assert cfg.estimator.params == {"gamma": 0.99, "lam": 0.95}
 
@@ -103,27 +104,27 @@ def test_mapping_key_override_merges_into_the_defaults(tmp_path):
     come from the built-in defaults or from the YAML file (a whole-mapping value replaces)."""
     default_kwargs = C.RunConfig().env.kwargs
     assert default_kwargs  # the test needs a non-empty default mapping
-    cfg = C.load(None, ["env.kwargs.invalid_penalty=0"])
+    cfg = run_checks.load(None, ["env.kwargs.invalid_penalty=0"])
     assert cfg.env.kwargs == {**default_kwargs, "invalid_penalty": 0}
     path = tmp_path / "c.yaml"
     path.write_text("env:\n  name: gridworld\n  kwargs: {size: 6}\n")
-    assert C.load(path, ["env.kwargs.extra_walls=1"]).env.kwargs == {"size": 6, "extra_walls": 1}
+    assert run_checks.load(path, ["env.kwargs.extra_walls=1"]).env.kwargs == {"size": 6, "extra_walls": 1}
     path.write_text("env:\n  name: gridworld\n")  # kwargs left out: the default, then merged
-    assert C.load(path, ["env.kwargs.size=6"]).env.kwargs == {**default_kwargs, "size": 6}
-    assert C.load(None, ["env.kwargs={size: 6}"]).env.kwargs == {"size": 6}
+    assert run_checks.load(path, ["env.kwargs.size=6"]).env.kwargs == {**default_kwargs, "size": 6}
+    assert run_checks.load(None, ["env.kwargs={size: 6}"]).env.kwargs == {"size": 6}
 
 
 def test_list_and_mapping_overrides():
-    cfg = C.load(None, ["env.kwargs={size: 4, extra_walls: 0}", "estimator.params={eps: 0.5}",
+    cfg = run_checks.load(None, ["env.kwargs={size: 4, extra_walls: 0}", "estimator.params={eps: 0.5}",
                         "estimator.name=grpo"])
     assert cfg.env.kwargs == {"size": 4, "extra_walls": 0}
     assert cfg.estimator.params == {"eps": 0.5}
     d = C.apply_overrides({}, ["env.kwargs.layout=[1, 2, 3]"])
     assert d == {"env": {"kwargs": {"layout": [1, 2, 3]}}}
-    cfg = C.from_dict(d)  # structurally fine; env kwargs checked by validate
+    cfg = run_checks.from_dict(d)  # structurally fine; env kwargs checked by validate
     assert cfg.env.kwargs["layout"] == [1, 2, 3]
     with pytest.raises(C.ConfigError, match=r"unknown key 'env.kwargs.layout'.*valid keys: size"):
-        C.validate(cfg)
+        run_checks.validate(cfg)
 
 
 def test_overrides_apply_in_order_and_do_not_mutate_input():
@@ -135,14 +136,14 @@ def test_overrides_apply_in_order_and_do_not_mutate_input():
 @pytest.mark.parametrize("bad", ["trainer.steps", "=3", "trainer..steps=3", "a.b=[unclosed"])
 def test_malformed_overrides(bad):
     with pytest.raises(C.ConfigError, match="override"):
-        C.load(None, [bad])
+        run_checks.load(None, [bad])
 
 
 def test_override_through_scalar_is_an_error():
     with pytest.raises(C.ConfigError, match="'trainer.steps' is not a mapping"):
         C.apply_overrides({"trainer": {"steps": 3}}, ["trainer.steps.x=1"])
     with pytest.raises(C.ConfigError, match="'trainer.steps' is not a mapping"):
-        C.load(None, ["trainer.steps.x=1"])  # the default steps value is on the way
+        run_checks.load(None, ["trainer.steps.x=1"])  # the default steps value is on the way
 
 
 # --- structural errors -------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def test_override_through_scalar_is_an_error():
 
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(C.ConfigError) as e:
-        C.load(None, ["trainer.lrr=1e-5"])
+        run_checks.load(None, ["trainer.lrr=1e-5"])
     msg = str(e.value)
     assert "unknown key 'trainer.lrr'" in msg and "valid keys of trainer:" in msg
     for f in dataclasses.fields(C.TrainerSection):
@@ -159,19 +160,19 @@ def test_unknown_key_lists_valid_keys():
 
 def test_unknown_key_suggests_other_section():
     with pytest.raises(C.ConfigError, match=r"unknown key 'trainer.lr'.*did you mean optimizer.lr"):
-        C.load(None, ["trainer.lr=1e-5"])
+        run_checks.load(None, ["trainer.lr=1e-5"])
 
 
 def test_unknown_top_level_key():
     with pytest.raises(C.ConfigError, match=r"unknown key 'trainr'; valid top-level keys: name, imports, run, model"):
-        C.from_dict({"trainr": {}})
+        run_checks.from_dict({"trainr": {}})
 
 
 def test_unknown_key_in_yaml_file(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("rollout:\n  group_sizee: 4\n")
     with pytest.raises(C.ConfigError, match=r"unknown key 'rollout.group_sizee'.*group_size"):
-        C.load(p)
+        run_checks.load(p)
 
 
 @pytest.mark.parametrize("d, key, expected", [
@@ -190,7 +191,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
 ])
 def test_type_errors_name_key_type_and_value(d, key, expected):
     with pytest.raises(C.ConfigError) as e:
-        C.from_dict(d)
+        run_checks.from_dict(d)
     msg = str(e.value)
     assert f"'{key}'" in msg and expected in msg
     value = d[key.split(".")[0]] if "." not in key else d[key.split(".")[0]][key.split(".")[1]]
@@ -200,26 +201,26 @@ def test_type_errors_name_key_type_and_value(d, key, expected):
 def test_scientific_notation_is_float_everywhere(tmp_path):
     p = tmp_path / "sci.yaml"
     p.write_text("optimizer: {lr: 1e-5}\nestimator: {params: {eps: 1E-7}}\nname: 1e3run\n")
-    cfg = C.load(p)
+    cfg = run_checks.load(p)
     assert cfg.optimizer.lr == 1e-5 and cfg.estimator.params == {"eps": 1e-7}
     assert cfg.name == "1e3run"
 
 
 def test_ints_accepted_for_floats():
-    cfg = C.from_dict({"optimizer": {"lr": 1, "grad_clip": 0}, "rollout": {"top_p": 1}})
+    cfg = run_checks.from_dict({"optimizer": {"lr": 1, "grad_clip": 0}, "rollout": {"top_p": 1}})
     assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
     assert isinstance(cfg.optimizer.grad_clip, float) and isinstance(cfg.rollout.top_p, float)
 
 
 def test_empty_sections_and_files(tmp_path):
-    assert C.from_dict({"trainer": None, "env": {"kwargs": None}}) == C.RunConfig(
+    assert run_checks.from_dict({"trainer": None, "env": {"kwargs": None}}) == C.RunConfig(
         env=C.EnvSection(kwargs={}))
     p = tmp_path / "empty.yaml"
     p.write_text("# nothing\n")
-    assert C.load(p) == C.RunConfig()
+    assert run_checks.load(p) == C.RunConfig()
     p.write_text("- a\n- b\n")
     with pytest.raises(C.ConfigError, match="top level must be a mapping"):
-        C.load(p)
+        run_checks.load(p)
 
 
 # --- semantic errors ---------------------------------------------------------------------------
@@ -288,19 +289,19 @@ def test_empty_sections_and_files(tmp_path):
     ("sampler.prefill_chunk=-8", r"sampler.prefill_chunk must be >= 0"),
 ])
 def test_semantic_errors(override, match):
-    cfg = C.load(None, [override], validate=False)
+    cfg = run_checks.load(None, [override], validate=False)
     with pytest.raises(C.ConfigError, match=match):
-        C.validate(cfg)
+        run_checks.validate(cfg)
 
 
 def test_sampler_devices_are_the_jax_samplers():
     with pytest.raises(C.ConfigError, match="the vllm sampler runs one engine per host"):
-        C.validate(C.load(None, ["sampler.name=vllm", "sampler.tensor_parallel=2"],
+        run_checks.validate(run_checks.load(None, ["sampler.name=vllm", "sampler.tensor_parallel=2"],
                           validate=False))
     with pytest.raises(C.ConfigError, match="at most one of data_parallel / tensor_parallel"):
-        C.validate(C.load(None, ["sampler.data_parallel=-1", "sampler.tensor_parallel=-1"],
+        run_checks.validate(run_checks.load(None, ["sampler.data_parallel=-1", "sampler.tensor_parallel=-1"],
                           validate=False))
-    cfg = C.load(None, ["sampler.data_parallel=-1", "sampler.tensor_parallel=2"])
+    cfg = run_checks.load(None, ["sampler.data_parallel=-1", "sampler.tensor_parallel=2"])
     assert "sampler   jax over data=-1 x tensor=2 devices" in C.describe(cfg)
 
 
@@ -312,10 +313,10 @@ def test_every_registered_estimator_and_its_params_validate():
     refused = []
     for name in estimators.names():
         params = dict(estimators.spec(name).hyper_params)
-        cfg = C.from_dict({"estimator": {"name": name, "params": params},
+        cfg = run_checks.from_dict({"estimator": {"name": name, "params": params},
                            "model": {"value_head": True}})
         try:
-            C.validate(cfg)
+            run_checks.validate(cfg)
         except C.ConfigError as e:
             assert "set teacher.source" in str(e) or "signals: [" in str(e), (name, str(e))
             refused.append(name)
@@ -341,12 +342,12 @@ def test_every_registered_estimator_and_its_params_validate():
 ])
 def test_hyper_parameter_values_are_checked_at_config_time(sets, match):
     with pytest.raises(C.ConfigError, match=match):
-        C.load(None, sets + ["model.value_head=true"])
+        run_checks.load(None, sets + ["model.value_head=true"])
 
 
 def test_group_size_one_is_fine_for_estimators_with_their_own_baseline():
     for name in ("turn_gae", "reinforce_pp", "sapo"):
-        C.load(None, ["rollout.group_size=1", f"estimator.name={name}", "model.value_head=true"])
+        run_checks.load(None, ["rollout.group_size=1", f"estimator.name={name}", "model.value_head=true"])
 
 
 def test_config_error_is_value_error():
@@ -358,22 +359,22 @@ def test_config_error_is_value_error():
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.name)
 def test_round_trip_to_dict_from_dict(path):
-    cfg = C.load(path, validate=False)
+    cfg = run_checks.load(path, validate=False)
     d = C.to_dict(cfg)
-    assert C.from_dict(d) == cfg
+    assert run_checks.from_dict(d) == cfg
     assert yaml.safe_load(yaml.safe_dump(d)) == d  # YAML-safe
 
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.name)
 def test_round_trip_dump_load(path, tmp_path):
-    cfg = C.load(path, ["trainer.seed=7", "estimator.params.extra=[1, 2]"], validate=False)
+    cfg = run_checks.load(path, ["trainer.seed=7", "estimator.params.extra=[1, 2]"], validate=False)
     out = tmp_path / "dumped.yaml"
     C.dump_yaml(cfg, out)
-    assert C.load(out, validate=False) == cfg
+    assert run_checks.load(out, validate=False) == cfg
 
 
 def test_to_dict_is_a_copy():
-    cfg = C.load(None, ["env.kwargs.size=4"])
+    cfg = run_checks.load(None, ["env.kwargs.size=4"])
     d = C.to_dict(cfg)
     d["env"]["kwargs"]["size"] = 9
     assert cfg.env.kwargs["size"] == 4
@@ -386,23 +387,23 @@ def test_frozen():
 
 
 def test_describe_mentions_the_essentials():
-    s = C.describe(C.load(CONFIGS / "gridworld_grpo.yaml"))
+    s = C.describe(run_checks.load(CONFIGS / "gridworld_grpo.yaml"))
     assert "gridworld_grpo" in s and "grpo" in s and "ppo" in s and "4 tasks x 8 = 32" in s
     assert "tiny built-in" in C.describe(C.RunConfig())
 
 
 def test_sampler_shorthand():
     """``sampler: vllm`` (YAML or --set) is ``sampler: {name: vllm}``; the rest keep defaults."""
-    cfg = C.load(None, ["sampler=vllm"])
+    cfg = run_checks.load(None, ["sampler=vllm"])
     assert cfg.sampler == C.SamplerSection(name="vllm")
-    assert C.from_dict({"sampler": "vllm"}).sampler.name == "vllm"
-    assert C.load(None, ["sampler.name=vllm", "sampler.probe_every=0"]).sampler.probe_every == 0
-    assert C.load(None, ["sampler=vllm", "sampler.kv_cache_mb=64"]).sampler == C.SamplerSection(
+    assert run_checks.from_dict({"sampler": "vllm"}).sampler.name == "vllm"
+    assert run_checks.load(None, ["sampler.name=vllm", "sampler.probe_every=0"]).sampler.probe_every == 0
+    assert run_checks.load(None, ["sampler=vllm", "sampler.kv_cache_mb=64"]).sampler == C.SamplerSection(
         name="vllm", kv_cache_mb=64)
     with pytest.raises(C.ConfigError, match="sampler"):
-        C.from_dict({"sampler": 3})
+        run_checks.from_dict({"sampler": 3})
     # on a config with a sampler mapping, `--set sampler=jax` changes only the name
-    gpu = C.load(CONFIGS / "gpu_example.yaml", ["sampler=jax"], validate=False)
+    gpu = run_checks.load(CONFIGS / "gpu_example.yaml", ["sampler=jax"], validate=False)
     assert gpu.sampler.name == "jax" and gpu.sampler.transfer == "dlpack"
 
 
@@ -411,7 +412,7 @@ def test_sampler_shorthand():
 def test_remat_takes_a_policy_or_a_bool(value, policy):
     from jaxrl_agent.train.build import step_config
 
-    cfg = C.load(None, [f"trainer.remat={value}", "trainer.logits_chunk=64",
+    cfg = run_checks.load(None, [f"trainer.remat={value}", "trainer.logits_chunk=64",
                         "trainer.attention=dense"])
     scfg = step_config(cfg, 1)
     assert (scfg.remat, scfg.logits_chunk, scfg.attention) == (policy, 64, "dense")
@@ -424,7 +425,7 @@ def test_remat_takes_a_policy_or_a_bool(value, policy):
                                    "rollout.tasks_per_step=4"]])
 def test_the_banner_says_the_schedule_the_run_follows(sets):
     from jaxrl_agent.train.build import run_lr_schedule
-    cfg = C.load(None, sets)
+    cfg = run_checks.load(None, sets)
     words = C._schedule_words(cfg)
     assert words in C.describe(cfg)
     lr = run_lr_schedule(cfg)
@@ -459,7 +460,7 @@ def test_resume_with_the_same_shipped_config_changes_nothing(name, tmp_path, mon
     write_config(fresh, str(run / "config.yaml"))
     resumed = cli._train_config(cli.build_parser().parse_args(
         ["train", str(config), *sets, "--resume"]))
-    saved = C.from_dict(C.read_yaml(run / "config.yaml"))
+    saved = run_checks.from_dict(C.read_yaml(run / "config.yaml"))
     assert C.config_changes(saved, resumed) == ([], [])
 
 
@@ -468,6 +469,34 @@ def test_shipped_configs_find_their_files_from_any_directory(name, tmp_path, mon
     from jaxrl_agent import envs
     config = pathlib.Path(__file__).resolve().parents[1] / "configs" / name
     monkeypatch.chdir(tmp_path)  # neither the repository root nor configs/
-    cfg = C.load(str(config), validate=False)
+    cfg = run_checks.load(str(config), validate=False)
     env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
     assert env is not None
+
+
+def test_the_schema_checks_its_own_values_and_the_run_checks_ask_the_package():
+    """``config`` parses and checks each section's values and imports nothing of the package
+    above it; ``run_checks.load`` adds the registries, the environments and the methods' trace,
+    in the same order and with the same messages as one call did before the split."""
+    import subprocess
+    import sys
+    probe = ("import sys, jaxrl_agent.config as c; c.load(None, ['trainer.steps=3']); "
+             "print(sorted(m for m in sys.modules if m.startswith('jaxrl_agent')))")
+    mods = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout
+    for above in ("run_checks", "train", "estimators", "losses"):
+        assert f"'jaxrl_agent.{above}" not in mods, mods
+    unknown = ["estimator.name=no_such_method"]
+    assert C.load(None, unknown).estimator.name == "no_such_method"  # a value, not the schema's
+    with pytest.raises(C.ConfigError, match="estimator.name"):
+        run_checks.load(None, unknown)
+    # a section's own value is refused by both, with one message
+    bad = ["optimizer.lr=-1"]
+    with pytest.raises(C.ConfigError) as schema:
+        C.load(None, bad)
+    with pytest.raises(C.ConfigError) as full:
+        run_checks.load(None, bad)
+    assert str(schema.value) == str(full.value)
+    # the order of the sections: the model's check comes before the estimator's
+    with pytest.raises(C.ConfigError, match="model"):
+        run_checks.load(None, unknown + ["model.dtype=float7"])

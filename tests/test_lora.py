@@ -18,6 +18,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from jaxrl_agent import sharding
 from jaxrl_agent.models import (LoRAParam, ModelConfig, Transformer, load_hf, load_peft_adapter,
                                 lora_paths, save_hf, save_peft_adapter, to_hf_tensors,
@@ -103,7 +104,7 @@ def test_trainable_filter_and_lora_config_errors():
                         (["model.lora.rank=4", "model.lora.targets=[q_proj,wq]"],
                          "model.lora.targets")):
         with pytest.raises(config_lib.ConfigError, match=words):
-            config_lib.load(None, sets)
+            run_checks.load(None, sets)
 
 
 def test_a_rank_as_large_as_the_matrix_is_refused_naming_the_largest_valid_one(
@@ -116,16 +117,16 @@ def test_a_rank_as_large_as_the_matrix_is_refused_naming_the_largest_valid_one(
              "model.intermediate_size=512"]
     with pytest.raises(config_lib.ConfigError,
                        match=r"model.lora.rank 32 .* k_proj \(128 x 32\).*largest valid rank is 31"):
-        config_lib.load(None, small + ["model.lora.rank=32"])
+        run_checks.load(None, small + ["model.lora.rank=32"])
     # only the targeted matrices count: without k/v the smallest side is 128
-    ok = config_lib.load(None, small + ["model.lora.rank=32",
+    ok = run_checks.load(None, small + ["model.lora.rank=32",
                                         "model.lora.targets=[q_proj,o_proj,gate_proj]"])
     assert ok.model.lora.rank == 32
     # a checkpoint's shapes come from its config.json (check_paths, before anything is built)
     hf = json.loads((tiny_checkpoint / "config.json").read_text())
     side = min(hf["hidden_size"], hf["num_key_value_heads"] * (
         hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]))
-    cfg = config_lib.load(None, [f"model.hf_path={tiny_checkpoint}",
+    cfg = run_checks.load(None, [f"model.hf_path={tiny_checkpoint}",
                                  f"model.lora.rank={side}"])
     with pytest.raises(config_lib.ConfigError, match=f"largest valid rank is {side - 1}"):
         config_lib.check_paths(cfg)

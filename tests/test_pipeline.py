@@ -14,6 +14,7 @@ import pytest
 
 from jaxrl_agent import cli
 from jaxrl_agent import config as C
+from jaxrl_agent import run_checks
 from jaxrl_agent import estimators as E
 from jaxrl_agent.rollout.records import RecordError, pack_records
 from tests.strategies import PAD
@@ -79,13 +80,13 @@ def test_former_hyper_parameter_names_map_in_configs_and_pipelines():
     d = config_lib.to_dict(config_lib.RunConfig())
     d["estimator"] = {"name": "gigpo", "params": {"mode": "mean_norm"},
                       "then": [{"name": "trial", "params": {"lam": 0.5}}]}
-    cfg = config_lib.from_dict(d)
+    cfg = run_checks.from_dict(d)
     assert cfg.estimator.params == {"normalization": "mean_norm"}
     assert cfg.estimator.then == [{"name": "trial", "params": {"weight": 0.5}}]
     d["estimator"]["params"] = {"mode": "mean_norm", "normalization": "mean_std_norm"}
     with pytest.raises(config_lib.ConfigError,
                        match=r"^estimator.params: .*give 'normalization' only \('mode' is its"):
-        config_lib.from_dict(d)
+        run_checks.from_dict(d)
     assert E.Pipeline.build("gigpo", {"mode": "mean_norm"}) == \
         E.Pipeline.build("gigpo", {"normalization": "mean_norm"})
 
@@ -259,15 +260,15 @@ def test_cli_lists_every_kind(capsys):
 
 
 def test_config_stages_validate_and_describe():
-    cfg = C.from_dict({"estimator": {"name": "grpo", "then": ["reallocate"]}})
+    cfg = run_checks.from_dict({"estimator": {"name": "grpo", "then": ["reallocate"]}})
     assert C.stages(cfg.estimator, "then") == (("reallocate", ()),)
     with pytest.raises(C.ConfigError, match=r"reallocate reads extras\['weights'\], which no "
                                             r"source of this run supplies.*signals:"):
-        C.validate(cfg)  # weights no source of the default run supplies
-    cfg = C.from_dict({"estimator": {"name": "grpo", "then": [
+        run_checks.validate(cfg)  # weights no source of the default run supplies
+    cfg = run_checks.from_dict({"estimator": {"name": "grpo", "then": [
         {"name": "reallocate", "params": {"weights": "switch"}}]},
         "env": {"name": "gridworld"}})
-    assert C.from_dict(C.to_dict(cfg)) == cfg
+    assert run_checks.from_dict(C.to_dict(cfg)) == cfg
 
 
 @pytest.mark.parametrize("then,needle", [
@@ -279,11 +280,11 @@ def test_config_stages_validate_and_describe():
 ])
 def test_config_stage_errors(then, needle):
     with pytest.raises(C.ConfigError, match=needle):
-        C.validate(C.from_dict({"estimator": {"name": "grpo", "then": then}}))
+        run_checks.validate(run_checks.from_dict({"estimator": {"name": "grpo", "then": then}}))
 
 
 def test_config_override_sets_stages():
-    cfg = C.load(None, ["estimator.then=[{name: shuffled_control, params: {weights: w}}]"],
+    cfg = run_checks.load(None, ["estimator.then=[{name: shuffled_control, params: {weights: w}}]"],
                   validate=False)
     assert C.stages(cfg.estimator, "then") == (("shuffled_control", (("weights", "w"),)),)
     assert f"{cfg.estimator.name} -> shuffled_control" in C.describe(cfg)

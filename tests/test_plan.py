@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxrl_agent import cli
-from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from jaxrl_agent.models.transformer import Transformer
 from jaxrl_agent.train import build
 from jaxrl_agent.train import plan as plan_lib
@@ -31,7 +31,7 @@ needs_libtpu = pytest.mark.skipif(
 
 
 def _cfg(*sets):
-    return config_lib.load(None, list(SMALL) + list(sets), validate=False)
+    return run_checks.load(None, list(SMALL) + list(sets), validate=False)
 
 
 @pytest.fixture
@@ -303,7 +303,7 @@ def test_cli_plan_on_tpu_prints_hbm_verdict(capsys, keep_env):
 def test_model_shapes_without_weights(tmp_path):
     """The shipped TPU config names a checkpoint that is not here: its published shapes are
     used (and said); a config.json alone is enough; an unknown missing folder is a PlanError."""
-    cfg = config_lib.load("configs/tpu_example.yaml", [], validate=False)
+    cfg = run_checks.load("configs/tpu_example.yaml", [], validate=False)
     notes = []
     mc = plan_lib.model_config(cfg, None, notes)
     assert (mc.hidden_size, mc.num_layers, mc.vocab_size) == (1536, 28, 151936)
@@ -315,7 +315,7 @@ def test_model_shapes_without_weights(tmp_path):
         '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
         '"head_dim": 16, "vocab_size": 300}')
     assert plan_lib.model_config(cfg, str(folder)).family == "qwen3"
-    missing = config_lib.load("configs/tpu_example.yaml", ["model.hf_path=/nowhere/MyModel"],
+    missing = run_checks.load("configs/tpu_example.yaml", ["model.hf_path=/nowhere/MyModel"],
                               validate=False)
     with pytest.raises(plan_lib.PlanError, match="needs only config.json"):
         plan_lib.model_config(missing)
@@ -338,7 +338,7 @@ BF16 = ["model.dtype=bfloat16", "model.num_heads=4", "model.num_kv_heads=2", "mo
 def _sampler_plan(cfg, topology):
     """``plan_sampler`` alone (no train step) for the config's model on the topology's first
     host (one device unless sampler.data_parallel / tensor_parallel say otherwise)."""
-    cfg = config_lib.validate(cfg)
+    cfg = run_checks.validate(cfg)
     devices = plan_lib.topology_devices(topology)
     model = nnx.eval_shape(lambda: Transformer(plan_lib.model_config(cfg), rngs=nnx.Rngs(0)))
     return plan_lib.plan_sampler(plan_lib.abstract_sampler(cfg, model, devices), cfg)
@@ -368,7 +368,7 @@ def test_sampler_dims_follow_generate_buckets():
     max_context - max_new tokens to a length bucket; the cache as generate sizes it."""
     fake = types.SimpleNamespace(batch_buckets=(8, 64), len_buckets=(64, 128, 256, 300),
                                  new_token_buckets=(16, 32, 64, 128, 256, 300), max_len=300)
-    cfg = config_lib.load(None, ["rollout.tasks_per_step=6", "rollout.group_size=5",
+    cfg = run_checks.load(None, ["rollout.tasks_per_step=6", "rollout.group_size=5",
                                  "rollout.max_context_tokens=300", "rollout.max_new_tokens=20",
                                  "trainer.eval_tasks=40"], validate=False)
     d = plan_lib.sampler_dims(cfg, fake)
@@ -377,7 +377,7 @@ def test_sampler_dims_follow_generate_buckets():
                  "prefill_chunk": None}
     # two hosts: each sends its share, 3 tasks x 5 = 15 rollouts or 20 eval tasks
     assert plan_lib.sampler_dims(cfg, fake, 2)["prompts"] == 20
-    no_eval = config_lib.load(None, ["rollout.tasks_per_step=6", "rollout.group_size=5",
+    no_eval = run_checks.load(None, ["rollout.tasks_per_step=6", "rollout.group_size=5",
                                      "rollout.max_context_tokens=200", "trainer.eval_every=0",
                                      "rollout.branch_turns=[1]", "rollout.branch_factor=3"],
                               validate=False)
@@ -399,7 +399,7 @@ def test_cpu_sampler_decode_step_bytes(sets):
     assert sp.device_kind == "cpu"
     assert {k: sp.dims[k] for k in ("prompts", "batch", "prompt_len", "cache_len")} == \
         {"prompts": 16, "batch": 16, "prompt_len": 32, "cache_len": 32}
-    _check_sampler_bytes(sp, config_lib.validate(cfg))
+    _check_sampler_bytes(sp, run_checks.validate(cfg))
     # the prefill returns the cache and the logits [B, V] float32
     assert sp.prefill.output_bytes >= sp.kv_cache_bytes + 16 * cfg.model.vocab_size * 4
 
@@ -457,7 +457,7 @@ def test_tpu_v5e_2x2_sampler_decode_step(keep_env):
     cfg = _cfg(*BF16)
     sp = _sampler_plan(cfg, "v5e:2x2")
     assert sp.device_kind == "TPU v5 lite"
-    _check_sampler_bytes(sp, config_lib.validate(cfg))
+    _check_sampler_bytes(sp, run_checks.validate(cfg))
     assert sp.peak_bytes < 64 * 2 ** 20
     # split over the slice's 4 chips (rows over 2, heads over 2): a quarter of the KV cache
     # per chip (plus its rows' int32 indices), less than the whole model, and the decode

@@ -14,6 +14,7 @@ import pytest
 
 from jaxrl_agent import cli, registry
 from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from tests.runs import TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +126,7 @@ def test_a_config_imports_relative_to_its_file(plugin, tmp_path):
     cfg_file.parent.mkdir()
     cfg_file.write_text("imports: [../my_credit.py]\nestimator: {name: centered_outcome}\n"
                         "env: {name: small_grid}\n")
-    cfg = config_lib.load(cfg_file, TINY)
+    cfg = run_checks.load(cfg_file, TINY)
     assert cfg.imports == [str(plugin)] and cfg.estimator.name == "centered_outcome"
 
 
@@ -143,10 +144,10 @@ def test_reads_are_checked_against_what_the_loop_supplies(tmp_path, request):
     request.addfinalizer(lambda: [registry.unregister(n, "estimator")
                                   for n in ("needs_judge_test", "needs_critic_test")])
     with pytest.raises(config_lib.ConfigError, match=r"extras\['judge'\].*credit"):
-        config_lib.load(None, TINY + ["estimator.name=needs_judge_test"])
+        run_checks.load(None, TINY + ["estimator.name=needs_judge_test"])
     with pytest.raises(config_lib.ConfigError, match="model.value_head: true"):
-        config_lib.load(None, TINY + ["estimator.name=needs_critic_test"])
-    config_lib.load(None, TINY + ["estimator.name=needs_critic_test", "model.value_head=true"])
+        run_checks.load(None, TINY + ["estimator.name=needs_critic_test"])
+    run_checks.load(None, TINY + ["estimator.name=needs_critic_test", "model.value_head=true"])
 
 
 def test_the_loop_supplies_every_declared_loop_input():
@@ -186,8 +187,7 @@ def test_every_acronym_has_a_descriptive_alias(capsys):
     """Each credit method of the package answers to a descriptive name beside its key (its
     function's name, or an explicit alias); the alias resolves to the same entry in a config
     and is listed by `jaxrl-agent estimators`."""
-    from jaxrl_agent import cli, registry
-    from jaxrl_agent import config as config_lib
+    from jaxrl_agent import cli, registry, run_checks
     import jaxrl_agent.estimators  # noqa: F401
     entries = [e for kind in ("estimator", "shaping", "transform") for e in registry.entries(kind)
                if e.origin.startswith("jaxrl_agent.")]
@@ -197,7 +197,7 @@ def test_every_acronym_has_a_descriptive_alias(capsys):
         for alias in e.aliases:
             assert registry.find(alias, e.kind) is e
     assert registry.find("group_normalized_outcome", "estimator").name == "grpo"
-    cfg = config_lib.load(None, ["estimator.name=anchor_state_groups"])
+    cfg = run_checks.load(None, ["estimator.name=anchor_state_groups"])
     assert registry.find(cfg.estimator.name, "estimator").name == "gigpo"
     assert cli.main(["estimators"]) == 0
     assert "(also: group_normalized_outcome)" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from jaxrl_agent import estimators, sharding
 from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.models.config import ModelConfig
@@ -416,7 +417,7 @@ def test_make_mesh():
     # the config section, a dict, keyword overrides and explicit devices
     sec = config_lib.MeshSection(data=2, fsdp=4, tensor=1)
     assert dict(sharding.make_mesh(sec).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
-    m = sharding.make_mesh(config_lib.load(None, ["mesh.fsdp=2", "mesh.tensor=2"]).mesh)
+    m = sharding.make_mesh(run_checks.load(None, ["mesh.fsdp=2", "mesh.tensor=2"]).mesh)
     assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     assert dict(sharding.make_mesh({"fsdp": 4}).shape) == {"data": 1, "fsdp": 4, "tensor": 1}
     assert dict(sharding.make_mesh(sec, fsdp=-1).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
@@ -439,18 +440,18 @@ def test_make_mesh():
 ])
 def test_config_rejects_bad_mesh_rules_and_distributed(overrides, match):
     with pytest.raises(config_lib.ConfigError, match=match):
-        config_lib.load(None, overrides)
+        run_checks.load(None, overrides)
 
 
 def test_config_accepts_rules_and_distributed():
-    cfg = config_lib.load(None, ["mesh.rules={embed: null, mlp: [fsdp, tensor]}",
+    cfg = run_checks.load(None, ["mesh.rules={embed: null, mlp: [fsdp, tensor]}",
                                  "distributed.coordinator_address=h:1234",
                                  "distributed.num_processes=2", "distributed.process_id=1"])
     assert cfg.mesh.rules == {"embed": None, "mlp": ["fsdp", "tensor"]}
     assert cfg.distributed.process_id == 1
     # a partial section is fine in the YAML: the rest comes from $JAXRL_* on each host, and
     # completeness is checked after that merge (multihost.resolve_settings)
-    part = config_lib.load(None, ["distributed.coordinator_address=h:1234"])
+    part = run_checks.load(None, ["distributed.coordinator_address=h:1234"])
     from jaxrl_agent.sharding import multihost
     with pytest.raises(ValueError, match="num_processes"):
         multihost.resolve_settings(**dataclasses.asdict(part.distributed), env={})

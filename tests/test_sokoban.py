@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from jaxrl_agent.envs import (GridWorld, SafeEnv, Sokoban, Task, make_env, reset_group,
                               run_episode, solver_policy, split_of)
 from jaxrl_agent.envs.sokoban import (ACTIONS, bfs_plan, distance, distance_table, parse_level,
@@ -282,7 +282,7 @@ def test_group_reset_fork_and_clone():
 def test_registered_as_sokoban():
     env = make_env("sokoban", size=7, boxes=2)
     assert isinstance(env, Sokoban) and (env.size, env.boxes) == (7, 2)
-    cfg = config_lib.load(None, ["env.name=sokoban", "env.kwargs.size=7", "env.kwargs.boxes=2",
+    cfg = run_checks.load(None, ["env.name=sokoban", "env.kwargs.size=7", "env.kwargs.boxes=2",
                                  "env.kwargs.max_turns=30", "rollout.max_turns=30"])
     assert cfg.env.name == "sokoban" and dict(cfg.env.kwargs) == {"size": 7, "boxes": 2,
                                                                   "max_turns": 30}

@@ -64,10 +64,10 @@ def test_every_registered_loss_has_a_config_key():
                                                 "treeopsd", "t_reg", "weighted_sft"}
     with pytest.raises(C.ConfigError, match=r"loss.aux\[0\]: 'k3' has a key of its own: "
                                             r"loss.kl_estimator"):
-        C.load(None, ["loss.aux=[k3]"])
+        run_checks.load(None, ["loss.aux=[k3]"])
     with pytest.raises(C.ConfigError, match=r"unknown key 'loss.aux\[0\].params.tau' for loss "
                                             r"'sdl'; valid keys: teacher, behavior"):
-        C.load(None, ["teacher.source=live", "loss.aux=[{name: sdl, params: {tau: 1}}]"])
+        run_checks.load(None, ["teacher.source=live", "loss.aux=[{name: sdl, params: {tau: 1}}]"])
 
 
 def test_every_method_validates_with_its_sources():
@@ -78,7 +78,7 @@ def test_every_method_validates_with_its_sources():
     refused = []
     for kind, name in all_methods():
         try:
-            cfg = C.load(None, PLUGIN + method_overrides(kind, name))
+            cfg = run_checks.load(None, PLUGIN + method_overrides(kind, name))
         except C.ConfigError as e:
             refused.append((name, str(e)))
             continue
@@ -102,7 +102,7 @@ def test_every_method_validates_with_its_sources():
 ])
 def test_a_field_configured_nowhere_names_its_key(overrides, match):
     with pytest.raises(C.ConfigError, match=match):
-        C.load(None, overrides)
+        run_checks.load(None, overrides)
 
 
 def test_sources_listing(capsys):
@@ -201,7 +201,7 @@ def test_teacher_of_another_vocabulary_or_tokenizer_is_refused(tmp_path):
     from jaxrl_agent.train.teacher import load_teacher
     student = _model()  # vocabulary 64
     other = _save(tmp_path, "other_vocab", 96)
-    cfg = C.load(None, [f"teacher.source={other}", "estimator.name=opd"])
+    cfg = run_checks.load(None, [f"teacher.source={other}", "estimator.name=opd"])
     with pytest.raises(C.ConfigError, match=r"teacher.source: the teacher .*other_vocab' has a "
                                             r"vocabulary of 96 tokens, the student .* 64"):
         load_teacher(cfg, student, ByteCodec())
@@ -211,12 +211,12 @@ def test_teacher_of_another_vocabulary_or_tokenizer_is_refused(tmp_path):
         def encode(self, text):
             return [i + 1 for i in super().encode(text)]
 
-    cfg = C.load(None, [f"teacher.source={same}", "estimator.name=opd"])
+    cfg = run_checks.load(None, [f"teacher.source={same}", "estimator.name=opd"])
     with pytest.raises(C.ConfigError, match="encode the same text differently"):
         load_teacher(cfg, student, Shifted())
     assert load_teacher(cfg, student, ByteCodec()).config.vocab_size == 64
     with pytest.raises(C.ConfigError, match="neither none, base, live, ema nor a checkpoint"):
-        C.check_paths(C.load(None, [f"teacher.source={tmp_path / 'nothing'}"]))
+        C.check_paths(run_checks.load(None, [f"teacher.source={tmp_path / 'nothing'}"]))
 
 
 # ----------------------------------------------------------------------------- signals
@@ -334,7 +334,7 @@ def test_every_method_trains_one_step(kind, name):
     """One train step of every registered method with its sources: finite loss and
     gradient, and an update that moved the parameters."""
     from jaxrl_agent.train.build import step_config
-    cfg = C.load(None, PLUGIN + method_overrides(kind, name))
+    cfg = run_checks.load(None, PLUGIN + method_overrides(kind, name))
     scfg = step_config(cfg, 1)
     model = _model(value_head=True)
     recs = run_signals(_records(), C.signal_stages(cfg))
@@ -382,7 +382,7 @@ def test_teacher_view_holds_the_same_actions_after_its_context(layout):
     cfg = RolloutConfig(group_size=2, max_new_tokens=8, prompt_prefix=(codec.bos_token_id,))
     recs, _ = collect(HintGrid(), cfg)
     assert all(r["teacher_context"].startswith("plan: ") for r in recs)
-    run = C.load(None, ["teacher.source=live", "teacher.context=true",
+    run = run_checks.load(None, ["teacher.source=live", "teacher.context=true",
                         "teacher.system_prompt=You are the teacher."])
     view = teacher_records(recs, run, codec.encode, cfg.prompt_prefix, layout)
     for rec, tv in zip(recs, view):
@@ -405,9 +405,9 @@ def test_teacher_view_holds_the_same_actions_after_its_context(layout):
 def test_teacher_context_needs_a_teacher_and_raw_prompts():
     with pytest.raises(C.ConfigError, match="teacher.context / teacher.system_prompt give a "
                                             "teacher its own prompt: set teacher.source"):
-        C.load(None, ["teacher.context=true"])
+        run_checks.load(None, ["teacher.context=true"])
     with pytest.raises(C.ConfigError, match="trainer.prefix_sharing is not supported"):
-        C.load(None, ["teacher.source=live", "teacher.system_prompt=hint",
+        run_checks.load(None, ["teacher.source=live", "teacher.system_prompt=hint",
                       "trainer.prefix_sharing=true"])
 
 

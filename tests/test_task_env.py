@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxrl_agent import config as C
+from jaxrl_agent import run_checks
 from jaxrl_agent import registry
 from jaxrl_agent.envs import (GymnasiumTextAdapter, HTTPEnv, RewardError, SafeEnv, TaskEnv,
                               TaskFileError, load_reward, make_env, resolve_env, run_episode,
@@ -503,7 +504,7 @@ def test_gymnasium_name_form(fake_gymnasium):
     assert isinstance(env.clone(), GymnasiumTextAdapter) and fake_gymnasium == [{"bonus": 2.0}] * 2
     with pytest.raises(ValueError, match=r"gymnasium.make\('Nope-v0'\) failed: KeyError"):
         make_env("gymnasium:Nope-v0")
-    cfg = C.load(None, ["env.name=gymnasium:Echo-v0", "env.kwargs={max_turns: 3}"])
+    cfg = run_checks.load(None, ["env.name=gymnasium:Echo-v0", "env.kwargs={max_turns: 3}"])
     assert cfg.env.name == "gymnasium:Echo-v0"
 
 
@@ -514,7 +515,7 @@ def test_gymnasium_not_installed(monkeypatch):
         make_env("gymnasium:Echo-v0")
     with pytest.raises(C.ConfigError, match=r"env.name: environment 'gymnasium:Echo-v0' needs "
                                             r"gymnasium.*pip install gymnasium"):
-        C.load(None, ["env.name=gymnasium:Echo-v0", "env.kwargs={}"])
+        run_checks.load(None, ["env.name=gymnasium:Echo-v0", "env.kwargs={}"])
 
 
 def test_http_and_mcp_name_forms():
@@ -532,7 +533,7 @@ def test_http_and_mcp_name_forms():
                                              r"environment registered as 'mcp'"):
             resolve_env(f"mcp:{cmd}")
         with pytest.raises(C.ConfigError, match=r"env.name: .*registered as 'mcp'"):
-            C.load(None, [f"env.name=mcp:{cmd}", "env.kwargs={}"])
+            run_checks.load(None, [f"env.name=mcp:{cmd}", "env.kwargs={}"])
 
         class FakeMCP:
             def __init__(self, command, max_turns=8):
@@ -567,10 +568,10 @@ def test_unknown_names_and_kwargs():
 
 
 def test_config_accepts_the_name_forms(at_repo):
-    cfg = C.load(None, ["env.name=tasks", "env.kwargs={path: examples/tasks.jsonl, reward: "
+    cfg = run_checks.load(None, ["env.name=tasks", "env.kwargs={path: examples/tasks.jsonl, reward: "
                         "'examples/task_reward.py:score'}"])
     assert cfg.env.kwargs["path"] == "examples/tasks.jsonl"
-    cfg = C.load(None, ["env.name=http://127.0.0.1:9", "env.kwargs={timeout: 2.0}"])
+    cfg = run_checks.load(None, ["env.name=http://127.0.0.1:9", "env.kwargs={timeout: 2.0}"])
     assert cfg.env.name == "http://127.0.0.1:9"
     for sets, match in [
         (["env.name=tasks", "env.kwargs={path: t.jsonl}"],
@@ -584,4 +585,4 @@ def test_config_accepts_the_name_forms(at_repo):
                             r"gridworld"),
     ]:
         with pytest.raises(C.ConfigError, match=match):
-            C.load(None, sets)
+            run_checks.load(None, sets)

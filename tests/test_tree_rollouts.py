@@ -11,6 +11,7 @@ import time
 import pytest
 
 from jaxrl_agent import config as C
+from jaxrl_agent import run_checks
 from jaxrl_agent.rollout.records import pack_records
 from jaxrl_agent.envs import Calculator, Chain, GridWorld, GymnasiumTextAdapter, SafeEnv, Task
 from jaxrl_agent.envs.chain import WORDS
@@ -318,7 +319,7 @@ def test_rollout_config_stores_sorted_turns():
 
 
 def test_config_keys():
-    cfg = C.load(None, ["rollout.branch_turns=[0, 2]", "rollout.branch_factor=2",
+    cfg = run_checks.load(None, ["rollout.branch_turns=[0, 2]", "rollout.branch_factor=2",
                         "trainer.prefix_sharing=true", "trainer.prefix_tree_len=256"])
     assert cfg.rollout.branch_turns == [0, 2] and cfg.trainer.prefix_tree_len == 256
     assert "branch x2 at turns [0, 2]" in C.describe(cfg) and "prefix sharing" in C.describe(cfg)
@@ -331,4 +332,4 @@ def test_config_keys():
                        ("trainer.prefix_sharing=1", "'trainer.prefix_sharing' must be bool"),
                        ("trainer.prefix_tree_len=null", "'trainer.prefix_tree_len' must be int")]:
         with pytest.raises(C.ConfigError, match=match):
-            C.load(None, [bad])
+            run_checks.load(None, [bad])

@@ -96,8 +96,8 @@ def test_an_mcp_server_that_does_not_exist_is_one_line_naming_it(tmp_path):
 
 
 def test_switching_env_estimator_or_loss_starts_their_settings_empty():
-    from jaxrl_agent import config as config_lib
-    load = lambda *s: config_lib.load(None, list(s), validate=False)  # noqa: E731
+    from jaxrl_agent import run_checks
+    load = lambda *s: run_checks.load(None, list(s), validate=False)  # noqa: E731
     assert load().env.kwargs["action_names"] == "letters"  # the grid world's default
     cfg = load("env.name=tasks", "env.kwargs.path=examples/tasks.jsonl",
                "env.kwargs.reward=jaxrl_agent.envs.tasks:answer_reward")
@@ -108,7 +108,7 @@ def test_switching_env_estimator_or_loss_starts_their_settings_empty():
         "gamma": 0.9}  # set before the switch: kept
     assert load("estimator.name=grpo").estimator.params == {}
     # a YAML env section without kwargs does not inherit the grid world's either
-    assert config_lib.from_dict({"env": {"name": "chain"}}).env.kwargs == {}
+    assert run_checks.from_dict({"env": {"name": "chain"}}).env.kwargs == {}
 
 
 def test_an_estimator_hyper_parameter_one_level_too_high_gets_a_did_you_mean(tmp_path):
@@ -184,16 +184,17 @@ def test_a_task_env_gets_chat_sized_replies_unless_the_config_sets_them():
     """The run default (8 new tokens) is the grid world's one-letter action: a task file,
     MCP or chat config that does not set rollout.max_new_tokens gets 256."""
     from jaxrl_agent import config as config_lib
+    from jaxrl_agent import run_checks
     tasks = ["env.name=tasks",
              "env.kwargs={path: examples/tasks.jsonl, reward: 'jaxrl_agent.envs.tasks:answer_reward'}"]
-    assert config_lib.load(None, tasks).rollout.max_new_tokens == config_lib.CHAT_MAX_NEW_TOKENS
-    assert config_lib.load(None, [*tasks, "rollout.max_new_tokens=12"]).rollout.max_new_tokens == 12
-    assert config_lib.load(None, []).rollout.max_new_tokens == 8  # the grid world keeps 8
+    assert run_checks.load(None, tasks).rollout.max_new_tokens == config_lib.CHAT_MAX_NEW_TOKENS
+    assert run_checks.load(None, [*tasks, "rollout.max_new_tokens=12"]).rollout.max_new_tokens == 12
+    assert run_checks.load(None, []).rollout.max_new_tokens == 8  # the grid world keeps 8
     # and GRPO rather than the grid world's GiGPO, unless the estimator is named
-    assert config_lib.load(None, tasks).estimator.name == "grpo"
-    assert config_lib.load(None, [*tasks, "estimator.name=rloo"]).estimator.name == "rloo"
-    assert config_lib.load(None, [*tasks, "estimator={name: gigpo}"]).estimator.name == "gigpo"
-    assert config_lib.load(None, []).estimator.name == "gigpo"
+    assert run_checks.load(None, tasks).estimator.name == "grpo"
+    assert run_checks.load(None, [*tasks, "estimator.name=rloo"]).estimator.name == "rloo"
+    assert run_checks.load(None, [*tasks, "estimator={name: gigpo}"]).estimator.name == "gigpo"
+    assert run_checks.load(None, []).estimator.name == "gigpo"
 
 
 def test_weights_and_biases_logging_is_optional_and_resumable(tmp_path, monkeypatch):
@@ -204,11 +205,12 @@ def test_weights_and_biases_logging_is_optional_and_resumable(tmp_path, monkeypa
     import types
 
     from jaxrl_agent import config as config_lib
+    from jaxrl_agent import run_checks
     from jaxrl_agent.train.metrics import MetricsLogger
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     with pytest.raises(config_lib.ConfigError, match=r"jaxrl-agent\[wandb\]"):
-        config_lib.load(None, ["metrics.wandb=true"])
+        run_checks.load(None, ["metrics.wandb=true"])
     calls = []
 
     class Run:
@@ -222,7 +224,7 @@ def test_weights_and_biases_logging_is_optional_and_resumable(tmp_path, monkeypa
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    assert config_lib.load(None, ["metrics.wandb=true"]).metrics.wandb
+    assert run_checks.load(None, ["metrics.wandb=true"]).metrics.wandb
     for resume in (None, 1):
         with MetricsLogger(tmp_path / "m", total_steps=2, tensorboard=False, progress=False,
                            wandb={"project": "p", "name": "n"}, resume_from_step=resume) as lg:

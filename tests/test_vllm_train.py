@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jaxrl_agent import cli
-from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from jaxrl_agent.train import loop
 from jaxrl_agent.train.checkpoint import latest_step
 from jaxrl_agent.train.metrics import read_metrics
@@ -26,7 +26,7 @@ SMALL = ["sampler=vllm", "sampler.kv_cache_mb=64", "rollout.tasks_per_step=2",
 
 
 def _cfg(d, *extra):
-    return config_lib.load(None, SMALL + [
+    return run_checks.load(None, SMALL + [
         f"run.dir={d}", "checkpoint.export_warmup=false", *extra])
 
 

@@ -161,7 +161,7 @@ class Trainer:
 
     def __init__(self, cfg: config_lib.RunConfig, *, resume: bool = False, progress: bool = True,
                  stream=None, overwrite: bool = False, read_only: bool = False):
-        config_lib.validate(cfg)
+        run_checks.validate(cfg)
         config_lib.check_paths(cfg)
         self.cfg, self.resume = cfg, resume
         self.paths = config_lib.run_paths(cfg)
@@ -206,7 +206,7 @@ class Trainer:
         root, found = self.paths.root, existing_outputs(self.paths.root)
         if self.resume:
             if os.path.exists(self.paths.config):
-                saved = config_lib.from_dict(config_lib.read_yaml(self.paths.config))
+                saved = run_checks.from_dict(config_lib.read_yaml(self.paths.config))
                 allowed, refused = config_lib.config_changes(saved, self.cfg)
                 if refused and never_trained(root):  # nothing trained yet: the new settings
                     for k, a, b in refused:
@@ -828,7 +828,7 @@ class Trainer:
         """The checkpoint's own copy of the config agrees with this one on every key that
         changes what is learned (``config.config_changes``)."""
         try:
-            saved = config_lib.from_dict(meta.get("config", {}))
+            saved = run_checks.from_dict(meta.get("config", {}))
         except config_lib.ConfigError as e:
             raise config_lib.ConfigError(f"--resume: the checkpoint's config cannot be read "
                                          f"({e})") from None
@@ -1225,7 +1225,7 @@ def evaluate_run(run, *, step: int | None = None, num_tasks: int | None = None,
     d = config_lib.to_dict(cfg)
     d["mesh"] = {"data": -1, "fsdp": 1, "tensor": 1, "rules": d["mesh"]["rules"]}
     d["distributed"] = {}
-    cfg = config_lib.from_dict(config_lib.apply_overrides(d, overrides))
+    cfg = run_checks.from_dict(config_lib.apply_overrides(d, overrides))
     trainer = Trainer(cfg, resume=True, progress=False, read_only=True)
     try:
         if step is None:

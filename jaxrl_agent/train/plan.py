@@ -72,6 +72,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 from jaxrl_agent import sharding
 from jaxrl_agent.batch import TrajectoryBatch, bucket
 from jaxrl_agent.models.config import ModelConfig
@@ -1116,7 +1117,7 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
         topology's devices, heads that the tensor axis does not divide, a bad config.
     """
     devices = topology_devices(topology)  # first: cpu:N must come before JAX's CPU backend
-    cfg = config_lib.validate(cfg)
+    cfg = run_checks.validate(cfg)
     try:
         mesh = sharding.make_mesh(cfg.mesh, devices=devices)
     except (ValueError, AssertionError) as e:  # JAX's mesh_utils asserts on TPU layouts

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from jaxrl_agent import config as config_lib
+from jaxrl_agent import run_checks
 
 __all__ = ["LORA_BASE", "RunLockedError", "existing_outputs", "find_run", "lock_run_dir",
            "never_trained", "run_config", "write_config"]
@@ -90,5 +91,5 @@ def run_config(run, overrides=()) -> config_lib.RunConfig:
     d = config_lib.read_yaml(os.path.join(root, "config.yaml"))
     d = config_lib.apply_overrides(d, overrides)
     d["run"] = dict(d.get("run") or {}, dir=root)
-    return config_lib.from_dict(d)
+    return run_checks.from_dict(d)
 
