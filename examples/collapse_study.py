@@ -40,6 +40,9 @@ ARMS = {
     "lr1e-4": ("(a) a 5x smaller learning rate", ["optimizer.lr=1e-4"]),
     "shuffled": ("null control: the step's returns permuted across its episodes (the update "
                  "keeps its size and loses its signal)", ["trainer.shuffle_outcomes=true"]),
+    "shuffled_lr1e-4": ("null control at the 5x smaller learning rate: how far noise of the "
+                        "update's size moves the policy there",
+                        ["trainer.shuffle_outcomes=true", "optimizer.lr=1e-4"]),
     "tasks16x2": ("(a) the same 32 episodes a step from 16 tasks x 2 instead of 4 x 8: more "
                   "independent groups with a signal per update",
                   ["rollout.tasks_per_step=16", "rollout.group_size=2"]),
