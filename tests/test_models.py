@@ -420,6 +420,51 @@ def test_blocked_attention_and_remat_policies_change_nothing(model, masking):
                                    np.asarray(alone.logits[:, 6:]), atol=2e-5, rtol=0)
 
 
+def test_mlp_tiles_reduce_the_weight_gradient_once_across_row_shards():
+    """``tiled_over_tokens`` with the rows' sharding: each row shard reads its own copy of the
+    MLP's weights, so the weight gradient is summed across devices once after the tiles (no
+    all-reduce inside the tile loop, where GSPMD puts one per tile without the copies); the
+    numbers are the untiled MLP's. On a data 2 x fsdp 2 x tensor 2 mesh of host devices."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxrl_agent.models.transformer import MLP, tiled_over_tokens
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    mlp = MLP(QWEN3, rngs=nnx.Rngs(3))
+    graphdef, weights = nnx.split(mlp)
+    x = jax.random.normal(jax.random.key(0), (8, 20, QWEN3.hidden_size))
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    xs = jax.device_put(x, rows)
+
+    def loss(w, x, chunk, sharding):
+        y = tiled_over_tokens(nnx.merge(graphdef, w), x, chunk, sharding) if chunk else \
+            nnx.merge(graphdef, w)(x)
+        return jnp.sum(y * jnp.cos(y))
+
+    grad = jax.jit(jax.grad(loss), static_argnums=(2, 3))
+    want = grad(weights, x, 0, None)
+    for sharding in (None, rows):
+        got = grad(weights, xs, 7, sharding)  # 7 does not divide the 20 positions
+        for (path, a), (_, b) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
+            np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), atol=2e-5,
+                                       rtol=1e-5, err_msg=str(path))
+
+    def reduces_in_loop(sharding):  # all-reduces inside while-loop bodies, and in all
+        text = grad.lower(weights, xs, 7, sharding).compile().as_text()
+        bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+        comps = re.split(r"\n(?=\S)", text)
+        inside = [c for c in comps if "all-reduce(" in c
+                  and any(c.startswith((f"%{n} ", f"{n} ")) for n in bodies)]
+        return len(inside), text.count("all-reduce(")
+
+    before, after = reduces_in_loop(None), reduces_in_loop(rows)
+    assert before[0] >= 1, before    # GSPMD's per-tile reduction (the loop of the tiles)
+    assert after[0] == 0 and after[1] >= 1, after   # once, after the tiles
+
+
 def test_layers_are_one_scan_and_mistakes_are_named(model):
     """The compiled forward holds one decoder layer's code whatever the depth (a while loop
     over the stacked layers), and a bad remat / attention name is a ValueError naming it."""

@@ -505,17 +505,20 @@ class DecoderLayer(nnx.Module):
                                                 dtype=dt)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, h, positions, rope, mask, kv_cache=None, slots=None, mlp_chunk=0):
+    def __call__(self, h, positions, rope, mask, kv_cache=None, slots=None, mlp_chunk=0,
+                 rows_sharding=None):
         a, new_cache = self.self_attn(self.input_layernorm(h), positions, rope, mask, kv_cache,
                                       slots)
         h = h + a
         x = self.post_attention_layernorm(h)
-        h = h + (tiled_over_tokens(self.mlp, x, mlp_chunk) if mlp_chunk else self.mlp(x))
+        h = h + (tiled_over_tokens(self.mlp, x, mlp_chunk, rows_sharding) if mlp_chunk
+                 else self.mlp(x))
         return h, new_cache
 
 
-def tiled_over_tokens(fn, x, chunk: int):
-    """``fn(x)`` for a position-wise ``fn`` (the MLP), computed ``chunk`` positions at a time.
+def tiled_over_tokens(fn, x, chunk: int, rows_sharding=None):
+    """``fn(x)`` for a position-wise ``fn`` (the MLP module), computed ``chunk`` positions at a
+    time.
 
     ``x [B, L, D]`` is padded to a multiple of ``chunk`` along L, cut into ``[B, chunk, D]``
     tiles and mapped with ``jax.lax.map`` under ``jax.checkpoint``: the forward and the
@@ -524,15 +527,52 @@ def tiled_over_tokens(fn, x, chunk: int):
     the tiles). Same numbers as ``fn(x)`` (each position is computed alone either way); for
     long rows, where one layer's ``[B, L, F]`` MLP activations and their gradients outgrow
     the saved layer inputs. ``L <= chunk`` is one call of ``fn``.
+
+    ``rows_sharding``: the ``NamedSharding`` of ``x``'s rows (the train step's activation
+    layout, rows over the batch axes). With S > 1 row shards, every shard's rows read their
+    own broadcast copy of ``fn``'s weights (``[S, ...]``, the leading axis over the batch
+    axes), so each tile's weight gradient is added to its shard's copy and the copies are
+    summed across devices once, after the tiles: without it GSPMD reduces the weights'
+    gradient across devices in every tile (as ``train.logprobs`` does for the LM head).
     """
     B, L, D = x.shape
     if L <= chunk:
         return fn(x)
     n = -(-L // chunk)
-    tiles = jnp.moveaxis(jnp.pad(x, ((0, 0), (0, n * chunk - L), (0, 0))).reshape(
-        B, n, chunk, D), 1, 0)
-    out = jax.lax.map(jax.checkpoint(fn, prevent_cse=False), tiles)
-    return jnp.moveaxis(out, 0, 1).reshape(B, n * chunk, -1)[:, :L]
+    S, lead = _row_shards(rows_sharding, B)
+    tiles = jnp.pad(x, ((0, 0), (0, n * chunk - L), (0, 0))).reshape(S, B // S, n, chunk, D)
+    tiles = jnp.moveaxis(tiles, 2, 0)  # [n, S, B / S, chunk, D]
+    graphdef, weights = nnx.split(fn)
+
+    def copies(w):  # one copy per row shard, placed on that shard's devices
+        w = jnp.broadcast_to(w, (S,) + w.shape)
+        if lead is None:
+            return w
+        spec = jax.sharding.PartitionSpec(lead, *[jax.sharding.PartitionSpec.UNCONSTRAINED]
+                                          * (w.ndim - 1))
+        return jax.lax.with_sharding_constraint(
+            w, jax.sharding.NamedSharding(rows_sharding.mesh, spec))
+
+    ws = jax.tree.map(copies, weights)
+
+    def tile(t):  # [S, B / S, chunk, D]: each shard's rows through its own copy
+        return jax.vmap(lambda w, xs: nnx.merge(graphdef, w)(xs))(ws, t)
+
+    out = jax.lax.map(jax.checkpoint(tile, prevent_cse=False), tiles)  # [n, S, B/S, chunk, D']
+    return jnp.moveaxis(out, 0, 2).reshape(B, n * chunk, -1)[:, :L]
+
+
+def _row_shards(rows_sharding, rows: int) -> tuple[int, Any]:
+    """``(S, lead)``: the number of shards ``rows_sharding`` splits the rows into (the product
+    of the mesh axes of its first dimension) and that dimension's spec entry; ``(1, None)``
+    without a sharding, for unsplit rows, or when S does not divide ``rows``."""
+    spec = getattr(rows_sharding, "spec", None)
+    lead = spec[0] if spec is not None and len(spec) else None
+    if lead is None:
+        return 1, None
+    axes = (lead,) if isinstance(lead, str) else tuple(lead)
+    S = math.prod(rows_sharding.mesh.shape[a] for a in axes)
+    return (S, lead) if S > 1 and rows % S == 0 else (1, None)
 
 
 # Activation checkpointing of the decoder layers in the backward pass (``Transformer(...,
@@ -802,7 +842,8 @@ class Transformer(nnx.Module):
                 layer_params = jax.lax.with_sharding_constraint(layer_params, gather)
             if carry_pin is not None:
                 h = jax.lax.with_sharding_constraint(h, carry_pin)
-            return nnx.merge(graphdef, layer_params)(h, positions, rope, mask, kv, slots, tile)
+            return nnx.merge(graphdef, layer_params)(h, positions, rope, mask, kv, slots, tile,
+                                                     pin)
 
         new_cache = None
         if cache is None:  # one scan over the stacked layers; remat keeps what the policy says
