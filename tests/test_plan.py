@@ -103,12 +103,19 @@ dimensions={0}
 
 %inner (p: (u32[], f32[8])) -> (u32[], f32[8]) {
   %ag.3 = f32[4,8]{1,0} all-gather(%x), channel_id=9, replica_groups=[8,2]<=[16], dimensions={0}
+  %ar.1 = f32[32]{0} all-reduce(%g), channel_id=12, replica_groups=[2,8]<=[8,2]T(1,0), \
+to_apply=%add
+}
+
+%all-reduce-scatter.3 (input_0: f32[64]) -> f32[8] {
+  %ar.2 = f32[64]{0} all-reduce(%input_0), channel_id=13, replica_groups=[2,8]<=[8,2]T(1,0)
 }
 
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %f1 = bf16[8,64] fusion(%w), kind=kCustom, calls=%start
   %f2 = bf16[8,64] fusion(%f1), kind=kCustom, calls=%done
   %w4 = (u32[], f32[8]) while(%t), condition=%cond.4, body=%inner
+  %rs.1 = f32[8] fusion(%w), kind=kCustom, calls=%all-reduce-scatter.3
 }
 
 ENTRY %main (a: f32[8]) -> f32[8] {
@@ -119,18 +126,22 @@ replica_groups=mesh['axis_0'=2,'axis_1'=8], device_ids=([8,2]T(1,0)) {'axis_0'},
 """
 
 
-def test_executed_gathers_apply_trip_counts_dedupe_channels_and_name_axes():
+def test_executed_collectives_apply_trip_counts_dedupe_channels_and_name_axes():
     times, unknown = plan_lib.executions(LOOPS)
     assert unknown == 0
     assert times["main"] == 1 and times["body"] == 28 and times["inner"] == 28 * 4
     assert times["start"] == times["done"] == 28
-    g = plan_lib.executed_gathers(LOOPS, {"data": 1, "fsdp": 8, "tensor": 2})
+    g = plan_lib.executed_collectives(LOOPS, {"data": 1, "fsdp": 8, "tensor": 2})
     # device ids: positions in the (data, fsdp, tensor) mesh; [2,8]<=[8,2]T(1,0) groups ids
     # 0, 2, 4, ... (fsdp); [8,2]<=[16] groups 0, 1 (tensor); the mesh[...] form's axis_0 of
     # the transposed ids is 0, 1 (tensor) as well
     assert g["fsdp"] == 28 * 8 * 64 * 2  # the split async gather, once per layer
     assert g["tensor"] == 28 * 4 * 4 * 8 * 4 + 16 * 4
     assert g["unknown loops"] == 0
+    # the all-reduce in the 4-trip loop runs 28 x 4 times; the one inside the TPU's fused
+    # all-reduce-scatter is a reduce-scatter, not counted
+    r = plan_lib.executed_collectives(LOOPS, {"data": 1, "fsdp": 8, "tensor": 2}, "all-reduce")
+    assert r == {"fsdp": 28 * 4 * 32 * 4, "unknown loops": 0}
 
 
 def test_cpu8_plan_of_the_real_step_fsdp_x_tp():

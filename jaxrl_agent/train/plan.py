@@ -84,7 +84,7 @@ from jaxrl_agent.train.step import init_state_from_params, make_train_step, spli
 
 __all__ = ["PlanError", "Plan", "SamplerPlan", "CompiledMemory", "HBM_GIB", "HF_SHAPES",
            "topology_devices", "plan_run", "plan_sampler", "abstract_sampler", "sampler_dims",
-           "format_plan", "count_collectives", "executed_gathers", "executions",
+           "format_plan", "count_collectives", "executed_collectives", "executions",
            "compile_memory", "memory_floor", "fit_micro_batches"]
 
 #: HBM per chip in GiB (Google Cloud TPU system architecture pages).
@@ -503,7 +503,9 @@ _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([
 _GROUPS = re.compile(r"replica_groups=\{\{([\d,]+)\}")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\]"
                           r"(?:T\(([\d,]+)\))?\))? \{([^}]*)\}")
-_GATHER = re.compile(r"=\s*(.*?)\sall-gather(-start)?\(")
+#: one executed collective op of a line: ``= <result shape> <op>(`` or ``<op>-start(``
+_EXECUTED = {op: re.compile(r"=\s*(.*?)\s" + op + r"(-start)?\(")
+             for op in ("all-gather", "all-reduce")}
 
 
 def _computations(hlo_text: str) -> tuple[dict, str]:
@@ -612,25 +614,30 @@ def _group_axes(line: str, mesh_shape: dict) -> str:
     return "+".join(spans) or "none"
 
 
-def executed_gathers(hlo_text: str, mesh_shape: dict) -> dict:
-    """All-gather bytes executed per run of the compiled program, by the mesh axes they gather
-    over: ``{"fsdp": bytes, "tensor": bytes, ...}`` (per-device result bytes of each all-gather
-    times the number of times its computation runs, ``executions``), plus
-    ``"unknown loops"``: while loops whose trip count could not be read (counted once).
+def executed_collectives(hlo_text: str, mesh_shape: dict, op: str = "all-gather") -> dict:
+    """The bytes of ``op`` (``all-gather`` or ``all-reduce``) executed per run of the compiled
+    program, by the mesh axes they span: ``{"fsdp": bytes, "tensor": bytes, ...}`` (per-device
+    result bytes of each op times the number of times its computation runs, ``executions``),
+    plus ``"unknown loops"``: while loops whose trip count could not be read (counted once).
+    An op in a loop over tiles or chunks counts once per iteration: this is where a gradient
+    reduced in every tile instead of once shows (``trainer.mlp_chunk``). The all-reduce inside
+    the TPU compiler's ``all-reduce-scatter`` computations is a reduce-scatter
+    (``count_collectives``) and is not counted.
 
     The TPU compiler splits an asynchronous all-gather over several fused computations (its
     start, its continuation, its end), each holding a copy of the op with the same
     ``channel_id``: one channel counts once."""
+    pattern = _EXECUTED[op]
     times, unknown = executions(hlo_text)
     comps, _ = _computations(hlo_text)
     seen: dict = {}
     out: dict = {}
     for name, lines in comps.items():
         n = times.get(name, 0)
-        if not n:
+        if not n or name.startswith("all-reduce-scatter"):
             continue
         for line in lines:
-            m = _GATHER.search(line)
+            m = pattern.search(line)
             if not m:
                 continue
             sizes = _shape_bytes(m.group(1))
@@ -907,9 +914,10 @@ class CompiledMemory:
     refused: bool = False
     #: ``count_collectives`` of the compiled program (empty when XLA refused it)
     collectives: dict = dataclasses.field(default_factory=dict)
-    #: ``executed_gathers`` of the compiled program (empty when XLA refused it or no mesh
-    #: was given)
+    #: ``executed_collectives`` of the compiled program's all-gathers and all-reduces (empty
+    #: when XLA refused it or no mesh was given)
     gathers: dict = dataclasses.field(default_factory=dict)
+    reduces: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -924,8 +932,8 @@ def compile_memory(lower, argument_bytes: int, output_bytes: int,
     collectives (``count_collectives``). When XLA refuses for lack of HBM the result is
     ``refused``, with XLA's temporaries figure and the given ``argument_bytes`` /
     ``output_bytes`` (from the shapes); other errors propagate. With ``mesh_shape`` (the
-    program's mesh, axes in order) also the all-gather bytes it executes by mesh axis
-    (``executed_gathers``)."""
+    program's mesh, axes in order) also the all-gather and all-reduce bytes it executes by
+    mesh axis (``executed_collectives``)."""
     t0 = time.perf_counter()
     try:
         compiled = lower().compile()
@@ -942,8 +950,10 @@ def compile_memory(lower, argument_bytes: int, output_bytes: int,
                           int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes),
                           int(ma.generated_code_size_in_bytes), seconds,
                           collectives=count_collectives(text),
-                          gathers={} if mesh_shape is None else executed_gathers(text,
-                                                                                  mesh_shape))
+                          gathers={} if mesh_shape is None else executed_collectives(
+                              text, mesh_shape, "all-gather"),
+                          reduces={} if mesh_shape is None else executed_collectives(
+                              text, mesh_shape, "all-reduce"))
 
 
 @dataclasses.dataclass
@@ -1350,8 +1360,9 @@ def format_plan(p: Plan, source: str = "") -> str:
 
 
 def format_gathers(p: Plan) -> list[str]:
-    """The all-gathers the step executes (``executed_gathers``) by mesh axis, per micro-batch,
-    against the one-gather-per-layer-per-pass floor (empty without the figures)."""
+    """The all-gathers and all-reduces the step executes (``executed_collectives``) by mesh
+    axis, per micro-batch pass, the gathers against the one-gather-per-layer-per-pass floor
+    (empty without the figures)."""
     g = p.memory.gathers
     if not g or set(g) == {"unknown loops"}:
         return []
@@ -1368,6 +1379,10 @@ def format_gathers(p: Plan) -> list[str]:
                      f"({_mib(p.weights_gathered_bytes)} MiB) per pass; one gather of each in "
                      "the forward and one in the backward pass is 2.00 (forward-only passes "
                      "add theirs; the embedding table is looked up in place, not gathered)")
+    r = {k: v for k, v in p.memory.reduces.items() if k != "unknown loops"}
+    if r:
+        lines.append("all-reduces executed in one step, per micro-batch pass: " + ", ".join(
+            f"over {axes} {_mib(b / passes)} MiB" for axes, b in sorted(r.items())))
     if g.get("unknown loops"):
         lines.append(f"  ({g['unknown loops']} loops of unknown trip count counted once)")
     return lines + [""]
