@@ -74,7 +74,7 @@ from jax.sharding import NamedSharding
 from jaxrl_agent import config as config_lib
 from jaxrl_agent import run_checks
 from jaxrl_agent import sharding
-from jaxrl_agent.batch import TrajectoryBatch, bucket
+from jaxrl_agent.batch import TrajectoryBatch
 from jaxrl_agent.models.config import ModelConfig
 from jaxrl_agent.models.transformer import Transformer, param_dtype, trainable_filter
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
