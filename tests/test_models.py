@@ -421,15 +421,16 @@ def test_blocked_attention_and_remat_policies_change_nothing(model, masking):
 
 
 def test_mlp_tiles_reduce_the_weight_gradient_once_across_row_shards():
-    """``tiled_over_tokens`` with the rows' sharding: each row shard reads its own copy of the
-    MLP's weights, so the weight gradient is summed across devices once after the tiles (no
-    all-reduce inside the tile loop, where GSPMD puts one per tile without the copies); the
-    numbers are the untiled MLP's. On a data 2 x fsdp 2 x tensor 2 mesh of host devices."""
-    import re
-
+    """``tiled_over_tokens`` with the rows' sharding and the weights' layout: each row shard
+    reads its own copy of the MLP's weights, so the weight gradient is summed across the batch
+    axes once after the tiles (XLA on CPU sums it in every tile without the copies: the bytes
+    executed, loop trip counts applied, by the axes they span); the tensor axis' reductions
+    are unchanged and the numbers are the untiled MLP's. On a data 2 x fsdp 2 x tensor 2 mesh
+    of host devices, the weights split over tensor."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxrl_agent.models.transformer import MLP, tiled_over_tokens
+    from jaxrl_agent.train.plan import executed_collectives
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
@@ -439,9 +440,15 @@ def test_mlp_tiles_reduce_the_weight_gradient_once_across_row_shards():
     rows = NamedSharding(mesh, P(("data", "fsdp")))
     xs = jax.device_put(x, rows)
 
+    # the layout the weights are used in: the MLP's columns (rows of down_proj) over tensor
+    use = jax.tree.map(lambda w: NamedSharding(mesh, P(None, "tensor") if w.shape[0] ==
+                                               QWEN3.hidden_size else P("tensor", None)),
+                       weights)
+    weights = jax.device_put(weights, use)
+
     def loss(w, x, chunk, sharding):
-        y = tiled_over_tokens(nnx.merge(graphdef, w), x, chunk, sharding) if chunk else \
-            nnx.merge(graphdef, w)(x)
+        y = tiled_over_tokens(nnx.merge(graphdef, w), x, chunk, sharding,
+                              use if sharding else None) if chunk else nnx.merge(graphdef, w)(x)
         return jnp.sum(y * jnp.cos(y))
 
     grad = jax.jit(jax.grad(loss), static_argnums=(2, 3))
@@ -452,17 +459,18 @@ def test_mlp_tiles_reduce_the_weight_gradient_once_across_row_shards():
             np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), atol=2e-5,
                                        rtol=1e-5, err_msg=str(path))
 
-    def reduces_in_loop(sharding):  # all-reduces inside while-loop bodies, and in all
+    def reduced(sharding):  # all-reduce bytes executed per step, by the mesh axes spanned
         text = grad.lower(weights, xs, 7, sharding).compile().as_text()
-        bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
-        comps = re.split(r"\n(?=\S)", text)
-        inside = [c for c in comps if "all-reduce(" in c
-                  and any(c.startswith((f"%{n} ", f"{n} ")) for n in bodies)]
-        return len(inside), text.count("all-reduce(")
+        return executed_collectives(text, dict(mesh.shape), "all-reduce")
 
-    before, after = reduces_in_loop(None), reduces_in_loop(rows)
-    assert before[0] >= 1, before    # GSPMD's per-tile reduction (the loop of the tiles)
-    assert after[0] == 0 and after[1] >= 1, after   # once, after the tiles
+    mlp_bytes = sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(weights)) / 2  # per device
+    before, after = reduced(None), reduced(rows)
+    over_batch = lambda r: r.get("data+fsdp", 0)  # noqa: E731 - the weight gradient's sum
+    # per tile (3 tiles of 7 positions): the tensor-split weight gradient reduced 3 times
+    assert over_batch(before) >= 3 * mlp_bytes, before
+    assert over_batch(after) == mlp_bytes, after   # once, after the tiles
+    # the tensor axis' reductions (the down projection's partial sums) are the same
+    assert after.get("tensor", 0) == before.get("tensor", 0)
 
 
 def test_layers_are_one_scan_and_mistakes_are_named(model):

@@ -506,17 +506,17 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, h, positions, rope, mask, kv_cache=None, slots=None, mlp_chunk=0,
-                 rows_sharding=None):
+                 rows_sharding=None, mlp_shardings=None):
         a, new_cache = self.self_attn(self.input_layernorm(h), positions, rope, mask, kv_cache,
                                       slots)
         h = h + a
         x = self.post_attention_layernorm(h)
-        h = h + (tiled_over_tokens(self.mlp, x, mlp_chunk, rows_sharding) if mlp_chunk
-                 else self.mlp(x))
+        h = h + (tiled_over_tokens(self.mlp, x, mlp_chunk, rows_sharding, mlp_shardings)
+                 if mlp_chunk else self.mlp(x))
         return h, new_cache
 
 
-def tiled_over_tokens(fn, x, chunk: int, rows_sharding=None):
+def tiled_over_tokens(fn, x, chunk: int, rows_sharding=None, weight_shardings=None):
     """``fn(x)`` for a position-wise ``fn`` (the MLP module), computed ``chunk`` positions at a
     time.
 
@@ -528,32 +528,39 @@ def tiled_over_tokens(fn, x, chunk: int, rows_sharding=None):
     long rows, where one layer's ``[B, L, F]`` MLP activations and their gradients outgrow
     the saved layer inputs. ``L <= chunk`` is one call of ``fn``.
 
-    ``rows_sharding``: the ``NamedSharding`` of ``x``'s rows (the train step's activation
-    layout, rows over the batch axes). With S > 1 row shards, every shard's rows read their
-    own broadcast copy of ``fn``'s weights (``[S, ...]``, the leading axis over the batch
-    axes), so each tile's weight gradient is added to its shard's copy and the copies are
-    summed across devices once, after the tiles: without it GSPMD reduces the weights'
-    gradient across devices in every tile (as ``train.logprobs`` does for the LM head).
+    ``rows_sharding`` (the ``NamedSharding`` of ``x``'s rows: the train step's activation
+    layout, rows over the batch axes) and ``weight_shardings`` (the layout ``fn``'s weights
+    are used in, a tree like ``nnx.state(fn)``: ``sharding.layer_use_shardings``' part for the
+    MLP): with both, and S > 1 row shards, every shard's rows read their own broadcast copy of
+    the weights (``[S, ...]``: the leading axis over the batch axes, the rest laid out as
+    used, tensor parallelism kept), so each tile's weight gradient is added to its shard's
+    copy and the copies are summed across devices once, after the tiles. Without the copies
+    a compiler that does not move the reduction out of the loop reduces the weights'
+    gradient across devices in every tile (XLA on CPU does; ``train.logprobs`` does the same
+    for the LM head).
     """
     B, L, D = x.shape
     if L <= chunk:
         return fn(x)
     n = -(-L // chunk)
-    S, lead = _row_shards(rows_sharding, B)
+    S, lead = _row_shards(rows_sharding, B) if weight_shardings is not None else (1, None)
     tiles = jnp.pad(x, ((0, 0), (0, n * chunk - L), (0, 0))).reshape(S, B // S, n, chunk, D)
     tiles = jnp.moveaxis(tiles, 2, 0)  # [n, S, B / S, chunk, D]
     graphdef, weights = nnx.split(fn)
+    leaves, treedef = jax.tree.flatten(weights)
+    uses = jax.tree.leaves(weight_shardings) if lead is not None else [None] * len(leaves)
+    if len(uses) != len(leaves):
+        raise ValueError(f"weight_shardings has {len(uses)} leaves, the MLP {len(leaves)}")
 
-    def copies(w):  # one copy per row shard, placed on that shard's devices
+    def copy(w, use):  # one copy per row shard, on that shard's devices, laid out as used
         w = jnp.broadcast_to(w, (S,) + w.shape)
-        if lead is None:
+        if use is None:
             return w
-        spec = jax.sharding.PartitionSpec(lead, *[jax.sharding.PartitionSpec.UNCONSTRAINED]
-                                          * (w.ndim - 1))
-        return jax.lax.with_sharding_constraint(
-            w, jax.sharding.NamedSharding(rows_sharding.mesh, spec))
+        spec = tuple(use.spec) + (None,) * (w.ndim - 1 - len(use.spec))
+        return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(
+            use.mesh, jax.sharding.PartitionSpec(lead, *spec)))
 
-    ws = jax.tree.map(copies, weights)
+    ws = jax.tree.unflatten(treedef, [copy(w, u) for w, u in zip(leaves, uses)])
 
     def tile(t):  # [S, B / S, chunk, D]: each shard's rows through its own copy
         return jax.vmap(lambda w, xs: nnx.merge(graphdef, w)(xs))(ws, t)
@@ -836,6 +843,7 @@ class Transformer(nnx.Module):
         gather = layer_shardings if cache is None else None
 
         tile = int(mlp_chunk or 0) if cache is None else 0
+        mlp_use = gather["mlp"] if gather is not None and tile else None
 
         def layer_fn(h, layer_params, kv):
             if gather is not None:
@@ -843,7 +851,7 @@ class Transformer(nnx.Module):
             if carry_pin is not None:
                 h = jax.lax.with_sharding_constraint(h, carry_pin)
             return nnx.merge(graphdef, layer_params)(h, positions, rope, mask, kv, slots, tile,
-                                                     pin)
+                                                     pin, mlp_use)
 
         new_cache = None
         if cache is None:  # one scan over the stacked layers; remat keeps what the policy says
