@@ -242,7 +242,7 @@ def test_user_mistakes_exit_2_with_one_line(capsys, args, words):
 
 
 def test_missing_libtpu_says_how_to_install(capsys, monkeypatch):
-    monkeypatch.setattr(plan_lib, "libtpu_available", lambda: False)
+    monkeypatch.setattr(plan_lib.topology, "libtpu_available", lambda: False)
     rc = cli.main(["plan", "--topology", "v5e:2x2"])
     err = capsys.readouterr().err
     assert rc == 2 and 'pip install -e ".[tpu-aot]"' in err and "Traceback" not in err
@@ -496,16 +496,16 @@ def test_fit_searches_the_fewest_micro_batches(monkeypatch):
                                      memory=types.SimpleNamespace(compile_s=1.0),
                                      step={"micro_batches": m})
 
-    monkeypatch.setattr(plan_lib, "plan_run", fake_plan)
+    monkeypatch.setattr(plan_lib.run, "plan_run", fake_plan)
     cfg = _cfg("trainer.micro_batches=1")  # 8 tasks x 2 = 16 trajectories: 1, 2, 4, 8, 16
     p, tried = plan_lib.fit_micro_batches(cfg, "v5e:2x2", log=lambda line: None)
     assert p.step["micro_batches"] == 4 and calls[-1] == (4, True)
     assert [t[0] for t in tried] == [4, 1, 2] and [t[2] for t in tried] == [True, False, False]
-    monkeypatch.setattr(plan_lib, "plan_run", lambda *a, **k: types.SimpleNamespace(
+    monkeypatch.setattr(plan_lib.run, "plan_run", lambda *a, **k: types.SimpleNamespace(
         total_bytes=99 * gib, fits=False, memory=types.SimpleNamespace(compile_s=1.0)))
     p, tried = plan_lib.fit_micro_batches(cfg, "v5e:2x2", log=lambda line: None)
     assert p is None and tried[-1][0] == 16
-    monkeypatch.setattr(plan_lib, "plan_run", lambda *a, **k: types.SimpleNamespace(
+    monkeypatch.setattr(plan_lib.run, "plan_run", lambda *a, **k: types.SimpleNamespace(
         total_bytes=gib, fits=None, memory=types.SimpleNamespace(compile_s=1.0)))
     with pytest.raises(plan_lib.PlanError, match="--fit needs a TPU topology"):
         plan_lib.fit_micro_batches(cfg, "cpu:8", log=lambda line: None)
