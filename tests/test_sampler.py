@@ -288,8 +288,8 @@ def test_released_weights_refuse_sampling_until_the_next_sync(sampler, model):
 
 def test_bounded_compilation(sampler):
     sampler.generate([[1]], SamplingParams(max_new_tokens=2))            # warm
-    counts = dict(sampler.compile_counts)
-    assert counts == {"prefill": 1, "decode": 1}
+    counts = dict(sampler.compile_counts)  # (a shared-prefill fork of an earlier test too)
+    assert counts["prefill"] == 1 and counts["decode"] == 1
     rng = np.random.default_rng(10)
     for n in (1, 3, 8, 5, 11, 2):          # 11 > the largest batch bucket: two chunks of 8
         lengths = rng.integers(1, 17, n)
@@ -360,6 +360,41 @@ def test_chunked_prefill_equals_one_pass(sampler, model):
                                np.concatenate([o.logprobs for o in want]), atol=1e-5)
     with pytest.raises(ValueError, match="prefill_chunk"):
         JaxSampler(model, prefill_chunk=0)
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_shared_prefill_gives_the_unshared_samples(model, on_mesh):
+    """Prompts repeated within a call (a group's samples; recurring states) are prefilled once
+    and forked: the same token ids, log-probs and finish reasons as prefilling every row, row
+    for row (per-row seeds: repeats sample differently), with the rows and tokens prefilled
+    counted; on a data 4 x tensor 2 mesh as on one device."""
+    from jaxrl_agent import sharding
+    kw = dict(batch_buckets=(8,), len_buckets=(16,), new_token_buckets=(16,), seed=0)
+    if on_mesh:
+        if len(jax.devices()) < 8:
+            pytest.skip("needs 8 host devices (XLA_FLAGS)")
+        mesh = sharding.sampler_mesh(4, 2)
+        kw.update(mesh=mesh, param_shardings=sharding.param_shardings(
+            nnx.state(model), mesh, sharding.DEFAULT_RULES))
+    a, b, c = prompts_of([3, 7, 12], seed=6)
+    prompts = [a, b, a, a, c, b, a, b]
+    params = [SamplingParams(temperature=t, top_k=k, max_new_tokens=16, seed=i, stop_token_ids=(5,))
+              for i, (t, k) in enumerate([(1.0, 0), (0.7, 5), (0.0, 0), (1.0, 3)] * 2)]
+    plain = JaxSampler(model, share_prefill=False, **kw)
+    shared = JaxSampler(model, **kw)
+    want, got = plain.generate(prompts, params), shared.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    np.testing.assert_array_equal(np.concatenate([o.logprobs for o in got]),
+                                  np.concatenate([o.logprobs for o in want]))
+    assert len({tuple(o.token_ids) for o, p in zip(got, prompts) if p == a}) > 1  # seeds differ
+    assert dict(shared.prefill_stats) == {"rows_asked": 8, "rows_prefilled": 3,
+                                          "tokens_asked": 4 * 3 + 3 * 7 + 12,
+                                          "tokens_prefilled": 3 + 7 + 12}
+    assert plain.prefill_stats["rows_prefilled"] == 8 and "fork" not in plain.compile_counts
+    assert shared.compile_counts["fork"] == 1
+    shared.generate(prompts[:3], params[:3])  # a, b, a: two prefilled
+    assert shared.prefill_stats["rows_prefilled"] == 3 + 2
 
 
 # ----------------------------------------------------------------------------- a mesh

@@ -251,6 +251,11 @@ class JaxSampler:
       prefill_chunk: prompt tokens written to the cache per prefill chunk (see the module
         docstring); None = the whole prompt at once. Results do not depend on it beyond
         float rounding.
+      share_prefill: prompts that occur several times in one call (a group's samples of one
+        task; states that recur across a group) are prefilled once and their cache rows and
+        last logits copied to every row that asks for them (``_fork``). The samples are those
+        of the unshared path (tested token for token); ``prefill_stats`` counts the prompt
+        rows and tokens prefilled and asked for.
     """
 
     def __init__(self, model: Transformer, *, max_len: int | None = None,
@@ -258,7 +263,8 @@ class JaxSampler:
                  len_buckets: Sequence[int] | None = None,
                  new_token_buckets: Sequence[int] | None = None, seed: int = 0,
                  policy_version: int = 0, mesh: Mesh | None = None,
-                 param_shardings: Any = None, prefill_chunk: int | None = 512):
+                 param_shardings: Any = None, prefill_chunk: int | None = 512,
+                 share_prefill: bool = True):
         if not isinstance(model, Transformer):
             raise ValueError(f"model must be a jaxrl_agent.models.Transformer, got "
                              f"{type(model).__name__}")
@@ -298,6 +304,10 @@ class JaxSampler:
         self._lock = threading.Lock()
         #: number of traces (= compilations) of each jitted function.
         self.compile_counts: collections.Counter = collections.Counter()
+        self.share_prefill = bool(share_prefill)
+        #: prompt rows and tokens asked for and prefilled (fewer with ``share_prefill``)
+        self.prefill_stats: collections.Counter = collections.Counter()
+        self._fork_jit = jax.jit(self._fork)
         self._prefill_jit = jax.jit(self._prefill, static_argnames=("cache_len",))
         self._decode_jit = jax.jit(self._decode, donate_argnames=("cache",))
 
@@ -430,6 +440,17 @@ class JaxSampler:
         if self.mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, self.batch_sharding)
         return cache, logits
+
+    def _fork(self, cache, logits, source):
+        """The cache rows and last logits of each row's prompt: row ``i`` gets those of the
+        prefilled row ``source[i]`` (a gather along the batch axis; ``[B]`` from ``[U]``)."""
+        self.compile_counts["fork"] += 1
+        take = lambda x: jnp.take(x, source, axis=1)  # noqa: E731 - [layers, rows, ...]
+        cache = KVCache(k=take(cache.k), v=take(cache.v), index=cache.index[source])
+        logits = logits[source]
+        if self.mesh is not None:
+            logits = jax.lax.with_sharding_constraint(logits, self.batch_sharding)
+        return self._constrain_cache(cache), logits
 
     def _decode(self, state, cache, logits, rows, root, call_id, out_like):
         """The decode loop. ``rows``: dict of per-row arrays (``temperature, top_k, top_p,
@@ -589,10 +610,28 @@ class JaxSampler:
                     seed_hi=seed_hi, seed_lo=seed_lo)
 
         out_like = np.zeros((B, N), np.int32)
+        source, reps = None, list(range(n))
+        if self.share_prefill:  # one prefill per distinct prompt, then copied to its rows
+            index: dict = {}
+            src = [index.setdefault(a.tobytes(), len(index)) for a in arrays]
+            if len(index) < n:
+                reps = [src.index(u) for u in range(len(index))]  # each prompt's first row
+                U = _bucket(len(reps), self.batch_buckets)
+                tokens = np.concatenate([tokens[reps], np.zeros((U - len(reps), L), np.int32)])
+                lengths = np.concatenate([lengths[reps], np.ones((U - len(reps),), np.int32)])
+                source = np.array(src + [0] * (B - n), np.int32)
+        self.prefill_stats["rows_asked"] += n
+        self.prefill_stats["tokens_asked"] += int(sum(a.size for a in arrays))
+        self.prefill_stats["rows_prefilled"] += len(reps)
+        self.prefill_stats["tokens_prefilled"] += int(sum(arrays[i].size for i in reps))
         if self.mesh is not None:  # rows over the mesh's data axis
             tokens, lengths, rows, out_like = jax.device_put((tokens, lengths, rows, out_like),
                                                              self.batch_sharding)
         cache, logits = self._prefill_jit(state, tokens, lengths, cache_len=cache_len)
+        if source is not None:
+            if self.mesh is not None:
+                source = jax.device_put(source, self.batch_sharding)
+            cache, logits = self._fork_jit(cache, logits, source)
         out_tok, out_lp, n_gen, _ = self._decode_jit(state, cache, logits, rows, self._root,
                                                      np.uint32(call_id % (2 ** 32)), out_like)
         out_tok, out_lp, n_gen = jax.device_get((out_tok, out_lp, n_gen))
