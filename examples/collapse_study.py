@@ -46,6 +46,9 @@ ARMS = {
     "tasks16x2": ("(a) the same 32 episodes a step from 16 tasks x 2 instead of 4 x 8: more "
                   "independent groups with a signal per update",
                   ["rollout.tasks_per_step=16", "rollout.group_size=2"]),
+    "tasks16x8_lr1e-4": ("recipe: 4x the episodes per update (16 tasks x 8) at the 5x smaller "
+                         "learning rate: more signal per step against the same update noise",
+                         ["rollout.tasks_per_step=16", "optimizer.lr=1e-4"]),
 }
 DEFAULT_ARMS = ["grpo", "no_penalty", "dr_grpo", "kl_anchor"]
 
