@@ -29,7 +29,7 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     checkpoint: every, keep, export, export_warmup
     metrics:    tensorboard, plots
     sampler:    name (jax | vllm), data_parallel, tensor_parallel (JAX sampler: this host's
-                devices), prefill_chunk, dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
+                devices), prefill_chunk, reuse_calls, dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
                 enforce_eager, transfer, probe_every, probe_tol   (``sampler: vllm`` = name only)
     mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
                 rules {}                     (logical axis -> mesh axis overrides of
@@ -322,11 +322,15 @@ class SamplerSection:
     and KV cache rows over data, heads and KV cache heads over tensor; -1 = the host's
     remaining devices; 1 x 1 = one device); ``prefill_chunk`` is how many prompt tokens the
     JAX sampler's prefill writes at a time (attention scores ``[rows, heads, chunk,
-    cache slots]`` at once; 0 = the whole prompt). The other keys only apply to vLLM."""
+    cache slots]`` at once; 0 = the whole prompt); ``reuse_calls`` is how many calls' KV
+    caches the JAX sampler keeps so that a later prompt continuing one of their rows (the
+    next turn of a conversation) prefills only its new tokens (0 = off; dropped at every
+    weight sync). The other keys only apply to vLLM."""
     name: str = "jax"
     data_parallel: int = 1
     tensor_parallel: int = 1
     prefill_chunk: int = 512
+    reuse_calls: int = 2
     dtype: str | None = None           # engine dtype; null = model.dtype
     kv_cache_mb: int = 256             # KV-cache memory (0 = vLLM decides: GPU share or
                                        # VLLM_CPU_KVCACHE_SPACE)
@@ -1113,7 +1117,8 @@ def _check_sampler(cfg: RunConfig) -> None:
                           f"a host's devices; the {s.name} sampler runs one engine per host "
                           "(set them to 1)")
     check_positive(s, "sampler", "max_num_seqs")
-    check_positive(s, "sampler", "kv_cache_mb", "probe_every", "prefill_chunk", allow_zero=True)
+    check_positive(s, "sampler", "kv_cache_mb", "probe_every", "prefill_chunk", "reuse_calls",
+                   allow_zero=True)
     if not 0 < s.gpu_memory_utilization <= 1:
         raise ConfigError("sampler.gpu_memory_utilization must be in (0, 1]; got "
                           f"{s.gpu_memory_utilization!r}")

@@ -287,6 +287,7 @@ def test_empty_sections_and_files(tmp_path):
     ("sampler.data_parallel=0", r"sampler.data_parallel must be an int >= 1 or -1"),
     ("sampler.tensor_parallel=3", r"sampler.tensor_parallel \(3\) must divide model.num_heads"),
     ("sampler.prefill_chunk=-8", r"sampler.prefill_chunk must be >= 0"),
+    ("sampler.reuse_calls=-1", r"sampler.reuse_calls must be >= 0"),
 ])
 def test_semantic_errors(override, match):
     cfg = run_checks.load(None, [override], validate=False)

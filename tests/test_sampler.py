@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_agent.models import ModelConfig, Transformer
 from jaxrl_agent.sampling import JaxSampler, SamplingParams
+from jaxrl_agent.sampling.jax_sampler import common_prefix
 from tests.samplers import assert_sampler_protocol
 
 V = 128
@@ -362,20 +363,27 @@ def test_chunked_prefill_equals_one_pass(sampler, model):
         JaxSampler(model, prefill_chunk=0)
 
 
+def on_data4_tensor2(model, on_mesh, **kw):
+    """``kw``, plus a data 4 x tensor 2 sampler mesh and the default partition rules' weight
+    layout when ``on_mesh`` (skips without 8 host devices)."""
+    if on_mesh:
+        from jaxrl_agent import sharding
+        if len(jax.devices()) < 8:
+            pytest.skip("needs 8 host devices (XLA_FLAGS)")
+        mesh = sharding.sampler_mesh(4, 2)
+        kw.update(mesh=mesh, param_shardings=sharding.param_shardings(
+            nnx.state(model), mesh, sharding.DEFAULT_RULES))
+    return kw
+
+
 @pytest.mark.parametrize("on_mesh", [False, True])
 def test_shared_prefill_gives_the_unshared_samples(model, on_mesh):
     """Prompts repeated within a call (a group's samples; recurring states) are prefilled once
     and forked: the same token ids, log-probs and finish reasons as prefilling every row, row
     for row (per-row seeds: repeats sample differently), with the rows and tokens prefilled
     counted; on a data 4 x tensor 2 mesh as on one device."""
-    from jaxrl_agent import sharding
-    kw = dict(batch_buckets=(8,), len_buckets=(16,), new_token_buckets=(16,), seed=0)
-    if on_mesh:
-        if len(jax.devices()) < 8:
-            pytest.skip("needs 8 host devices (XLA_FLAGS)")
-        mesh = sharding.sampler_mesh(4, 2)
-        kw.update(mesh=mesh, param_shardings=sharding.param_shardings(
-            nnx.state(model), mesh, sharding.DEFAULT_RULES))
+    kw = on_data4_tensor2(model, on_mesh, batch_buckets=(8,), len_buckets=(16,),
+                          new_token_buckets=(16,), seed=0)
     a, b, c = prompts_of([3, 7, 12], seed=6)
     prompts = [a, b, a, a, c, b, a, b]
     params = [SamplingParams(temperature=t, top_k=k, max_new_tokens=16, seed=i, stop_token_ids=(5,))
@@ -390,11 +398,98 @@ def test_shared_prefill_gives_the_unshared_samples(model, on_mesh):
     assert len({tuple(o.token_ids) for o, p in zip(got, prompts) if p == a}) > 1  # seeds differ
     assert dict(shared.prefill_stats) == {"rows_asked": 8, "rows_prefilled": 3,
                                           "tokens_asked": 4 * 3 + 3 * 7 + 12,
-                                          "tokens_prefilled": 3 + 7 + 12}
+                                          "tokens_prefilled": 3 + 7 + 12,
+                                          "slots_prefilled": 8 * 16}
     assert plain.prefill_stats["rows_prefilled"] == 8 and "fork" not in plain.compile_counts
     assert shared.compile_counts["fork"] == 1
     shared.generate(prompts[:3], params[:3])  # a, b, a: two prefilled
     assert shared.prefill_stats["rows_prefilled"] == 3 + 2
+
+
+# ----------------------------------------------------------------------------- kept caches
+
+
+def test_common_prefix():
+    held = np.array([[1, 2, 3, -1], [1, 2, 4, 5], [7, -1, -1, -1], [1, 2, 3, 4]], np.int32)
+    np.testing.assert_array_equal(common_prefix(held, np.array([1, 2, 3, 4, 5])), [3, 2, 0, 4])
+    np.testing.assert_array_equal(common_prefix(held, np.array([1, 2])), [2, 2, 0, 2])
+    assert common_prefix(held[:0], np.array([1])).shape == (0,)
+
+
+def conversation_turns(sampler, convs, turns, rng, obs_len=2, start_seed=0):
+    """``turns`` calls of a multi-turn script: each conversation's next prompt is its prompt,
+    the sampled tokens and ``obs_len`` random observation tokens; one seeded request per row."""
+    outs = []
+    for turn in range(turns):
+        params = [SamplingParams(temperature=t, max_new_tokens=4, seed=start_seed + 100 * turn + i,
+                                 stop_token_ids=(5,))
+                  for i, t in zip(range(len(convs)), [1.0, 0.7, 0.0] * len(convs))]
+        got = sampler.generate(convs, params)
+        outs.append(got)
+        convs = [c + o.token_ids + rng.integers(1, V, obs_len).tolist() for c, o in zip(convs, got)]
+    return outs
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_kept_caches_give_the_fresh_samples(model, on_mesh):
+    """Multi-turn scripts (random observations, a group's samples sharing their first prompt):
+    with the caches of earlier calls kept, each turn prefills only the tokens its conversation
+    added, and the token ids and finish reasons are those of a fresh cache per call, log-probs
+    to 1e-5 (keys written by the decode loop round differently); on a data 4 x tensor 2 mesh
+    as on one device."""
+    kw = on_data4_tensor2(model, on_mesh, batch_buckets=(8,), len_buckets=(4, 8, 16),
+                          new_token_buckets=(4,), seed=0)
+    a, b = prompts_of([5, 3], seed=11)
+    convs = [a, a, a, b, b, b, a]  # two groups: the first turn shares, later turns reuse
+    fresh, kept = JaxSampler(model, reuse_calls=0, **kw), JaxSampler(model, **kw)
+    want = conversation_turns(fresh, convs, 4, np.random.default_rng(3))
+    got = conversation_turns(kept, convs, 4, np.random.default_rng(3))
+    for w, g in zip(want, got):
+        assert [o.token_ids for o in g] == [o.token_ids for o in w]
+        assert [o.finish_reason for o in g] == [o.finish_reason for o in w]
+        np.testing.assert_allclose(np.concatenate([o.logprobs for o in g]),
+                                   np.concatenate([o.logprobs for o in w]), atol=1e-5)
+    st = kept.prefill_stats
+    # turns 1..3 reuse every row: what is prefilled is the last sampled token + 2 observation
+    # tokens of each conversation (the decode loop never writes the last sampled token)
+    shared = 3 * 5 + 2 * 3   # turn 0: a's 3 repeats and b's 2 forked, not prefilled
+    assert st["tokens_reused"] == st["tokens_asked"] - st["tokens_prefilled"] - shared
+    assert st["tokens_prefilled"] == 5 + 3 + 3 * len(convs) * 3
+    assert kept.compile_counts["extend"] >= 1 and fresh.compile_counts["extend"] == 0
+
+
+def test_kept_caches_partial_prefixes_and_weight_syncs(model):
+    """A prompt that leaves a kept row inside its tokens (an edited history), one that equals a
+    kept row, and one that shares nothing get the fresh samples; a weight sync drops the kept
+    caches (nothing of the old weights is reused), and ``reuse_calls`` is validated."""
+    kw = dict(batch_buckets=(8,), len_buckets=(4, 8, 16), new_token_buckets=(4,), seed=0)
+    fresh, kept = JaxSampler(model, reuse_calls=0, **kw), JaxSampler(model, **kw)
+    p = prompts_of([9, 9, 9], seed=12)
+    params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=i) for i in range(3)]
+    first = kept.generate(p, params)
+    held = [q + o.token_ids[:-1] for q, o in zip(p, first)]
+    other_first = min(set(range(V)) - {h[0] for h in held})
+    nxt = [held[0][:7] + [(held[0][7] + 1) % V] * 7,     # leaves row 0 after 7 tokens
+           held[1],                                      # row 1 exactly: its last token redone
+           [other_first] + prompts_of([5], seed=99)[0]]  # shares nothing
+    for s in (fresh, kept):
+        s.prefill_stats.clear()
+    want, got = fresh.generate(nxt, params), kept.generate(nxt, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    np.testing.assert_allclose(np.concatenate([o.logprobs for o in got]),
+                               np.concatenate([o.logprobs for o in want]), atol=1e-5)
+    assert kept.prefill_stats["tokens_reused"] == 7 + len(held[1]) - 1
+    other = Transformer(CONFIG, rngs=nnx.Rngs(5))
+    for s in (fresh, kept):
+        s.sync_weights(other, version=1)
+    kept.prefill_stats.clear()
+    want, got = fresh.generate(nxt, params), kept.generate(nxt, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    np.testing.assert_array_equal(np.concatenate([o.logprobs for o in got]),
+                                  np.concatenate([o.logprobs for o in want]))
+    assert kept.prefill_stats["tokens_reused"] == 0
+    with pytest.raises(ValueError, match="reuse_calls"):
+        JaxSampler(model, reuse_calls=-1)
 
 
 # ----------------------------------------------------------------------------- a mesh

@@ -23,6 +23,18 @@ One ``generate`` call, per chunk of at most ``max(batch_buckets)`` requests:
    ``max_new_tokens``. The loop ends as soon as every row is done (at the latest after the
    new-token bucket).
 
+Keys and values kept across calls (``reuse_calls``, default the last 2 calls): the final
+cache of a call stays alive with the tokens each row holds (its prompt and all but the last
+sampled token). A later call whose prompt starts with such a row's tokens (the next turn of
+the same conversation: the prompt so far, the action, the new observation) takes that row's
+cache (``_reuse``: a gather of rows, cut or padded to the new cache length, the index set to
+the common prefix) and prefills only the rest (``_extend``: the same chunked prefill, starting
+at each row's index). A call reuses only when that shortens its prefill's padded length (the
+rest's length bucket below the prompts'). A weight sync or release drops the kept caches: keys
+and values of older weights are never reused. The samples are those of a fresh cache: the same
+tokens, log-probs equal up to float rounding (the kept keys and values were written one token
+at a time by the decode loop, a fresh prefill writes them all at once; tested).
+
 Shapes are static: batch size, prompt length, new-token budget and the number of stop ids
 are rounded up to buckets, so repeated calls compile once per bucket combination
 (``compile_counts`` counts the traces).
@@ -48,6 +60,8 @@ For ``temperature == 0`` (greedy) the token is ``argmax(logits)`` and its log-pr
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -196,6 +210,31 @@ def _stop_bucket(n: int) -> int:
     return b
 
 
+# ----------------------------------------------------------------------------- kept caches
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeptCall:
+    """The final KV cache of one ``generate`` chunk, kept for later calls: ``held[r, :n_r]``
+    are the tokens whose keys/values row ``r`` of ``cache`` holds (``-1`` after them),
+    written by the weights of sync ``sync``."""
+
+    cache: KVCache
+    held: np.ndarray       # [R, M] int32, -1 padded
+    sync: int              # which weights wrote it (JaxSampler._weights[2])
+
+
+def common_prefix(held: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    """Per row of ``held`` (``[R, M]`` token ids, ``-1`` padded), the length of the longest
+    common prefix with ``prompt`` (``[n]``): ``max k`` with ``held[r, :k] == prompt[:k]``.
+
+    Degenerate cases: an empty ``held`` gives ``[]``; a row that equals ``prompt`` (or extends
+    it) gives ``n``; padding never matches (token ids are >= 0)."""
+    m = min(held.shape[1], prompt.size)
+    eq = held[:, :m] == prompt[None, :m]
+    return np.where(eq.all(axis=1), m, eq.argmin(axis=1)).astype(np.int64)
+
+
 def _check_mesh(mesh, config) -> Mesh | None:
     """``mesh`` when it has a ``data`` axis (and a ``tensor`` axis, if any, that divides the
     query and key/value heads); ``ValueError`` otherwise."""
@@ -256,6 +295,11 @@ class JaxSampler:
         last logits copied to every row that asks for them (``_fork``). The samples are those
         of the unshared path (tested token for token); ``prefill_stats`` counts the prompt
         rows and tokens prefilled and asked for.
+      reuse_calls: the final KV caches of the last ``reuse_calls`` calls are kept, and a
+        later prompt that starts with tokens one of their rows holds prefills only the rest
+        (see the module docstring; ``prefill_stats["tokens_reused"]``). 0 = off. Each kept
+        call holds its cache (``[layers, rows, slots, kv heads, head dim]`` keys and values)
+        until a later call pushes it out or a weight sync / release drops it.
     """
 
     def __init__(self, model: Transformer, *, max_len: int | None = None,
@@ -264,7 +308,7 @@ class JaxSampler:
                  new_token_buckets: Sequence[int] | None = None, seed: int = 0,
                  policy_version: int = 0, mesh: Mesh | None = None,
                  param_shardings: Any = None, prefill_chunk: int | None = 512,
-                 share_prefill: bool = True):
+                 share_prefill: bool = True, reuse_calls: int = 2):
         if not isinstance(model, Transformer):
             raise ValueError(f"model must be a jaxrl_agent.models.Transformer, got "
                              f"{type(model).__name__}")
@@ -298,16 +342,23 @@ class JaxSampler:
         self._graphdef = graphdef
         if self.mesh is not None and param_shardings is None:
             param_shardings = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
+        self._syncs = itertools.count()   # the third entry of _weights: which sync made them
         self._weights = (self._place(state, param_shardings),
-                         self._check_version(policy_version))
+                         self._check_version(policy_version), next(self._syncs))
         self._calls = 0
         self._lock = threading.Lock()
         #: number of traces (= compilations) of each jitted function.
         self.compile_counts: collections.Counter = collections.Counter()
         self.share_prefill = bool(share_prefill)
+        if isinstance(reuse_calls, bool) or not isinstance(reuse_calls, int) or reuse_calls < 0:
+            raise ValueError(f"reuse_calls must be an int >= 0, got {reuse_calls!r}")
+        self.reuse_calls = reuse_calls
+        self._kept: collections.deque = collections.deque(maxlen=max(reuse_calls, 1))
         #: prompt rows and tokens asked for and prefilled (fewer with ``share_prefill``)
         self.prefill_stats: collections.Counter = collections.Counter()
         self._fork_jit = jax.jit(self._fork)
+        self._reuse_jit = jax.jit(self._reuse, static_argnames=("cache_len",))
+        self._extend_jit = jax.jit(self._extend)
         self._prefill_jit = jax.jit(self._prefill, static_argnames=("cache_len",))
         self._decode_jit = jax.jit(self._decode, donate_argnames=("cache",))
 
@@ -368,10 +419,18 @@ class JaxSampler:
     def release_weights(self) -> None:
         """Frees the sampler's copy of the weights until the next ``sync_weights`` (the trainer
         calls it before a train step when no rollout runs during the step, so the device does
-        not hold the sampler's weights beside the step's); ``generate`` refuses meanwhile."""
+        not hold the sampler's weights beside the step's); ``generate`` refuses meanwhile.
+        The kept caches (``reuse_calls``) are dropped too."""
+        self.drop_kept_caches()
         for x in jax.tree.leaves(self._weights[0]):
             if not x.is_deleted():
                 x.delete()
+
+    def drop_kept_caches(self) -> None:
+        """Forgets the kept KV caches of earlier calls (``reuse_calls``): the next call
+        prefills every prompt from scratch. Weight syncs and releases call it."""
+        with self._lock:
+            self._kept.clear()
 
     @property
     def weights_released(self) -> bool:
@@ -379,7 +438,9 @@ class JaxSampler:
         return any(x.is_deleted() for x in jax.tree.leaves(self._weights[0]))
 
     def sync_weights(self, model_or_state: Any, version: int, *, copy: bool = True) -> None:
-        """Replaces the weights and the policy version; no recompilation.
+        """Replaces the weights and the policy version; no recompilation. The kept caches of
+        earlier calls (``reuse_calls``) are dropped: no later call reuses keys/values of the
+        old weights.
 
         Args:
           model_or_state: a ``Transformer``, an ``nnx.State`` of its parameters (e.g. the
@@ -403,7 +464,8 @@ class JaxSampler:
                     for path, x in synced_params(model_or_state, cur).items()}
         new_state = jax.tree.map(lambda x: x, cur_state)    # fresh Variables, same structure
         nnx.replace_by_pure_dict(new_state, nnx.traversals.unflatten_mapping(new_flat))
-        self._weights = (new_state, version)
+        self._weights = (new_state, version, next(self._syncs))
+        self.drop_kept_caches()   # keys and values of the old weights are never reused
 
     # ------------------------------------------------------------------------- jitted parts
 
@@ -412,12 +474,26 @@ class JaxSampler:
         last prompt token ``[B, V]``)."""
         self.compile_counts["prefill"] += 1
         model = nnx.merge(self._graphdef, state)
+        cache = self._constrain_cache(model.init_cache(tokens.shape[0], cache_len))
+        return self._write(model, cache, tokens, lengths)
+
+    def _extend(self, state, cache, tokens, lengths):
+        """``_prefill`` into a cache that already holds each row's first ``cache.index``
+        tokens: the rest of the prompts ``[B, L]`` (right-padded; ``lengths`` [B] >= 1) are
+        written from each row's index on. Returns the cache and the logits at each row's last
+        token."""
+        self.compile_counts["extend"] += 1
+        return self._write(nnx.merge(self._graphdef, state), cache, tokens, lengths)
+
+    def _write(self, model, cache, tokens, lengths):
+        """The prefill proper: ``tokens`` written ``prefill_chunk`` at a time (a ``lax.scan``
+        over chunks), each row from its own ``cache.index`` on, keeping the hidden state at
+        each row's last real token."""
         B, L = tokens.shape
         Q = L if self.prefill_chunk is None else min(self.prefill_chunk, L)
         n = -(-L // Q)
         tokens = jnp.pad(tokens, ((0, 0), (0, n * Q - L)))     # padding: segment id 0
         seg = (jnp.arange(n * Q, dtype=jnp.int32)[None, :] < lengths[:, None]).astype(jnp.int32)
-        cache = self._constrain_cache(model.init_cache(B, cache_len))
 
         def chunk(carry, xs):
             cache, last = carry
@@ -440,6 +516,22 @@ class JaxSampler:
         if self.mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, self.batch_sharding)
         return cache, logits
+
+    def _reuse(self, cache, source, keep, *, cache_len: int):
+        """A cache of ``cache_len`` slots whose row ``i`` holds the first ``keep[i]`` slots of
+        the kept cache's row ``source[i]`` (rows gathered, slots cut or zero-padded; slots
+        from ``keep[i]`` on are stale and masked until overwritten)."""
+        self.compile_counts["reuse"] += 1
+        C = cache.k.shape[2]
+
+        def take(x):  # [layers, R, C, ...] -> [layers, B, cache_len, ...]
+            x = jnp.take(x, source, axis=1)[:, :, :min(C, cache_len)]
+            pad = [(0, 0)] * x.ndim
+            pad[2] = (0, cache_len - x.shape[2])
+            return jnp.pad(x, pad)
+
+        return self._constrain_cache(KVCache(k=take(cache.k), v=take(cache.v),
+                                             index=keep.astype(jnp.int32)))
 
     def _fork(self, cache, logits, source):
         """The cache rows and last logits of each row's prompt: row ``i`` gets those of the
@@ -559,7 +651,7 @@ class JaxSampler:
         """
         arrays, plist = validate_requests(prompts, params, vocab_size=self.config.vocab_size,
                                           max_len=self.max_len)
-        state, version = self._weights
+        state, version, sync = self._weights
         if self.weights_released:
             raise RuntimeError("the sampler's weights were released (release_weights): "
                                "sync_weights before generate")
@@ -569,12 +661,12 @@ class JaxSampler:
         results: list[SampleOutput] = []
         chunk = self.batch_buckets[-1]
         for start in range(0, len(arrays), chunk):
-            results.extend(self._generate_chunk(state, version, call_id, start,
+            results.extend(self._generate_chunk(state, version, sync, call_id, start,
                                                 arrays[start:start + chunk],
                                                 plist[start:start + chunk]))
         return results
 
-    def _generate_chunk(self, state, version, call_id, start, arrays, plist):
+    def _generate_chunk(self, state, version, sync, call_id, start, arrays, plist):
         n = len(arrays)
         B = _bucket(n, self.batch_buckets)
         L = _bucket(max(a.size for a in arrays), self.len_buckets)
@@ -582,8 +674,6 @@ class JaxSampler:
         S = _stop_bucket(max(len(p.stop_token_ids) for p in plist))
         cache_len = min(L + N, self.max_len)
 
-        tokens = np.zeros((B, L), np.int32)
-        lengths = np.ones((B,), np.int32)
         stop_ids = np.full((B, S), -1, np.int32)
         temperature = np.zeros((B,), np.float32)
         top_k = np.zeros((B,), np.int32)
@@ -593,8 +683,6 @@ class JaxSampler:
         seed_hi = np.zeros((B,), np.uint32)
         seed_lo = np.zeros((B,), np.uint32)
         for i, (a, p) in enumerate(zip(arrays, plist)):
-            tokens[i, :a.size] = a
-            lengths[i] = a.size
             stop_ids[i, :len(p.stop_token_ids)] = p.stop_token_ids
             temperature[i] = p.temperature
             top_k[i] = p.top_k
@@ -610,30 +698,45 @@ class JaxSampler:
                     seed_hi=seed_hi, seed_lo=seed_lo)
 
         out_like = np.zeros((B, N), np.int32)
-        source, reps = None, list(range(n))
+        source, reps = None, list(range(n))   # the rows prefilled; row i copies source[i]'s
         if self.share_prefill:  # one prefill per distinct prompt, then copied to its rows
             index: dict = {}
             src = [index.setdefault(a.tobytes(), len(index)) for a in arrays]
             if len(index) < n:
                 reps = [src.index(u) for u in range(len(index))]  # each prompt's first row
-                U = _bucket(len(reps), self.batch_buckets)
-                tokens = np.concatenate([tokens[reps], np.zeros((U - len(reps), L), np.int32)])
-                lengths = np.concatenate([lengths[reps], np.ones((U - len(reps),), np.int32)])
                 source = np.array(src + [0] * (B - n), np.int32)
+        U = B if source is None else _bucket(len(reps), self.batch_buckets)
+        firsts = [arrays[i] for i in reps]
+        found = self._find_kept(firsts, sync, L) if self.reuse_calls else None
+        kept, rows_kept, reused = found if found else (None, [0] * len(reps), [0] * len(reps))
+        rest = [a[k:] for a, k in zip(firsts, reused)]
+        R = L if kept is None else _bucket(max(r.size for r in rest), self.len_buckets)
+        tokens = np.zeros((U, R), np.int32)
+        lengths = np.ones((U,), np.int32)
+        for i, r in enumerate(rest):
+            tokens[i, :r.size] = r
+            lengths[i] = r.size
         self.prefill_stats["rows_asked"] += n
         self.prefill_stats["tokens_asked"] += int(sum(a.size for a in arrays))
         self.prefill_stats["rows_prefilled"] += len(reps)
-        self.prefill_stats["tokens_prefilled"] += int(sum(arrays[i].size for i in reps))
-        if self.mesh is not None:  # rows over the mesh's data axis
-            tokens, lengths, rows, out_like = jax.device_put((tokens, lengths, rows, out_like),
-                                                             self.batch_sharding)
-        cache, logits = self._prefill_jit(state, tokens, lengths, cache_len=cache_len)
+        self.prefill_stats["tokens_prefilled"] += int(sum(r.size for r in rest))
+        self.prefill_stats["slots_prefilled"] += U * R   # the padded work
+        if kept is not None:
+            self.prefill_stats["tokens_reused"] += int(sum(reused))
+        put = ((lambda x: jax.device_put(x, self.batch_sharding)) if self.mesh is not None
+               else (lambda x: x))   # rows over the mesh's data axis
+        tokens, lengths, rows, out_like = put((tokens, lengths, rows, out_like))
+        if kept is None:
+            cache, logits = self._prefill_jit(state, tokens, lengths, cache_len=cache_len)
+        else:
+            pad = [0] * (U - len(reps))
+            held = put((np.array(rows_kept + pad, np.int32), np.array(reused + pad, np.int32)))
+            cache = self._reuse_jit(kept.cache, *held, cache_len=cache_len)
+            cache, logits = self._extend_jit(state, cache, tokens, lengths)
         if source is not None:
-            if self.mesh is not None:
-                source = jax.device_put(source, self.batch_sharding)
-            cache, logits = self._fork_jit(cache, logits, source)
-        out_tok, out_lp, n_gen, _ = self._decode_jit(state, cache, logits, rows, self._root,
-                                                     np.uint32(call_id % (2 ** 32)), out_like)
+            cache, logits = self._fork_jit(cache, logits, put(source))
+        out_tok, out_lp, n_gen, cache = self._decode_jit(
+            state, cache, logits, rows, self._root, np.uint32(call_id % (2 ** 32)), out_like)
         out_tok, out_lp, n_gen = jax.device_get((out_tok, out_lp, n_gen))
 
         results = []
@@ -644,4 +747,36 @@ class JaxSampler:
             results.append(SampleOutput(prompt_token_ids=a.tolist(), token_ids=toks,
                                         logprobs=out_lp[i, :k].tolist(), finish_reason=reason,
                                         policy_version=version))
+        if self.reuse_calls:  # row i holds its prompt and all but its last sampled token
+            held = [np.concatenate([a, out_tok[i, :int(n_gen[i]) - 1]])
+                    for i, a in enumerate(arrays)]
+            mat = np.full((B, max(h.size for h in held)), -1, np.int32)
+            for i, h in enumerate(held):
+                mat[i, :h.size] = h
+            with self._lock:
+                if self._weights[2] == sync:   # not after a sync
+                    self._kept.append(_KeptCall(cache=cache, held=mat, sync=sync))
         return results
+
+    def _find_kept(self, prompts, sync: int, prompt_bucket: int):
+        """Which kept call's rows to start ``prompts`` from: ``(kept call, row per prompt,
+        tokens reused per prompt)``, the call that saves the most tokens, or None when no
+        kept call (of the current weights) shares a prefix or the rest would not fit a
+        shorter length bucket than ``prompt_bucket``. At least each prompt's last token is
+        left to prefill (its logits start the decode)."""
+        with self._lock:
+            kept = [k for k in self._kept if k.sync == sync]
+        best = None
+        for k in kept:
+            rows, reused = [], []
+            for a in prompts:
+                lcp = common_prefix(k.held, a)
+                r = int(lcp.argmax())
+                rows.append(r)
+                reused.append(min(int(lcp[r]), a.size - 1))
+            if sum(reused) and (best is None or sum(reused) > sum(best[2])):
+                best = (k, rows, reused)
+        if best is None:
+            return None
+        rest = max(a.size - m for a, m in zip(prompts, best[2]))
+        return best if _bucket(rest, self.len_buckets) < prompt_bucket else None

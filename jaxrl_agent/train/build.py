@@ -114,7 +114,7 @@ def jax_sampler_args(cfg: config_lib.RunConfig, model, batch_buckets,
                      devices=None) -> dict:
     """The keyword arguments the run gives ``JaxSampler`` besides ``model``: ``max_len =
     rollout.max_context_tokens``, ``batch_buckets``, the run's seed, ``sampler.prefill_chunk``
-    and, with ``sampler.data_parallel`` x ``tensor_parallel`` != 1 x 1, a
+    and ``reuse_calls`` and, with ``sampler.data_parallel`` x ``tensor_parallel`` != 1 x 1, a
     ``sharding.sampler_mesh`` over ``devices`` (default this process's) with the parameters
     laid out by the run's partition rules.
 
@@ -129,7 +129,7 @@ def jax_sampler_args(cfg: config_lib.RunConfig, model, batch_buckets,
                                              {**sharding.DEFAULT_RULES, **cfg.mesh.rules})
     return dict(max_len=cfg.rollout.max_context_tokens, batch_buckets=batch_buckets,
                 seed=cfg.trainer.seed, mesh=mesh, param_shardings=shardings,
-                prefill_chunk=s.prefill_chunk or None)
+                prefill_chunk=s.prefill_chunk or None, reuse_calls=s.reuse_calls)
 
 
 def build_sampler(cfg: config_lib.RunConfig, model, *, batch_buckets=(8, 32, 128)):
