@@ -199,7 +199,7 @@ class LossSection:
     agg: str = "traj_mean_token_mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0          # > 0 an entropy bonus, < 0 a penalty (sharpens)
     value_coef: float = 0.5
     # Off-policy correction (train/step.py): weights pi_proximal / pi_behaviour on the policy loss
     is_weights: str = "none"           # none | truncate (TIS) | mask (MIS)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 
 import jax
@@ -216,8 +217,9 @@ def check_loss(cfg: RunConfig) -> None:
     config.check_choice(lo.kl_estimator,
                         [k for k in config.KL_ESTIMATORS if k in losses.names()],
                         "loss.kl_estimator")
-    config.check_positive(lo, "loss", "kl_coef", "entropy_coef", "value_coef", "sarsa_coef",
-                          allow_zero=True)
+    config.check_positive(lo, "loss", "kl_coef", "value_coef", "sarsa_coef", allow_zero=True)
+    if not math.isfinite(lo.entropy_coef):  # < 0 is an entropy penalty: it sharpens the policy
+        raise ConfigError(f"loss.entropy_coef must be a finite number; got {lo.entropy_coef!r}")
     if not 0.0 <= lo.sarsa_gamma <= 1.0:
         raise ConfigError(f"loss.sarsa_gamma must lie in [0, 1], got {lo.sarsa_gamma}")
     if lo.sarsa_coef and not cfg.model.value_head:

@@ -288,6 +288,7 @@ def test_empty_sections_and_files(tmp_path):
     ("sampler.tensor_parallel=3", r"sampler.tensor_parallel \(3\) must divide model.num_heads"),
     ("sampler.prefill_chunk=-8", r"sampler.prefill_chunk must be >= 0"),
     ("sampler.reuse_calls=-1", r"sampler.reuse_calls must be >= 0"),
+    ("loss.entropy_coef=.inf", r"loss.entropy_coef must be a finite number"),
 ])
 def test_semantic_errors(override, match):
     cfg = run_checks.load(None, [override], validate=False)
