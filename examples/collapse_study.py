@@ -5,6 +5,7 @@ below its warm start"): the horizon study's L2 runs with the per-step diagnostic
     python examples/collapse_study.py run [--out runs/collapse] [--seeds 0 1 2] [--jobs 2]
         [--warm-start HF_DIR] [--arms grpo no_penalty ...]
     python examples/collapse_study.py report [--out runs/collapse]
+    python examples/collapse_study.py temperatures --warm-start HF_DIR [--out runs/collapse]
 
 ``run`` calls ``examples/compare_runs.py`` with the horizon study's L2 level and budget
 (``horizon_study.LEVELS``, ``BUDGET``) and the arms of ``ARMS`` (the first is the baseline of
@@ -17,6 +18,7 @@ per arm: the mean over seeds of a 5-step moving average).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -189,19 +191,64 @@ def report(out: pathlib.Path, arms, steps: int = 60) -> str:
     return text
 
 
+def temperatures(warm_start: str, seeds, temps, out: pathlib.Path) -> str:
+    """The warm start's held-out success when sampled at each of ``temps``, on each seed's
+    evaluation set (the tasks and episode seeds a run of that seed evaluates at step 0): how
+    much success a sharper policy would have without learning anything new. Written to
+    ``OUT/temperatures.md``."""
+    from jaxrl_agent import envs, run_checks
+    from jaxrl_agent.rollout import collect_groups
+    from jaxrl_agent.train.build import build_model, build_sampler
+    from jaxrl_agent.train.loop import step_seed
+    hs = _load("horizon_study")
+    cfg = run_checks.load(None, hs.LEVELS["L2"][1] + hs.BUDGET + [
+        f"model.builtin_dir={warm_start}", "trainer.warmup_sft_steps=0"])
+    model, codec, _ = build_model(cfg, 0)
+    sampler = build_sampler(cfg, model)
+    env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
+    base = cfg.rollout.collect_config(prompt_prefix=(codec.bos_token_id,))
+    table = {t: [] for t in temps}
+    for seed in seeds:
+        tasks = env.sample_tasks(step_seed(seed, -1, "eval"), cfg.trainer.eval_tasks, "test")
+        for t in temps:
+            rc = dataclasses.replace(base, group_size=1, temperature=t)
+            _, st = collect_groups(env, tasks, sampler, codec, rc,
+                                   seed=step_seed(seed, 0, "eval"))
+            table[t].append(st["success_rate"])
+    n = cfg.trainer.eval_tasks
+    lines = [f"warm start {warm_start}: held-out success by sampling temperature ({n} tasks "
+             f"per seed; seeds {' '.join(map(str, seeds))})", "",
+             "| temperature | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for t in temps:
+        v = table[t]
+        lines.append(f"| {t:g} | " + " | ".join(f"{x:.3f}" for x in v)
+                     + f" | {np.mean(v):.3f} |")
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "temperatures.md").write_text(text)
+    return text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("run", "report"))
+    p.add_argument("what", choices=("run", "report", "temperatures"))
     p.add_argument("--out", default="runs/collapse")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=sorted(ARMS))
     p.add_argument("--warm-start", default=None,
                    help="the L2 warm start (HF folder); default: made here")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7, 1.0])
     a = p.parse_args(argv)
     out = pathlib.Path(a.out).absolute()
     if a.what == "run":
         return run(out, a.seeds, a.jobs, a.arms, a.warm_start)
+    if a.what == "temperatures":
+        if not a.warm_start:
+            p.error("temperatures needs --warm-start (the L2 warm start's HF folder)")
+        print(temperatures(a.warm_start, a.seeds, a.temperatures, out))
+        return 0
     print(report(out, a.arms))
     return 0
 
