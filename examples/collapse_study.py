@@ -51,12 +51,13 @@ ARMS = {
     "tasks16x8_lr1e-4": ("recipe: 4x the episodes per update (16 tasks x 8) at the 5x smaller "
                          "learning rate: more signal per step against the same update noise",
                          ["rollout.tasks_per_step=16", "optimizer.lr=1e-4"]),
-    "entmin_lr1e-4": ("sharpening: an entropy penalty (loss.entropy_coef -0.02) at the 5x smaller "
+    "entmin_lr1e-4": ("sharpening: an entropy penalty (loss.entropy_coef -0.3) at the 5x smaller "
                       "learning rate (the warm start succeeds far more often at temperature 0.5 "
-                      "than at 1)", ["loss.entropy_coef=-0.02", "optimizer.lr=1e-4"]),
+                      "than at 1; -0.02 did not move the entropy)",
+                      ["loss.entropy_coef=-0.3", "optimizer.lr=1e-4"]),
     "entmin_shuffled_lr1e-4": ("its null control: the same penalty with the step's returns "
                                "permuted (what sharpening alone does)",
-                               ["loss.entropy_coef=-0.02", "optimizer.lr=1e-4",
+                               ["loss.entropy_coef=-0.3", "optimizer.lr=1e-4",
                                 "trainer.shuffle_outcomes=true"]),
 }
 DEFAULT_ARMS = ["grpo", "no_penalty", "dr_grpo", "kl_anchor"]
