@@ -123,7 +123,8 @@ def sampler_dims(cfg: config_lib.RunConfig, sampler, num_hosts: int = 1) -> dict
 
 def sampler_notes(cfg: config_lib.RunConfig, mc: ModelConfig, sp: SamplerPlan) -> list[str]:
     """What the sampler plan leaves out or assumes, as notes: a refused compile, a cache longer
-    than the model's positions, several rollout workers sampling at once."""
+    than the model's positions, the kept caches of earlier calls, several rollout workers
+    sampling at once."""
     out = [f"sampler {name}: XLA refused to compile it (it ran out of HBM): temporaries are "
            "XLA's figure, arguments and outputs are from the shapes"
            for name, m in (("prefill", sp.prefill), ("decode step", sp.decode)) if m.refused]
@@ -131,6 +132,12 @@ def sampler_notes(cfg: config_lib.RunConfig, mc: ModelConfig, sp: SamplerPlan) -
         out.append(f"the sampler's KV cache ({sp.dims['cache_len']} slots, from "
                    "rollout.max_context_tokens) is longer than the model's "
                    f"max_position_embeddings ({mc.max_position_embeddings})")
+    if cfg.sampler.name == "jax" and cfg.sampler.reuse_calls:
+        n = cfg.sampler.reuse_calls
+        out.append(f"sampler.reuse_calls: {n}: between a rollout's turns up to {n} earlier "
+                   f"calls' KV caches (up to {n * sp.kv_cache_bytes / 2**30:.2f} GiB per device) "
+                   "stay beside a call, not counted above; every weight sync drops them "
+                   "(set 0 where the sampler's memory is tight)")
     t = cfg.trainer
     if t.async_rollouts and t.rollout_workers > 1:
         out.append(f"trainer.async_rollouts: {t.rollout_workers} rollout workers can be inside "
