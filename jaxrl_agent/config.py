@@ -29,8 +29,8 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     checkpoint: every, keep, export, export_warmup
     metrics:    tensorboard, plots
     sampler:    name (jax | vllm), data_parallel, tensor_parallel (JAX sampler: this host's
-                devices), prefill_chunk, reuse_calls, dtype, kv_cache_mb, gpu_memory_utilization, max_num_seqs,
-                enforce_eager, transfer, probe_every, probe_tol   (``sampler: vllm`` = name only)
+                devices), prefill_chunk, reuse_calls, dtype, kv_cache_mb, gpu_memory_utilization,
+                max_num_seqs, enforce_eager, transfer, probe_every, probe_tol   (``sampler: vllm`` = name only)
     mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
                 rules {}                     (logical axis -> mesh axis overrides of
                                               sharding.DEFAULT_RULES)
