@@ -30,7 +30,8 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     metrics:    tensorboard, plots
     sampler:    name (jax | vllm), data_parallel, tensor_parallel (JAX sampler: this host's
                 devices), prefill_chunk, reuse_calls, dtype, kv_cache_mb, gpu_memory_utilization,
-                max_num_seqs, enforce_eager, transfer, probe_every, probe_tol   (``sampler: vllm`` = name only)
+                max_num_seqs, enforce_eager, transfer, probe_every, probe_tol
+                (``sampler: vllm`` = name only)
     mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
                 rules {}                     (logical axis -> mesh axis overrides of
                                               sharding.DEFAULT_RULES)
