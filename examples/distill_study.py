@@ -12,8 +12,11 @@ loop").
    step-0 evaluation: 128 held-out layouts of seed 0) is the ceiling.
 3. From the student's warm start, the variants x seeds, each ``jaxrl-agent train`` with the
    horizon study's L2 budget (4 tasks x 8 samples, 60 steps, 128 held-out layouts; evaluated
-   every 30 steps to fit a session): GRPO and OPD alone (``estimator.name: opd``, the
-   advantage beta (lp_T - lp_old) per token); with ``--all`` also GRPO + OPD
+   every 30 steps to fit a session): GRPO; OPD alone (``estimator.name: opd``, the
+   advantage beta (lp_T - lp_old) per token); and the top-K distillation (``loss.aux:
+   [topk_kl]`` with ``teacher.top_k: 16``: the forward KL from the teacher's 16 most likely
+   next tokens to the student's at every action position the student visited, with no policy
+   gradient: OPD's advantage at beta 0); with ``--all`` also GRPO + OPD
    (``estimator.then: [seed]``: the GRPO advantage plus lp_T - lp_old, as slime's
    ``--use-opd``) and PBRS with the grid world's potential (``estimator.shaping: [pbrs]``, no
    teacher). The same seed gives every variant the same task stream and held-out layouts, so
@@ -49,11 +52,16 @@ compare = _load("compare_runs")
 BASE = horizon.LEVELS["L2"][1] + horizon.BUDGET + ["trainer.eval_every=30"]
 #: the teacher's warm-up: the same recipe with a demonstrator that never errs
 TEACHER_SETS = ["trainer.sft_noise=0.0"]
+#: the teacher's most likely tokens the top-K distillation reads per position
+TOPK = 16
 
 
 def variants(teacher: pathlib.Path, every: bool = False) -> list[tuple[str, str]]:
     t = f"teacher.source={teacher}"
-    return [("grpo", "estimator.name=grpo"), ("opd", f"estimator.name=opd,{t}")] + (
+    topk = (f"estimator.name=opd,estimator.params.beta=0.0,{t},teacher.top_k={TOPK},"
+            f"loss.aux=[topk_kl]")
+    return [("grpo", "estimator.name=grpo"), ("opd", f"estimator.name=opd,{t}"),
+            ("topk", topk)] + (
         [("grpo+opd", f"estimator.name=grpo,estimator.then=[seed],{t}"),
          ("pbrs", "estimator.name=grpo,estimator.shaping=[pbrs]")] if every else [])
 

@@ -18,7 +18,7 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
                 is_weights, is_level, is_cap, is_lower, decoupled   (off-policy correction)
                 aux []                       (auxiliary losses {name, coef, params}: the
                                               distillation losses, added to the policy loss)
-    teacher:    source (none | base | live | ema | PATH), ema_decay   (teacher log-probs)
+    teacher:    source (none | base | live | ema | PATH), ema_decay, top_k  (teacher log-probs)
     signals:    [{name, params}]             (judge / signal plug-ins run on the records)
     optimizer:  lr, warmup_steps, decay, weight_decay, grad_clip, b1, b2
     trainer:    steps, ppo_epochs, mini_batches, micro_batches, max_policy_lag, async_rollouts,
@@ -230,6 +230,9 @@ class TeacherSection:
     # environment's per-task text (info["teacher_context"] at reset) and / or a fixed text
     context: bool = False
     system_prompt: str | None = None
+    # > 0: the step also computes the teacher's top_k most likely next tokens at each position
+    # (extras teacher_topk_logprobs), for losses that compare whole distributions (topk_kl)
+    top_k: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -928,6 +931,11 @@ def _check_teacher(cfg: RunConfig) -> None:
                           f"path of a checkpoint folder, got {te.source!r}")
     if not 0.0 < te.ema_decay < 1.0:
         raise ConfigError(f"teacher.ema_decay must lie in (0, 1), got {te.ema_decay}")
+    if isinstance(te.top_k, bool) or not isinstance(te.top_k, int) or te.top_k < 0:
+        raise ConfigError(f"teacher.top_k must be an integer >= 0 (0: off), got {te.top_k!r}")
+    if te.top_k and te.source == "none":
+        raise ConfigError("teacher.top_k: the top-K tokens are the teacher's; set "
+                          "teacher.source (base | live | ema | PATH)")
     if teacher_has_context(cfg):
         if te.source == "none":
             raise ConfigError("teacher.context / teacher.system_prompt give a teacher its own "

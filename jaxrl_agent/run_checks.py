@@ -308,7 +308,7 @@ def signal_fields(cfg: RunConfig) -> dict:
 def run_table(cfg: RunConfig) -> dict:
     """The inputs this run can supply (``train.inputs.run_inputs``): the loop's own, the
     environment's reports and the signal plug-ins' fields."""
-    return run_inputs(env_reports(cfg), signal_fields(cfg))
+    return run_inputs(env_reports(cfg), signal_fields(cfg), top_k=cfg.teacher.top_k)
 
 
 def configured(cfg: RunConfig, spec) -> bool:
@@ -317,6 +317,8 @@ def configured(cfg: RunConfig, spec) -> bool:
         return bool(cfg.model.value_head)
     if spec.source == "teacher":
         return cfg.teacher.source != "none"
+    if spec.source == "teacher_topk":
+        return cfg.teacher.source != "none" and cfg.teacher.top_k > 0
     return True
 
 
@@ -332,14 +334,23 @@ def _trace(cfg: RunConfig, batch) -> None:
         adv, _ = pipe.apply(b, pipe.init(8))
         z = jnp.zeros(b.tokens.shape)
         fn(b.old_logprobs, b, z, agg=lo.agg, **lo.params)
+        avail = _step_given(b, cfg.teacher.top_k, adv.token)
         for name, _, params in aux:
             f = losses.get(name)
-            given = {"advantages": adv.token} if "advantages" in inspect.signature(
-                f).parameters else {}
-            f(b.old_logprobs, b, agg=lo.agg, **given, **dict(params))
+            f(b.old_logprobs, b, agg=lo.agg, **losses.step_given(f, **avail), **dict(params))
         return adv
 
     jax.eval_shape(run, batch)
+
+
+def _step_given(b, top_k: int, advantages) -> dict:
+    """Stand-ins of what the train step passes to a loss beyond ``(logprobs, batch)``
+    (``losses.STEP_GIVEN``): the advantages, and the student's log-probs of the teacher's
+    top-K ids when ``teacher.top_k`` > 0."""
+    out = {"advantages": advantages}
+    if top_k > 0:
+        out["student_topk_logprobs"] = jnp.full(b.tokens.shape + (top_k,), -1.0)
+    return out
 
 
 def _where(cfg: RunConfig, e: Exception) -> str:
@@ -425,7 +436,8 @@ def step_reads(cfg: RunConfig) -> tuple:
 
 def _step_reads(cfg: RunConfig) -> tuple:
     table = run_table(cfg)
-    optional = {n for n, s in table.items() if s.source in ("teacher", "policy", "reference")}
+    optional = {n for n, s in table.items()
+                if s.source in ("teacher", "teacher_topk", "policy", "reference")}
     given: set = set()
     for _ in range(len(table) + 1):
         batch = dry_batch(cfg, include=given)
@@ -481,8 +493,8 @@ def dry_batch(cfg: RunConfig, group_size: int = 2, include=None):
     for name, spec in run_table(cfg).items():
         if not configured(cfg, spec):
             continue
-        if spec.source in ("teacher", "policy", "reference") and include is not None \
-                and name not in include:
+        if spec.source in ("teacher", "teacher_topk", "policy", "reference") \
+                and include is not None and name not in include:
             continue
         level, width = registry.parse_level(spec.level) or (spec.level, None)
         if level == "edges":  # turn k - 1 -> k in every trajectory, type 0
@@ -533,8 +545,11 @@ def _call_alone(kind: str, name: str, params: dict):
     """``run(batch)`` calling one registered method with ``params`` as the trainer does."""
     if kind == "loss":
         fn = losses.get(name)
-        given = lambda b: ({"advantages": jnp.zeros(b.tokens.shape)}  # noqa: E731
-                           if "advantages" in inspect.signature(fn).parameters else {})
+
+        def given(b):
+            k = b.extras["teacher_topk_logprobs"].shape[-1] if (
+                "teacher_topk_logprobs" in b.extras) else 0
+            return losses.step_given(fn, **_step_given(b, k, jnp.zeros(b.tokens.shape)))
         return lambda b: fn(b.old_logprobs, b, **given(b), **params)
     pipe = (estimators.Pipeline((name, tuple(params.items()))) if kind == "estimator" else
             estimators.Pipeline(("grpo", ()), ((name, tuple(params.items())),))
@@ -561,6 +576,7 @@ def method_reads(kind: str, name: str, params: dict | None = None,
                 "turn": jnp.arange(n * k, dtype=jnp.float32).reshape(n, k) / (n * k),
                 "traj": jnp.linspace(0.0, 1.0, n, dtype=jnp.float32),
                 "vector": jnp.ones((n, k, 4), jnp.float32)}
+    stand_in["token[top_k]"] = jnp.repeat(stand_in["token"][..., None], 4, axis=-1)
     run = _call_alone(kind, name, dict(params or {}))
     found: dict = {}
     trying: tuple = ()

@@ -37,6 +37,7 @@ import tests.signal_plugin  # noqa: F401  (registers every_signal)
 from tests.test_train import _model, _records
 
 PLUGIN = ["imports=[tests.signal_plugin]", "signals=[every_signal]", "teacher.source=live",
+          "teacher.top_k=4",
           "model.value_head=true", "trainer.warmup_sft_steps=0"]
 
 

@@ -9,6 +9,8 @@ Each loss is registered at its definition (``@register(name, kind="loss")``, see
 
 from __future__ import annotations
 
+import inspect as _inspect
+
 from jaxrl_agent.losses.aggregation import (AGG_MODES, add_pairs, aggregate, check_mode,
                                             safe_ratio)
 from jaxrl_agent.losses.kl import (entropy, entropy_from_logits, k1, k1_st, k2, k3, k3_st,
@@ -21,6 +23,11 @@ from jaxrl_agent.losses.value import sarsa, value
 from jaxrl_agent.losses.objective import sapo_terms, weighted_total
 from jaxrl_agent.losses import distill
 from jaxrl_agent import registry as _registry
+
+#: the inputs the train step makes for a loss that names them in its signature: the run's
+#: per-token advantages [R, T] (stop-gradient) and the student's log-probs of the teacher's
+#: top-K ids [R, T, K] (differentiable; with ``teacher.top_k``)
+STEP_GIVEN = ("advantages", "student_topk_logprobs")
 
 
 def names() -> tuple:
@@ -35,12 +42,23 @@ def get(name: str):
     return _registry.lookup(name, "loss").fn
 
 
+def step_given(fn, **available) -> dict:
+    """Of ``available`` (``STEP_GIVEN`` names -> arrays), those ``fn``'s signature names: what
+    the train step (and the run checks' trace) pass to a loss beyond ``(logprobs, batch)``."""
+    unknown = sorted(set(available) - set(STEP_GIVEN))
+    if unknown:
+        raise ValueError(f"step_given: unknown inputs {unknown}; known: {STEP_GIVEN}")
+    names = _inspect.signature(fn).parameters
+    return {k: v for k, v in available.items() if k in names}
+
+
 __all__ = [
     "distill",
     "AGG_MODES", "add_pairs", "advantage_array", "aggregate", "check_mode", "cispo",
     "clipped_surrogate", "entropy", "entropy_from_logits", "get", "gspo", "gspo_log_ratio",
     "k1", "k1_st", "k2", "k3", "k3_st", "kl_k1", "kl_k1_st", "kl_k2", "kl_k3", "kl_k3_st",
     "log_ratio", "names", "policy_metrics", "ppo", "reinforce", "safe_ratio", "soft_gate",
-    "soft_gate_fn", "sapo_terms", "sarsa", "truncated_is_weights", "value",
+    "soft_gate_fn", "sapo_terms", "sarsa", "STEP_GIVEN", "step_given", "truncated_is_weights",
+    "value",
     "weighted_total",
 ]

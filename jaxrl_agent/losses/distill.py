@@ -18,10 +18,14 @@ The same teacher signals as advantages (estimators ``opd``, ``credit``; transfor
 ``cny``) live in ``jaxrl_agent.estimators.distill``. Here, the losses ``f(logprobs, batch, *,
 hp, agg="token_mean", agg_constant=None, axis_name=None) -> (sum, denominator)``, registered
 under the names ``sdl``, ``sdar``, ``edge``, ``ucob``, ``icsd``, ``craft``, ``treeopsd``,
-``t_reg`` and ``weighted_sft`` (ASPO / InT / ABC-SFT). Every one of them shares these arguments:
+``t_reg``, ``weighted_sft`` (ASPO / InT / ABC-SFT) and ``topk_kl`` (the forward KL over the
+teacher's top-K tokens, which reads the teacher's whole next-token distribution, not one
+sampled token's log-prob). Every one of them shares these arguments:
 
 * ``logprobs`` [R, T]: lp_S, the student's current log-probs of the sampled tokens (unless
-  a loss's docstring says otherwise).
+  a loss's docstring says otherwise; ``topk_kl`` reads ``student_topk_logprobs`` instead,
+  the student's log-probs of the teacher's top-K ids, which the train step passes to every
+  loss that names it: ``losses.step_given``).
 * ``agg``: the aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``);
   ``agg_constant``: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
 * ``axis_name``: the mesh axis under ``shard_map``: trajectory indices are made block-local
@@ -831,3 +835,73 @@ def weighted_sft(logprobs, batch: TrajectoryBatch, *, weights=None, mask=None,
     if weights is not None:
         per_token = sg(spread_field(b, weights, "weighted_sft", "SFT weight")) * per_token
     return _finish(per_token, batch, agg, agg_constant, axis_name, mask=on)
+
+
+# ============================================================================= top-k forward KL
+
+
+def topk_forward_kl_tokens(ls, lt):
+    """Per-token sum_k p_T,k (lt_k - ls_k) over the last axis (``ls``, ``lt`` [..., K]), with
+    p_T,k = exp(lt_k); an entry whose teacher log-prob is not finite (-inf: probability 0)
+    adds 0 and no gradient."""
+    ok = jnp.isfinite(lt)
+    lt = jnp.where(ok, lt, 0.0)
+    return jnp.sum(jnp.where(ok, jnp.exp(lt) * (lt - ls), 0.0), axis=-1)
+
+
+@register("topk_kl", kind="loss")
+def topk_forward_kl(logprobs, batch: TrajectoryBatch, *, student_topk_logprobs=None,
+                    teacher: str = "teacher_topk_logprobs", agg: str = "token_mean",
+                    agg_constant=None, axis_name=None):
+    """On-policy distillation over the teacher's K most likely tokens: the forward KL from the
+    teacher to the student at every action position the student visited, restricted to the
+    teacher's top K.
+
+        loss_t = sum_{k=1..K} p_T(v_k | s_t) (log p_T(v_k | s_t) - log p_S(v_k | s_t))
+
+    with v_1..v_K the teacher's K most likely next tokens at position t (``teacher.top_k`` in
+    a run), p_T their teacher probabilities and log p_S the student's current log-probs of the
+    same ids, both of the tempered distribution the rollouts sampled from (before any top-k /
+    top-p truncation). Its gradient, -sum_k p_T(v_k) grad log p_S(v_k), is a cross-entropy
+    toward the teacher's whole next-token distribution (its top K) at each visited state, not
+    one sampled token's log ratio (``opd``, ``sdl``): every position moves the student toward
+    every likely teacher token at once. With K = V this is KL(p_T || p_S) at every action token
+    (the forward KL of on-policy distillation over the whole vocabulary); with K < V the
+    teacher's remaining mass (1 - sum_k p_T(v_k)) is left out, so the value may be negative
+    when the student puts more mass than the teacher on the top K. 0 (with zero gradient) when
+    the student equals the teacher. ``logprobs`` (the sampled tokens') is not read.
+
+    In a run: ``teacher.source`` and ``teacher.top_k: K`` make the step compute the teacher's
+    top K ids and log-probs (extras ``teacher_topk_logprobs`` [R, T, K]) and pass the
+    student's log-probs of those ids here as ``student_topk_logprobs``.
+
+    Args:
+      logprobs: [R, T] lp_S of the sampled tokens (not read; the losses' common contract).
+      batch: a ``TrajectoryBatch``; reads ``action_mask``, ``row_traj`` [R, T] and
+        extras[``teacher``] [R, T, K].
+      student_topk_logprobs: [R, T, K] the student's log-probs of the teacher's top-K ids
+        (the only input that carries gradient).
+      teacher: extras field of the teacher's top-K log-probs [R, T, K] (stop-gradient).
+      agg, agg_constant, axis_name: the aggregation (module docstring).
+
+    Returns:
+      ``(sum, denominator)`` of the per-token loss (module docstring).
+    """
+    check_mode(agg)
+    b = segments.local_view(batch, axis_name)
+    lt = require(b, teacher, "topk_kl", "the teacher's top-K log-probs [R, T, K]")
+    if student_topk_logprobs is None:
+        raise ValueError("topk_kl: student_topk_logprobs (the student's log-probs of the "
+                         "teacher's top-K ids [R, T, K]) must be given; in a run the step "
+                         "passes them when teacher.top_k > 0")
+    shape = tuple(b.action_mask.shape)
+    if jnp.ndim(lt) != 3 or tuple(jnp.shape(lt))[:2] != shape:
+        raise shape_error("topk_kl", f"extras['{teacher}']", "[R, T, K]", shape + ("K",),
+                          jnp.shape(lt))
+    if tuple(jnp.shape(student_topk_logprobs)) != tuple(jnp.shape(lt)):
+        raise shape_error("topk_kl", "student_topk_logprobs", "[R, T, K]",
+                          tuple(jnp.shape(lt)), jnp.shape(student_topk_logprobs))
+    m = b.action_mask[..., None]
+    ls = jnp.where(m, jnp.asarray(student_topk_logprobs, jnp.float32), 0.0)
+    lt = sg(jnp.where(m, jnp.asarray(lt, jnp.float32), 0.0))
+    return _finish(topk_forward_kl_tokens(ls, lt), batch, agg, agg_constant, axis_name)

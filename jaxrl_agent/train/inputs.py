@@ -17,6 +17,10 @@ hidden_state  in the train step, the policy's final hidden state at each decisio
 teacher       in the train step, the teacher's log-probs of the sampled tokens (``teacher.source``:
               the policy's start weights, the live policy, an EMA of it, or another checkpoint of
               the same tokenizer), at the rollouts' temperature, in chunks, under stop_gradient
+teacher_topk  in the train step, in the same teacher pass: the teacher's ``teacher.top_k`` most
+              likely next tokens at each position and their log-probs (for losses that compare
+              whole distributions, ``topk_kl``; the step passes the student's log-probs of the
+              same ids to them)
 policy        in the train step, the policy's own per-token outputs at the start of the step
               (the entropy of the distribution each action token was drawn from), detached
 reference     in the train step, the log-probs of the sampled tokens under the reference
@@ -54,6 +58,8 @@ SOURCES = {"value_head": ("the value head", "model.value_head: true"),
            "hidden_state": ("the policy's hidden states", "(always available)"),
            "teacher": ("the teacher's log-probs of the sampled tokens",
                        "teacher.source: base | live | ema | PATH"),
+           "teacher_topk": ("the teacher's most likely tokens and their log-probs",
+                            "teacher.source: base | live | ema | PATH and teacher.top_k: K"),
            "policy": ("the policy's own per-token outputs", "(always available)"),
            "reference": ("the reference policy (the start weights, as the KL term's)",
                          "(always available)"),
@@ -61,10 +67,12 @@ SOURCES = {"value_head": ("the value head", "model.value_head: true"),
            "signal": ("a judge / signal plug-in", "signals: [{name: ..., params: ...}]")}
 
 #: the sources computed inside the train step (a model runs for them)
-STEP_SOURCES = ("value_head", "hidden_state", "teacher", "policy", "reference")
+STEP_SOURCES = ("value_head", "hidden_state", "teacher", "teacher_topk", "policy", "reference")
 
-#: levels of a field: its shape in the batch
-LEVELS = {"token": "[R, T]", "turn": "[N, K]", "traj": "[N]", "vector": "[N, K, D]"}
+#: levels of a field: its shape in the batch (``token[top_k]``: [R, T, teacher.top_k], made
+#: concrete by ``run_inputs``)
+LEVELS = {"token": "[R, T]", "turn": "[N, K]", "traj": "[N]", "vector": "[N, K, D]",
+          "token[top_k]": "[R, T, teacher.top_k]"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +141,10 @@ LOOP_INPUTS = {
     "teacher_logprobs": LoopInput(
         "teacher", "token", "the teacher's log-prob of each sampled token, at the rollouts' "
         "temperature, detached", lambda b, o: o["teacher_logprobs"]),
+    "teacher_topk_logprobs": LoopInput(
+        "teacher_topk", "token[top_k]", "the teacher's log-probs of its teacher.top_k most "
+        "likely next tokens at each position (largest first), at the rollouts' temperature "
+        "before truncation, detached", lambda b, o: o["teacher_topk_logprobs"]),
     "entropy": LoopInput(
         "policy", "token", "the entropy of the distribution each action token was drawn from "
         "(the policy at the start of the step), detached", lambda b, o: o["entropy"]),
@@ -146,12 +158,16 @@ LOOP_INPUTS = {
 }
 
 
-def run_inputs(env_reports: dict | None = None, signal_fields: dict | None = None) -> dict:
-    """This run's table: ``LOOP_INPUTS`` plus, for each field the environment declares in
+def run_inputs(env_reports: dict | None = None, signal_fields: dict | None = None,
+               top_k: int = 0) -> dict:
+    """This run's table: ``LOOP_INPUTS`` (the teacher's top-K rows at ``token[top_k]``, K =
+    ``teacher.top_k`` when it is > 0) plus, for each field the environment declares in
     ``Env.reports`` (name -> description), ``name`` per turn and ``final_<name>`` per
     trajectory, and each field a signal plug-in provides (``signal_fields``: name -> level).
     A fixed row keeps its place when a report or plug-in names it too."""
-    table = dict(LOOP_INPUTS)
+    table = {n: (dataclasses.replace(s, level=f"token[{top_k}]")
+                 if s.level == "token[top_k]" and top_k > 0 else s)
+             for n, s in LOOP_INPUTS.items()}
     for name, what in (env_reports or {}).items():
         table.setdefault(name, LoopInput("env", "turn", f"{what} (info['{name}'] of the state "
                                          "each action was taken in)", _zeros("turn")))

@@ -82,7 +82,7 @@ from jaxrl_agent.models.transformer import (ATTENTION_IMPLS, Transformer, remat_
 from jaxrl_agent.rollout.tree import TREE_KEYS
 from jaxrl_agent.sampling.jax_sampler import process_logits
 from jaxrl_agent.train import inputs
-from jaxrl_agent.train.logprobs import chunked_sampled_logprobs
+from jaxrl_agent.train.logprobs import chunked_token_outputs
 
 #: where the teacher's log-probs come from (``StepConfig.teacher``): none; ``base``: the trained
 #: parameters as the run started (the frozen copy the KL term uses; with LoRA, the adapters at
@@ -167,6 +167,9 @@ class StepConfig:
     extra_reads: tuple = ()
     aux_losses: tuple = ()
     teacher_view: bool = False  # the teacher reads rows of its own (extras TEACHER_VIEW)
+    # > 0: the teacher's this many most likely ids per position too (teacher_topk_logprobs),
+    # and the student's log-probs of them for the losses that read them (``topk_kl``)
+    teacher_top_k: int = 0
     sarsa_coef: float = 0.0  # SAPO's auxiliary SARSA loss on the value head (needs one)
     sarsa_gamma: float = 1.0
     # how far the step moved the policy (``drift_metrics``): one more forward pass after the
@@ -184,6 +187,8 @@ class StepConfig:
                              f"{self.attention!r}")
         if self.teacher not in TEACHERS:
             raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
+        if not isinstance(self.teacher_top_k, int) or self.teacher_top_k < 0:
+            raise ValueError(f"teacher_top_k must be an int >= 0, got {self.teacher_top_k!r}")
 
     @property
     def proximal(self) -> bool:
@@ -221,7 +226,13 @@ class StepConfig:
     @property
     def needs_teacher(self) -> bool:
         """A method or loss reads the teacher's log-probs: the step runs the teacher."""
-        return "teacher" in inputs.sources(self.reads)
+        return bool({"teacher", "teacher_topk"} & inputs.sources(self.reads))
+
+    @property
+    def topk(self) -> int:
+        """K of the teacher's top-K distribution the step computes (and the student's
+        log-probs of those ids): ``teacher_top_k`` when a loss reads it, else 0."""
+        return self.teacher_top_k if "teacher_topk" in inputs.sources(self.reads) else 0
 
     @property
     def needs_entropy(self) -> bool:
@@ -417,9 +428,13 @@ def sampled_logprobs(logits, tokens, *, temperature: float = 1.0, top_k: int = 0
 
 
 def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_entropy: bool,
-             remat="none", pin=None, residual=None, layer_use=None, blocks: int = 1):
-    """Per-token (log-prob, entropy, value, outside-truncation) of the rows ``tokens`` [R, T]
-    under the rollouts' sampling distribution (``cfg.temperature``, ``top_k``, ``top_p``);
+             remat="none", pin=None, residual=None, layer_use=None, blocks: int = 1, at=None,
+             top_n: int = 0):
+    """Per-token (log-prob, entropy, value, outside-truncation, more) of the rows ``tokens``
+    [R, T] under the rollouts' sampling distribution (``cfg.temperature``, ``top_k``,
+    ``top_p``); ``more``: the log-probs of the ids ``at`` [R, T, K] (``at_lp``) and the
+    ``top_n`` most likely ids with their log-probs (``top_lp``, ``top_ids``), each [R, T, K]
+    and of the distribution before truncation (``chunked_token_outputs``), when asked;
     with prefix-tree extras the model runs on the packed trees (``blocks`` of them) and the
     final hidden states are gathered back to the rows: the same numbers, each shared prefix's
     layers computed once.
@@ -449,11 +464,13 @@ def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_
     weight, tied = model.head_weight()
     copies = None if pin is None else NamedSharding(
         pin.mesh, P(sharding_lib.BATCH_AXES, P.UNCONSTRAINED, P.UNCONSTRAINED))
-    lp, outside, ent = chunked_sampled_logprobs(
+    out = chunked_token_outputs(
         hidden, weight, tokens, tied=tied, temperature=cfg.temperature, top_k=cfg.top_k,
         top_p=cfg.top_p, chunk=cfg.logits_chunk, want_entropy=want_entropy,
-        shards=cfg.data_shards if pin is not None else 1, shard_sharding=copies)
-    return lp, ent, values, outside
+        shards=cfg.data_shards if pin is not None else 1, shard_sharding=copies, at=at,
+        top_n=top_n)
+    more = {k: out[k] for k in ("at_lp", "top_lp", "top_ids") if k in out}
+    return out["lp"], out["ent"], values, out["outside"], more
 
 
 def _decision_hidden(graphdef, params, rest, batch: TrajectoryBatch, tree=None, blocks=1,
@@ -538,8 +555,9 @@ def _off_policy_args(cfg: StepConfig, mbd) -> dict:
 
 
 def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: StepConfig,
-           off_policy: dict | None = None):
-    """(sum, denominator) of every loss term on one (micro-)batch."""
+           off_policy: dict | None = None, topk_lp=None):
+    """(sum, denominator) of every loss term on one (micro-)batch; ``topk_lp``: the student's
+    log-probs of the teacher's top-K ids [r, T, K] (with ``cfg.topk``)."""
     pol = losses.get(cfg.policy_loss)
     out = {"policy": pol(lp, mb, adv_tok, agg=cfg.agg, **dict(cfg.policy_params),
                          **(off_policy or {}))}
@@ -551,10 +569,12 @@ def _terms(lp, ent, values, mb: TrajectoryBatch, adv_tok, ref_lp, returns, cfg: 
         out["value"] = losses.get("value")(values, returns, mb.action_mask)
     if cfg.sarsa_coef and values is not None:
         out["sarsa"] = _sarsa_term(values, mb, cfg.sarsa_gamma)
-    for name, _, params in cfg.aux_losses:  # auxiliary losses; the run's advantages to those
-        fn = losses.get(name)               # that weigh by them
-        given = ({"advantages": adv_tok} if "advantages" in inspect.signature(fn).parameters
-                 else {})
+    avail = {"advantages": adv_tok}
+    if topk_lp is not None:
+        avail["student_topk_logprobs"] = topk_lp
+    for name, _, params in cfg.aux_losses:  # auxiliary losses, given what they name (the run's
+        fn = losses.get(name)               # advantages, the student's top-K log-probs)
+        given = losses.step_given(fn, **avail)
         out[f"aux_{name}"] = fn(lp, mb, agg=cfg.agg, **given, **dict(params))
     return out
 
@@ -610,20 +630,23 @@ def _run_estimator(pipe, est_batch, est_state, mesh):
                          out_specs=(rows, P()))(est_batch, est_state)
 
 
-def _forward_only(f, p, ent=False, tokens=None, *, cfg: StepConfig, batch, tree):
+def _forward_only(f, p, ent=False, tokens=None, *, cfg: StepConfig, batch, tree,
+                  top_n: int = 0):
     """One forward-only pass of ``f`` (a ``_forward``) with parameters ``p`` over the batch's
     rows (or ``tokens``: rows of the same count, e.g. a teacher's view), one micro-batch at a
     time unless the rows are packed as prefix trees (their blocks are the trees'). Returns
-    ``f``'s outputs ``(log-probs, entropies, values, outside)``."""
+    ``f``'s outputs ``(log-probs, entropies, values, outside, more)`` (``more``: the ``top_n``
+    most likely ids and their log-probs, when asked)."""
     if tree:
         return f(p, tokens=batch.tokens, extras={**batch.extras, **tree}, want_entropy=ent,
-                 blocks=cfg.blocks)
+                 blocks=cfg.blocks, top_n=top_n)
     rows = {"tokens": tokens}
     if tokens is None:  # the policy's rows, with their positions / segments if packed so
         rows = {"tokens": batch.tokens, **{k: batch.extras[k] for k in
                                            ("positions", "segment_ids") if k in batch.extras}}
     return _by_micro_batch(lambda r: f(p, tokens=r["tokens"], extras=r, want_entropy=ent,
-                                       blocks=cfg.blocks), rows, cfg, f.keywords.get("pin"))
+                                       blocks=cfg.blocks, top_n=top_n), rows, cfg,
+                           f.keywords.get("pin"))
 
 
 def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, batch, tree,
@@ -638,7 +661,7 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
     with a privileged context in the prompt) and its log-probs are moved onto the policy's
     action tokens (``segments.align_action_tokens``)."""
     out = {"values": None, "hidden": None, "teacher_logprobs": None, "entropy": None,
-           "ref_logprobs": None}
+           "ref_logprobs": None, "teacher_topk_logprobs": None, "teacher_topk_ids": None}
     run = functools.partial(_forward_only, cfg=cfg, batch=batch, tree=tree)
     if cfg.needs_values:
         out["values"] = run(fwd, view.params)[2]
@@ -647,34 +670,48 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
                                          cfg.attention, fwd.keywords.get("pin"), cfg.mlp_chunk)
     teacher = cfg.teacher if cfg.needs_teacher else "none"
     shared = not cfg.teacher_view  # the teacher reads the policy's rows: one pass may serve both
+
+    def from_teacher(res, align=None):  # its log-probs (and top K) into ``out``
+        lp, more = res[0], res[4]
+        if align is not None:  # its own rows: moved onto the policy's action tokens
+            lp = align(lp)
+            more = {k: jax.vmap(align, in_axes=2, out_axes=2)(v) for k, v in more.items()}
+        out["teacher_logprobs"] = lp
+        if cfg.topk:
+            out["teacher_topk_logprobs"], out["teacher_topk_ids"] = (more["top_lp"],
+                                                                   more["top_ids"])
+
     if cfg.needs_entropy or (teacher == "live" and shared):
-        lp, ent, _, _ = run(fwd, view.params, cfg.needs_entropy)
-        out["entropy"] = ent
+        res = run(fwd, view.params, cfg.needs_entropy,
+                  top_n=cfg.topk if teacher == "live" and shared else 0)
+        out["entropy"] = res[1]
         if teacher == "live" and shared:
-            out["teacher_logprobs"] = lp
+            from_teacher(res)
     if (teacher == "base" and shared) or cfg.needs_reference:  # the start weights
-        lp = run(fwd, view.ref_params)[0]
-        out["ref_logprobs"] = lp if cfg.needs_reference else None
+        res = run(fwd, view.ref_params, top_n=cfg.topk if teacher == "base" and shared else 0)
+        out["ref_logprobs"] = res[0] if cfg.needs_reference else None
         if teacher == "base" and shared:
-            out["teacher_logprobs"] = lp
+            from_teacher(res)
     params = {"live": lambda: view.params, "base": lambda: view.ref_params,
               "ema": lambda: join(view.teacher_params), "model": lambda: view.teacher_params}
     if teacher in ("ema", "model") or (teacher != "none" and not shared):
         f = tfwd if teacher == "model" else fwd
         if shared:
-            out["teacher_logprobs"] = run(f, params[teacher]())[0]
+            from_teacher(run(f, params[teacher](), top_n=cfg.topk))
         else:  # its own rows (a context the policy does not see), aligned token for token
-            lp = run(f, params[teacher](), tokens=batch.extras["teacher_tokens"])[0]
-            out["teacher_logprobs"] = segments.align_action_tokens(
-                lp, batch.extras["teacher_action_mask"], batch.action_mask)
+            from_teacher(run(f, params[teacher](), tokens=batch.extras["teacher_tokens"],
+                             top_n=cfg.topk),
+                         align=lambda x: segments.align_action_tokens(
+                             x, batch.extras["teacher_action_mask"], batch.action_mask))
     return {k: None if v is None else jax.lax.stop_gradient(v) for k, v in out.items()}
 
 
 def _with_token_outputs(batch: TrajectoryBatch, outputs: dict) -> TrajectoryBatch:
     """The batch the losses read: the step's per-token outputs (teacher log-probs, entropies)
     added to its extras, detached."""
-    tok = {k: outputs[k] for k in ("teacher_logprobs", "ref_logprobs", "entropy")
-           if outputs[k] is not None}
+    tok = {k: outputs[k] for k in ("teacher_logprobs", "ref_logprobs", "entropy",
+                                   "teacher_topk_logprobs", "teacher_topk_ids")
+           if outputs.get(k) is not None}
     return batch.replace(extras={**batch.extras, **tok}) if tok else batch
 
 
@@ -776,7 +813,7 @@ def _step_inputs(fwd, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch
     adv_tok = jax.lax.stop_gradient(adv.token)
     ref_lp = jnp.zeros(batch.tokens.shape, jnp.float32)
     if cfg.kl_coef:
-        ref_lp, _, _, _ = fwd(state.ref_params, tokens=batch.tokens,
+        ref_lp, *_ = fwd(state.ref_params, tokens=batch.tokens,
                               extras={**batch.extras, **tree}, want_entropy=False,
                               blocks=cfg.blocks)
         ref_lp = jax.lax.stop_gradient(ref_lp)
@@ -787,7 +824,7 @@ def _step_inputs(fwd, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch
                    tree=tree)  # tree rows are per block too: block (b, u) of each shard's trees
     off_metrics = {}
     if cfg.proximal:
-        prox, _, _, _ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
+        prox, *_ = fwd(state.params, tokens=batch.tokens, extras={**batch.extras, **tree},
                             want_entropy=False, blocks=cfg.blocks)
         prox = jax.lax.stop_gradient(prox)
         per_row["prox"] = prox
@@ -804,9 +841,11 @@ def _step_inputs(fwd, cfg: StepConfig, state: TrainState, batch: TrajectoryBatch
     def micro_dens(mbd):  # the denominators depend on masks only: evaluate at lp = lp_old
         mb = _micro_batch(batch, mbd)
         z = jnp.zeros(mb.tokens.shape, jnp.float32)
+        zk = (jnp.zeros(mb.extras["teacher_topk_ids"].shape, jnp.float32) if cfg.topk
+              else None)
         return {k: d for k, (_, d) in _terms(mb.old_logprobs, z, z, mb, mbd["adv"], mbd["ref"],
-                                             mbd["returns"], cfg,
-                                             _off_policy_args(cfg, mbd)).items()}
+                                             mbd["returns"], cfg, _off_policy_args(cfg, mbd),
+                                             zk).items()}
 
     # Each mini-batch's denominators: sums over its micro-batches (counts are additive).
     dens = {k: jnp.sum(v, axis=1) for k, v in jax.vmap(jax.vmap(micro_dens))(split).items()}
@@ -851,11 +890,14 @@ def _micro_loss(fwd, cfg: StepConfig, batch: TrajectoryBatch):
 
     def micro_loss(params, mbd, den):
         mb = _micro_batch(batch, mbd)
-        lp, ent, values, outside = fwd(params, tokens=mb.tokens,
-                                       extras={**mb.extras, **mbd["tree"]}, want_entropy=True,
-                                       remat=cfg.remat, blocks=cfg.data_shards)
+        at = mb.extras["teacher_topk_ids"] if cfg.topk else None
+        lp, ent, values, outside, more = fwd(params, tokens=mb.tokens,
+                                             extras={**mb.extras, **mbd["tree"]},
+                                             want_entropy=True, remat=cfg.remat,
+                                             blocks=cfg.data_shards, at=at)
         off = _off_policy_args(cfg, mbd)
-        terms = _terms(lp, ent, values, mb, mbd["adv"], mbd["ref"], mbd["returns"], cfg, off)
+        terms = _terms(lp, ent, values, mb, mbd["adv"], mbd["ref"], mbd["returns"], cfg, off,
+                       more.get("at_lp"))
         total = sum(coefs[k] * s / jnp.maximum(den[k], 1.0) for k, (s, _) in terms.items())
         # token sums of the diagnostics (divided by the token count after the scans)
         pm = losses.policy_metrics(lp, mb, mbd["adv"], **(clip or {}),

@@ -126,13 +126,17 @@ def teacher_summary(cfg: config_lib.RunConfig, reads) -> str:
     what = (_SAY[kind].format(d=cfg.teacher.ema_decay) if kind in _SAY
             else f"the checkpoint {config_lib.teacher_folder(cfg)}")
     r = cfg.rollout
-    if "teacher_logprobs" not in reads:
+    topk = "teacher_topk_logprobs" in reads and cfg.teacher.top_k > 0
+    if "teacher_logprobs" not in reads and not topk:
         return f"teacher: {what}; no method or loss of this run reads it, so it is not run"
     if config_lib.teacher_has_context(cfg):
         what += (", with a prompt of its own (" + " and ".join(
             (["teacher.system_prompt"] if cfg.teacher.system_prompt else [])
             + (["the task's teacher_context"] if cfg.teacher.context else [])) + ")")
-    return (f"teacher: {what}; its log-probs of the sampled tokens in the train step (JAX, on "
+    scored = ("its log-probs of the sampled tokens"
+              + (f" and its top {cfg.teacher.top_k} next tokens (before truncation)"
+                 if topk else ""))
+    return (f"teacher: {what}; {scored} in the train step (JAX, on "
             f"the trainer's mesh, chunked), at the rollouts' temperature {r.temperature:g}"
             + (f", top_k {r.top_k}" if r.top_k else "")
             + (f", top_p {r.top_p:g}" if r.top_p < 1 else "") + ", detached")
