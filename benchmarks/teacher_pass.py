@@ -19,6 +19,10 @@ Cases:
 * ``opd live + context``: the teacher reads rows of its own, 16 context tokens longer per
   prompt, and its log-probs are moved to the policy's tokens.
 * ``grpo + sdl (base)``: SDL as an auxiliary loss, the teacher being the start weights.
+* ``topk_kl k=16 (model)``: the forward KL over another checkpoint's 16 most likely next
+  tokens (``teacher.top_k: 16``, OPD at beta 0 + ``loss.aux: [topk_kl]``): the teacher pass
+  also takes a top-16 per position, the policy's pass gathers 16 log-probs per position.
+* ``topk_kl k=V (model)``: the same over the whole vocabulary (K = V: the exact forward KL).
 
 No number here is asserted anywhere: tests never time anything.
 """
@@ -44,6 +48,10 @@ from jaxrl_agent.train.step import (TEACHER_VIEW, StepConfig, init_state,  # noq
 from train_step import OBS_LEN, ACT_LEN, TURNS, median_ms, synthetic_records  # noqa: E402
 
 TEACHER = ("teacher_logprobs",)
+#: pure top-K distillation from another checkpoint (teacher_top_k -1: the whole vocabulary)
+TOPK = dict(estimator="opd", estimator_params=(("beta", 0.0),), teacher="model",
+            extra_reads=TEACHER + ("teacher_topk_logprobs",),
+            aux_losses=(("topk_kl", 1.0, ()),))
 CASES = [
     ("grpo", dict(estimator="grpo"), {}),
     ("opd live", dict(estimator="opd", teacher="live", extra_reads=TEACHER), {}),
@@ -56,6 +64,8 @@ CASES = [
                                 extra_reads=TEACHER), {"view": True}),
     ("grpo + sdl (base)", dict(estimator="grpo", teacher="base", extra_reads=TEACHER,
                                aux_losses=(("sdl", 0.1, ()),)), {"with_reference": True}),
+    ("topk_kl k=16 (model)", dict(TOPK, teacher_top_k=16), {"model": True}),
+    ("topk_kl k=V (model)", dict(TOPK, teacher_top_k=-1), {"model": True}),
 ]
 
 
@@ -86,6 +96,8 @@ def run(args):
     print("-" * len(header), flush=True)
     base = None
     for name, kw, how in CASES:
+        if kw.get("teacher_top_k") == -1:
+            kw = dict(kw, teacher_top_k=args.vocab)
         cfg = StepConfig(**kw)
         tparams = nnx.state(other, nnx.Param) if how.get("model") else ()
         state = init_state(model, optimizer, seed=0, teacher_params=tparams,

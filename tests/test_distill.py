@@ -215,7 +215,7 @@ def test_every_registered_name_has_a_reference():
     assert set(credit) <= set(ref.REFERENCES)
     assert set(LOSSES) == set(ref.LOSS_REFERENCES)
     assert {E.spec(n).kind for n in credit} == {"estimator", "transform"}
-    tested = {n for n, _ in SETTINGS} | {n for n, _ in EST_SETTINGS}
+    tested = {n for n, _ in SETTINGS} | {n for n, _ in EST_SETTINGS} | {"topk_kl"}  # below
     assert tested == set(LOSSES) | set(credit)
 
 
@@ -736,3 +736,164 @@ def test_shard_invariance():
     _close(vals, vals0, atol=1e-5)
     _close(grad, grad0, atol=1e-5)
     assert np.abs(np.asarray(grad0)).sum() > 0
+
+
+# ----------------------------------------------------------------------------- top-K forward KL
+# ``topk_kl`` reads the student's log-probs of the teacher's top-K ids (``student_topk_logprobs``
+# [R, T, K]), not ``logprobs``: its own tests, on the same batches.
+
+TOPK, VOCAB = 3, 6
+
+
+def _topk_inputs(batch, seed, k=TOPK, vocab=VOCAB, same=False):
+    """Teacher and student next-token distributions over ``vocab`` ids at every position
+    (random logits; the student's equal to the teacher's with ``same``): the batch with the
+    teacher's top-k log-probs (largest first) in extras['teacher_topk_logprobs'], the student's
+    log-probs of the same ids, and both full log-softmaxes [R, T, vocab]. 0 outside the action
+    tokens."""
+    rng = np.random.default_rng(seed)
+    m = np.asarray(batch.action_mask)
+    zt = rng.normal(0, 1.5, m.shape + (vocab,))
+    zs = zt if same else rng.normal(0, 1.5, m.shape + (vocab,))
+    lt_full = zt - np.log(np.exp(zt).sum(-1, keepdims=True))
+    ls_full = zs - np.log(np.exp(zs).sum(-1, keepdims=True))
+    ids = np.argsort(-lt_full, axis=-1, kind="stable")[..., :k]
+    keep = m[..., None]
+    lt = np.where(keep, np.take_along_axis(lt_full, ids, -1), 0.0).astype(np.float32)
+    ls = np.where(keep, np.take_along_axis(ls_full, ids, -1), 0.0).astype(np.float32)
+    b = batch.replace(extras={**batch.extras, "teacher_topk_logprobs": jnp.asarray(lt)})
+    return b, jnp.asarray(ls), lt_full, ls_full
+
+
+@_jit
+def _topk_pairs(ls, batch):
+    """Every aggregation mode's pair, and the gradient of the token_mean sum w.r.t. ``ls``."""
+    lp = jnp.zeros(batch.action_mask.shape)
+    pairs = {agg: D.topk_forward_kl(lp, batch, student_topk_logprobs=ls, agg=agg)
+             for agg in AGGS}
+    grad = jax.grad(lambda x: D.topk_forward_kl(lp, batch, student_topk_logprobs=x)[0])(ls)
+    return pairs, grad
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@settings(max_examples=10)
+@given(recs=step_records(min_traj=2), seed=st.integers(0, 2**31 - 1))
+def test_topk_kl_matches_reference(layout, recs, seed):
+    batch, ls, _, _ = _topk_inputs(make_batch(recs, layout), seed)
+    nb = ref.host(batch)
+    pairs, grad = _topk_pairs(ls, batch)
+    lp = np.zeros(nb["action_mask"].shape)
+    for agg in AGGS:
+        want = ref.LOSS_REFERENCES["topk_kl"](nb, lp, student_topk=np.asarray(ls), agg=agg)
+        _close(pairs[agg][0], want[0], atol=3e-4 * (1.0 + abs(want[0])))
+        _close(pairs[agg][1], want[1])
+    # d sum / d ls = -p_T on the action tokens: a cross-entropy toward the teacher's top K
+    lt = np.asarray(batch.extras["teacher_topk_logprobs"], np.float64)
+    want_g = np.where(nb["action_mask"][..., None], -np.exp(lt), 0.0)
+    _close(grad, want_g, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_topk_kl_with_every_token_is_the_forward_kl(layout):
+    """K = V: the value is KL(p_T || p_S) at every action token, >= 0; with the student equal
+    to the teacher it is 0, and so is its gradient w.r.t. the student's logits (with K < V
+    the value is 0 there too, but the mass outside the top K is still pushed onto it)."""
+    batch, ls, lt_full, ls_full = _topk_inputs(_fixed(layout, seed=3)[0], seed=3, k=VOCAB)
+    m = np.asarray(batch.action_mask)
+    kl = np.where(m, (np.exp(lt_full) * (lt_full - ls_full)).sum(-1), 0.0)
+    s, d = D.topk_forward_kl(jnp.zeros(m.shape), batch, student_topk_logprobs=ls)
+    _close(s, kl.sum(), atol=1e-4)
+    _close(d, m.sum())
+    assert kl[m].min() >= 0 and kl[m].max() > 0
+
+    def from_logits(z, b, ids):  # student logits -> log-probs of the teacher's top-k ids
+        ls_k = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), ids, axis=-1)
+        return D.topk_forward_kl(jnp.zeros(m.shape), b, student_topk_logprobs=ls_k)[0]
+
+    for k in (VOCAB, TOPK):
+        same, _, lt_same, _ = _topk_inputs(_fixed(layout, seed=4)[0], seed=4, k=k, same=True)
+        ids = jnp.asarray(np.argsort(-lt_same, axis=-1, kind="stable")[..., :k])
+        v, g = jax.value_and_grad(from_logits)(jnp.asarray(lt_same, jnp.float32), same, ids)
+        assert abs(float(v)) < 1e-5
+        g = np.abs(np.asarray(g))
+        assert g.max() < 1e-5 if k == VOCAB else g.max() > 1e-3
+
+
+def test_topk_kl_padding_teacher_zeros_and_no_teacher_gradient():
+    """NaN in every padded entry changes nothing; a teacher entry of probability 0 (-inf) on an
+    action token adds 0 and a finite gradient; no gradient reaches the teacher's log-probs."""
+    batch, ls = _topk_inputs(_fixed("per_step", seed=5, num_traj=6)[0], seed=5)[:2]
+    m = np.asarray(batch.action_mask)[..., None]
+    spoiled = batch.replace(extras={**batch.extras, "teacher_topk_logprobs": jnp.asarray(
+        np.where(m, batch.extras["teacher_topk_logprobs"], np.nan))})
+    (p0, g0), (p1, g1) = (_topk_pairs(ls, batch),
+                          _topk_pairs(jnp.where(m, ls, jnp.nan), spoiled))
+    for agg in AGGS:
+        np.testing.assert_array_equal(np.asarray(p0[agg]), np.asarray(p1[agg]))
+    np.testing.assert_array_equal(np.asarray(g0), np.asarray(g1))
+    lt = np.asarray(batch.extras["teacher_topk_logprobs"]).copy()
+    r, t = np.argwhere(m[..., 0])[0]
+    lt[r, t, -1] = -np.inf
+    inf_b = batch.replace(extras={**batch.extras, "teacher_topk_logprobs": jnp.asarray(lt)})
+    pairs, grad = _topk_pairs(ls, inf_b)
+    assert np.isfinite(float(pairs["token_mean"][0])) and np.isfinite(np.asarray(grad)).all()
+    assert float(grad[r, t, -1]) == 0.0
+    lp = jnp.zeros(m.shape[:2])
+    g_t = jax.grad(lambda x: D.topk_forward_kl(lp, batch.replace(extras={
+        **batch.extras, "teacher_topk_logprobs": x}), student_topk_logprobs=ls)[0])(
+        batch.extras["teacher_topk_logprobs"])
+    assert not np.any(np.asarray(g_t))
+
+
+def test_topk_kl_errors_name_the_input():
+    batch, ls = _topk_inputs(_fixed("per_step", seed=6)[0], seed=6)[:2]
+    lp = jnp.zeros(batch.action_mask.shape)
+    with pytest.raises(ValueError, match="student_topk_logprobs .* must be given"):
+        D.topk_forward_kl(lp, batch)
+    with pytest.raises(ValueError, match=r"topk_kl: student_topk_logprobs must have shape"):
+        D.topk_forward_kl(lp, batch, student_topk_logprobs=ls[..., :2])
+    no_field = batch.replace(extras={k: v for k, v in batch.extras.items()
+                                     if k != "teacher_topk_logprobs"})
+    with pytest.raises(E.MissingInput, match=r"topk_kl needs extras\['teacher_topk_logprobs'\]"):
+        D.topk_forward_kl(lp, no_field, student_topk_logprobs=ls)
+    flat = batch.replace(extras={**batch.extras, "teacher_topk_logprobs": lp})
+    with pytest.raises(ValueError, match=r"extras\['teacher_topk_logprobs'\] must have shape "
+                                         r"\[R, T, K\]"):
+        D.topk_forward_kl(lp, flat, student_topk_logprobs=ls)
+    assert L.step_given(D.topk_forward_kl, advantages=1, student_topk_logprobs=2) == {
+        "student_topk_logprobs": 2}
+    with pytest.raises(ValueError, match="unknown inputs"):
+        L.step_given(D.topk_forward_kl, logits=1)
+
+
+def test_topk_kl_shard_invariance():
+    """Over 8 devices (groups whole per shard) the value and gradient equal the unsharded
+    run, for the token and the trajectory means."""
+    assert len(jax.devices()) == 8
+    recs = random_records(np.random.default_rng(23), num_traj=16, num_groups=8)
+    batch = make_batch(recs, "per_step", num_shards=8, pad_to=_SHARD_PAD)
+    batch, ls = _topk_inputs(batch, 23)[:2]
+    lp = jnp.zeros(batch.action_mask.shape)
+
+    def values(x, b, axis_name=None):
+        red = (lambda v: v) if axis_name is None else (lambda v: jax.lax.psum(v, axis_name))
+        out = [L.safe_ratio(*map(red, D.topk_forward_kl(lp if axis_name is None else
+                                                         jnp.zeros(b.action_mask.shape), b,
+                                                         student_topk_logprobs=x, agg=agg,
+                                                         axis_name=axis_name)))
+               for agg in ("token_mean", "traj_mean_token_mean")]
+        return jnp.stack(out)
+
+    def sharded(x, b):
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        return jax.shard_map(lambda y, c: values(y, c, "data"), mesh=mesh,
+                             in_specs=(P("data"), P("data")), out_specs=P())(x, b)
+
+    def vg(f):
+        return _jit(lambda x, b: jax.value_and_grad(lambda y: jnp.sum(
+            f(y, b) * jnp.array([1.0, 2.0])))(x))
+
+    (v1, g1), (v0, g0) = vg(sharded)(ls, batch), vg(values)(ls, batch)
+    _close(v1, v0, atol=1e-5)
+    _close(g1, g0, atol=1e-5)
+    assert np.abs(np.asarray(g0)).sum() > 0

@@ -1,6 +1,7 @@
 """``train.logprobs.chunked_sampled_logprobs`` against the train step's dense path: the same
 log-probs, outside-truncation flags, entropies and gradients (w.r.t. the hidden states and the
-LM head), without the [R, T, V] logits."""
+LM head), without the [R, T, V] logits; ``chunked_token_outputs``' other ids and top-n against
+the dense log-softmax."""
 
 import re
 
@@ -11,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxrl_agent.losses.kl import entropy_from_logits
-from jaxrl_agent.train.logprobs import chunked_sampled_logprobs
+from jaxrl_agent.train.logprobs import chunked_sampled_logprobs, chunked_token_outputs
 from jaxrl_agent.train.step import sampled_logprobs
 
 
@@ -107,6 +108,67 @@ def test_matches_dense_values_and_grads(tied, temperature, top_k, top_p, chunk, 
         assert 0 < int(out.sum()) < R * (T - 1)
     else:
         assert not np.asarray(out).any()
+
+
+@pytest.mark.parametrize("tied,temperature,top_k,chunk,shards", [
+    (True, 1.0, 0, 5, 1),    # a padded last chunk
+    (False, 0.7, 5, 4, 2),   # truncated sampling (the other ids read before it), 2 shards
+    (True, 0.0, 5, 64, 1),   # greedy: untempered; one chunk
+])
+def test_other_ids_and_top_n_match_the_dense_log_softmax(tied, temperature, top_k, chunk,
+                                                         shards):
+    """``at_lp[r, t] = log softmax(z[r, t-1])[at[r, t]]`` and the top-n ids / log-probs of the
+    tempered, untruncated distribution, shifted one position later (0 at t = 0), with the
+    gradient of the ``at`` log-probs equal to the dense path's; the sampled tokens' outputs
+    unchanged by asking for them."""
+    hidden, weight, tokens, a, _ = make_inputs(R, T, D, V, tied=tied)
+    at = jax.random.randint(jax.random.key(7), (R, T, 3), 0, V, jnp.int32)
+    kw = dict(tied=tied, temperature=temperature, top_k=top_k)
+    spec = "rtd,vd->rtv" if tied else "rtd,dv->rtv"
+
+    def dense_lsm(h, w):
+        z = jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
+        z = z / temperature if temperature > 0 else z
+        return jax.nn.log_softmax(z, axis=-1)[:, :-1]
+
+    def loss(h, w, f):
+        return jnp.sum(a[:, 1:, None] * f(h, w))
+
+    lsm = dense_lsm(hidden, weight)
+    out = chunked_token_outputs(hidden, weight, tokens, chunk=chunk, shards=shards, at=at,
+                                top_n=4, **kw)
+    assert out["at_lp"].shape == (R, T, 3) and out["top_ids"].dtype == jnp.int32
+    assert_close(out["at_lp"][:, 1:], jnp.take_along_axis(lsm, at[:, 1:], -1), 1e-5)
+    top_lp, top_ids = jax.lax.top_k(lsm, 4)
+    assert_close(out["top_lp"][:, 1:], top_lp, 1e-5)
+    np.testing.assert_array_equal(out["top_ids"][:, 1:], top_ids)
+    for k in ("at_lp", "top_lp", "top_ids"):
+        assert not np.asarray(out[k][:, 0]).any()
+    base = chunked_sampled_logprobs(hidden, weight, tokens, chunk=chunk, **kw)
+    np.testing.assert_array_equal(out["lp"], base[0])
+    np.testing.assert_array_equal(out["ent"], base[2])
+    g = jax.grad(loss, argnums=(0, 1))(hidden, weight, lambda h, w: chunked_token_outputs(
+        h, w, tokens, chunk=chunk, at=at, **kw)["at_lp"][:, 1:])
+    g0 = jax.grad(loss, argnums=(0, 1))(hidden, weight, lambda h, w: jnp.take_along_axis(
+        dense_lsm(h, w), at[:, 1:], -1))
+    for x, y in zip(g, g0):
+        assert_close(x, y, 1e-5)
+
+
+def test_other_ids_and_top_n_degenerate_and_errors():
+    hidden, weight, tokens, _, _ = make_inputs(2, 1, 4, 10, tied=True)
+    out = chunked_token_outputs(hidden, weight, tokens, tied=True,
+                                at=jnp.zeros((2, 1, 3), jnp.int32), top_n=2)
+    assert out["at_lp"].shape == (2, 1, 3) and out["top_ids"].shape == (2, 1, 2)
+    assert not np.asarray(out["at_lp"]).any() and not np.asarray(out["top_ids"]).any()
+    hidden, weight, tokens, _, _ = make_inputs(1, 4, 4, 10, tied=True)
+    with pytest.raises(ValueError, match=r"top_n must lie in \[0, V = 10\], got 11"):
+        chunked_token_outputs(hidden, weight, tokens, tied=True, top_n=11)
+    with pytest.raises(ValueError, match=r"at must be \[R, T, K\]"):
+        chunked_token_outputs(hidden, weight, tokens, tied=True, at=tokens)
+    out = chunked_token_outputs(hidden, weight, tokens, tied=True, top_n=10)  # K = V
+    np.testing.assert_allclose(np.exp(np.asarray(out["top_lp"][:, 1:])).sum(-1), 1.0,
+                               rtol=1e-5)
 
 
 def test_bf16_weights():

@@ -444,3 +444,94 @@ def test_a_teacher_with_its_own_prompt_scores_the_policys_tokens():
     assert float(o1["metrics"]["adv_abs"]) > 1e-4  # the context changed the teacher
     for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- top-K teacher
+
+
+def _dense_lsm(model, tokens, temperature):
+    """log softmax of the tempered logits at t - 1, for each position t >= 1: [R, T - 1, V]."""
+    logits = model(tokens).logits[:, :-1].astype(jnp.float32)
+    return jax.nn.log_softmax(logits / temperature, axis=-1)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_topk_teacher_in_the_step_equals_the_dense_distillation(view, k=3, micro=2):
+    """``teacher.top_k`` with ``topk_kl``: the step's top-K teacher pass (the start weights,
+    another model A's; with ``view`` on rows of its own with a context before each prompt,
+    moved onto the policy's tokens) and the student's log-probs of the same ids, one
+    micro-batch at a time, give the loss and the plain-SGD update of the dense computation:
+    mean over action tokens of sum_k p_A(v_k) (log p_A(v_k) - log p_B(v_k)), v = A's top K at
+    the rollouts' temperature; OPD at beta 0 adds no policy gradient."""
+    from flax import nnx
+
+    from jaxrl_agent.models.transformer import Transformer
+    from jaxrl_agent.train.step import TEACHER_VIEW
+    temp = 0.7
+    teacher_model = _model()
+    policy = Transformer(teacher_model.config, rngs=nnx.Rngs(1))
+    recs = _records()
+    batch, _ = pack_records(recs, layout="per_step", num_shards=micro)
+    tb = batch
+    if view:
+        tb, _ = pack_records([dict(r, turns=[dict(t, observation=[7, 8, 9] + t["observation"])
+                                             for t in r["turns"]]) for r in recs],
+                             layout="per_step", num_shards=micro)
+        batch = batch.replace(extras={**batch.extras, TEACHER_VIEW[0]: tb.tokens,
+                                      TEACHER_VIEW[1]: tb.action_mask})
+    lt_full = np.asarray(_dense_lsm(teacher_model, tb.tokens, temp))
+    ids_t = np.argsort(-lt_full, axis=-1, kind="stable")[..., :k]
+    lt_t = np.take_along_axis(lt_full, ids_t, -1)
+    sm, tm = np.asarray(batch.action_mask), np.asarray(tb.action_mask)
+    ids = np.zeros(sm.shape + (k,), np.int32)
+    lt = np.zeros(sm.shape + (k,), np.float32)
+    for i in range(sm.shape[0]):  # the teacher's k-th action position -> the policy's k-th
+        src, dst = np.nonzero(tm[i])[0], np.nonzero(sm[i])[0]
+        ids[i, dst] = ids_t[i, src - 1]
+        lt[i, dst] = lt_t[i, src - 1]
+    ids, lt = jnp.asarray(ids), jnp.asarray(lt)
+    m = batch.action_mask
+
+    def dense_loss(params):
+        model = nnx.merge(nnx.graphdef(policy), params, nnx.state(policy, nnx.Not(nnx.Param)))
+        lsm = jnp.concatenate([jnp.zeros_like(_dense_lsm(model, batch.tokens, temp)[:, :1]),
+                               _dense_lsm(model, batch.tokens, temp)], axis=1)
+        ls = jnp.take_along_axis(lsm, ids, -1)
+        per = jnp.sum(jnp.exp(lt) * (lt - ls), -1)
+        return jnp.sum(jnp.where(m, per, 0.0)) / jnp.sum(m)
+
+    p0 = nnx.state(policy, nnx.Param)
+    want, grad = jax.value_and_grad(dense_loss)(p0)
+    opt = optax.sgd(0.1)
+    scfg = StepConfig(estimator="opd", estimator_params=(("beta", 0.0),), teacher="base",
+                      teacher_top_k=k, teacher_view=view, temperature=temp,
+                      micro_batches=micro, aux_losses=(("topk_kl", 1.0, ()),),
+                      extra_reads=("teacher_logprobs", "teacher_topk_logprobs"))
+    assert scfg.needs_teacher and scfg.topk == k
+    state = init_state(policy, opt, seed=0, with_reference=True)
+    state = state.replace(ref_params=nnx.state(teacher_model, nnx.Param))
+    new, out = make_train_step(policy, opt, scfg)(state, batch)
+    got = jax.device_get(out["metrics"])
+    assert float(want) > 1e-3 and float(optax.tree.norm(grad)) > 1e-3
+    np.testing.assert_allclose(got["loss_aux_topk_kl"], float(want), rtol=1e-4)
+    assert got["adv_abs"] == 0
+    for x, p, g in zip(jax.tree.leaves(new.params), jax.tree.leaves(p0), jax.tree.leaves(grad)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(p) - 0.1 * np.asarray(g),
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_topk_teacher_config():
+    """``teacher.top_k`` needs a teacher and a non-negative int; ``topk_kl`` without it names
+    both keys; the start-up line says the top K is scored."""
+    from jaxrl_agent.train.teacher import teacher_summary
+    with pytest.raises(C.ConfigError, match="teacher.top_k: the top-K tokens are the teacher's"):
+        run_checks.load(None, ["teacher.top_k=4"])
+    with pytest.raises(C.ConfigError, match=r"teacher.top_k must be an integer >= 0"):
+        run_checks.load(None, ["teacher.source=live", "teacher.top_k=-1"])
+    with pytest.raises(C.ConfigError, match=r"loss.aux: topk_kl reads "
+                                            r"extras\['teacher_topk_logprobs'\].*teacher.top_k: K"):
+        run_checks.load(None, ["teacher.source=live", "loss.aux=[topk_kl]"])
+    cfg = run_checks.load(None, ["teacher.source=live", "teacher.top_k=4", "loss.aux=[topk_kl]"])
+    reads = run_checks.step_reads(cfg)
+    assert reads == ("teacher_topk_logprobs",)
+    assert "and its top 4 next tokens" in teacher_summary(cfg, reads)

@@ -868,8 +868,10 @@ def topk_forward_kl(logprobs, batch: TrajectoryBatch, *, student_topk_logprobs=N
     every likely teacher token at once. With K = V this is KL(p_T || p_S) at every action token
     (the forward KL of on-policy distillation over the whole vocabulary); with K < V the
     teacher's remaining mass (1 - sum_k p_T(v_k)) is left out, so the value may be negative
-    when the student puts more mass than the teacher on the top K. 0 (with zero gradient) when
-    the student equals the teacher. ``logprobs`` (the sampled tokens') is not read.
+    when the student puts more mass than the teacher on the top K. 0 when the student equals
+    the teacher; its gradient w.r.t. the student's logits is then 0 with K = V, while with
+    K < V it still moves the student's mass outside the teacher's top K onto it (the tail is
+    not compared). ``logprobs`` (the sampled tokens') is not read.
 
     In a run: ``teacher.source`` and ``teacher.top_k: K`` make the step compute the teacher's
     top K ids and log-probs (extras ``teacher_topk_logprobs`` [R, T, K]) and pass the

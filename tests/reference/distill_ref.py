@@ -413,6 +413,36 @@ def _pair(tokens_fn):
 LOSS_REFERENCES = {name: _pair(fn) for name, fn in LOSS_TOKENS.items()}
 
 
+def topk_kl_tokens(nb, student_topk, *, teacher="teacher_topk_logprobs"):
+    """topk_kl per token: sum_k exp(lt_k) (lt_k - ls_k) over the teacher's top-K entries
+    ``lt`` = extras[teacher] [R, T, K] and the student's ``ls`` [R, T, K] of the same ids, on
+    the action tokens; a teacher entry of probability 0 (-inf) adds 0. Returns (per_token,
+    action_mask)."""
+    lt = np.asarray(nb["extras"][teacher], np.float64)
+    ls = np.asarray(student_topk, np.float64)
+    m = nb["action_mask"]
+    out = np.zeros(m.shape)
+    for r in range(m.shape[0]):
+        for t in range(m.shape[1]):
+            if not m[r, t]:
+                continue
+            total = 0.0
+            for k in range(lt.shape[2]):
+                if math.isfinite(lt[r, t, k]):
+                    total += math.exp(lt[r, t, k]) * (lt[r, t, k] - ls[r, t, k])
+            out[r, t] = total
+    return out, m
+
+
+def topk_kl(nb, lp, *, student_topk, agg="token_mean", agg_constant=None, **hp):
+    """The (sum, denominator) of ``topk_kl``; ``lp`` (the sampled tokens') is not read."""
+    per_token, mask = topk_kl_tokens(nb, student_topk, **hp)
+    return aggregate(per_token, mask, nb["row_traj"], agg, agg_constant)
+
+
+LOSS_REFERENCES["topk_kl"] = topk_kl
+
+
 def token_gradient(name, nb, lp, *, h=1e-5, **hp):
     """d per_token / d lp by central differences in ``lp`` with ``lp_stop`` fixed: the
     gradient of the aggregated sum of the ``token_mean`` mode."""
