@@ -3,7 +3,7 @@ optimal turns), where GRPO fell below its warm start (docs/training.md, "A teach
 loop").
 
     python examples/distill_study.py [--out runs/distill] [--seeds 0 1 2 3 4] [--jobs 1]
-    python examples/distill_study.py --report [--out runs/distill]
+    python examples/distill_study.py --report [--out runs/distill] [--arms grpo topk ...]
 
 1. The student: the L2 warm start of the horizon study (the default run's noisy demonstrator,
    25% random actions, seed 0), made by ``examples/compare_runs.py``.
@@ -16,7 +16,9 @@ loop").
    advantage beta (lp_T - lp_old) per token); and the top-K distillation (``loss.aux:
    [topk_kl]`` with ``teacher.top_k: 16``: the forward KL from the teacher's 16 most likely
    next tokens to the student's at every action position the student visited, with no policy
-   gradient: OPD's advantage at beta 0); with ``--all`` also GRPO + OPD
+   gradient: OPD's advantage at beta 0), and the same with 4 optimizer updates per step at lr
+   1e-3 (``topk_mb4_lr1e-3``: distillation's target is fixed, so it can use its batch more than
+   outcome RL can); with ``--all`` also GRPO + OPD
    (``estimator.then: [seed]``: the GRPO advantage plus lp_T - lp_old, as slime's
    ``--use-opd``) and PBRS with the grid world's potential (``estimator.shaping: [pbrs]``, no
    teacher). The same seed gives every variant the same task stream and held-out layouts, so
@@ -54,6 +56,9 @@ BASE = horizon.LEVELS["L2"][1] + horizon.BUDGET + ["trainer.eval_every=30"]
 TEACHER_SETS = ["trainer.sft_noise=0.0"]
 #: the teacher's most likely tokens the top-K distillation reads per position
 TOPK = 16
+#: the distillation recipe that uses its batch more: 4 optimizer updates per step (one task's
+#: 8 episodes each; the same forward / backward work as one update on all 32) at lr 1e-3
+FAST = "trainer.mini_batches=4,optimizer.lr=1e-3"
 
 
 def variants(teacher: pathlib.Path, every: bool = False) -> list[tuple[str, str]]:
@@ -61,7 +66,7 @@ def variants(teacher: pathlib.Path, every: bool = False) -> list[tuple[str, str]
     topk = (f"estimator.name=opd,estimator.params.beta=0.0,{t},teacher.top_k={TOPK},"
             f"loss.aux=[topk_kl]")
     return [("grpo", "estimator.name=grpo"), ("opd", f"estimator.name=opd,{t}"),
-            ("topk", topk)] + (
+            ("topk", topk), ("topk_mb4_lr1e-3", f"{topk},{FAST}")] + (
         [("grpo+opd", f"estimator.name=grpo,estimator.then=[seed],{t}"),
          ("pbrs", "estimator.name=grpo,estimator.shaping=[pbrs]")] if every else [])
 
@@ -74,7 +79,18 @@ def teacher_ceiling(out: pathlib.Path) -> dict:
     return {"success": p, "se": (p * (1 - p) / 128) ** 0.5}
 
 
-def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool) -> None:
+def arms(teacher: pathlib.Path, every: bool, only) -> list[tuple[str, str]]:
+    """The variants to run / report: those named in ``only`` when given, else all."""
+    v = variants(teacher, every)
+    if only:
+        unknown = sorted(set(only) - {n for n, _ in v})
+        if unknown:
+            raise SystemExit(f"--arms: unknown {unknown}; known: {[n for n, _ in v]}")
+        return [x for x in v if x[0] in only]
+    return v
+
+
+def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool, only=None) -> None:
     for d in ("student", "teacher"):
         (out / d).mkdir(parents=True, exist_ok=True)
     student = compare.warm_start(out / "student", BASE)
@@ -83,7 +99,7 @@ def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool) -> None:
     print(f"teacher {teacher}: held-out success {ceiling}", flush=True)
     argv = [str(out / "runs"), "--seeds", *map(str, seeds), "--jobs", str(jobs),
             "--warm-start", str(student)]
-    for name, sets in variants(teacher, pbrs):
+    for name, sets in arms(teacher, pbrs, only):
         argv += ["--variant", f"{name}:{sets}"]
     for s in BASE:
         argv += ["--set", s]
@@ -101,12 +117,14 @@ def _step_times(root: pathlib.Path, name: str, seeds) -> float:
     return float(np.mean(t)) if t else float("nan")
 
 
-def report(out: pathlib.Path, pbrs: bool = False) -> str:
+def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None) -> str:
     summary = json.loads((out / "runs" / "summary.json").read_text())
     ceiling = json.loads((out / "ceiling.json").read_text())
-    seeds, steps = summary["seeds"], summary["steps"]
+    seeds, steps = seeds or summary["seeds"], summary["steps"]
     last = steps[-1]
-    names = [v[0] for v in variants(pathlib.Path("T"), pbrs)]
+    names = [v[0] for v in arms(pathlib.Path("T"), pbrs, only)]
+    if "grpo" not in names:
+        names = ["grpo"] + names  # the paired differences are against GRPO
     t_mean = ceiling["success"]
     lines = [f"Teacher (warm-up without demonstrator noise): held-out success {t_mean:.2f} "
              f"(standard error {ceiling['se']:.2f}, 128 layouts).", "",
@@ -158,11 +176,12 @@ def main(argv=None) -> int:
     p.add_argument("--report", action="store_true")
     p.add_argument("--all", action="store_true",
                    help="also GRPO + OPD and GRPO with PBRS shaping")
+    p.add_argument("--arms", nargs="+", help="only these variants (run and report)")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out).absolute()
     if not a.report:
-        run(out, a.seeds, a.jobs, a.all)
-    print(report(out, a.all))
+        run(out, a.seeds, a.jobs, a.all, a.arms)
+    print(report(out, a.all, a.seeds, a.arms))
     return 0
 
 
