@@ -118,6 +118,9 @@ def _step_times(root: pathlib.Path, name: str, seeds) -> float:
 
 
 def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None) -> str:
+    if not (out / "runs" / "summary.json").exists():
+        raise SystemExit(f"--report: no study in {out} (runs/summary.json is missing); run it "
+                         f"first: python examples/distill_study.py --out {out}")
     summary = json.loads((out / "runs" / "summary.json").read_text())
     ceiling = json.loads((out / "ceiling.json").read_text())
     seeds, steps = seeds or summary["seeds"], summary["steps"]
@@ -128,8 +131,8 @@ def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None) -> str:
     t_mean = ceiling["success"]
     lines = [f"Teacher (warm-up without demonstrator noise): held-out success {t_mean:.2f} "
              f"(standard error {ceiling['se']:.2f}, 128 layouts).", "",
-             "| method | step 0 | final | paired diff vs GRPO, final | final / teacher | AUC "
-             "| s / step |", "|---|---|---|---|---|---|---|"]
+             "| method | step 0 | final | paired diff vs GRPO, final | paired diff vs OPD, final "
+             "| final / teacher | AUC | s / step |", "|---|---|---|---|---|---|---|---|"]
     curves = {}
     for name in names:
         c = {s: compare._eval_curve(out / "runs" / name / f"seed{s}" / "metrics" /
@@ -139,10 +142,15 @@ def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None) -> str:
         final = compare._ci([c[s][last]["success"] for s in seeds])
         ratio = compare._ci([c[s][last]["success"] / max(t_mean, 1e-9) for s in seeds])
         auc = compare._ci([compare._auc(c[s], steps) for s in seeds])
-        diff = ("" if name == "grpo" else "{:+.2f} +- {:.2f}".format(*compare._ci(
-            [c[s][last]["success"] - curves["grpo"][s][last]["success"] for s in seeds])))
+        def paired(base):
+            if name == base or base not in curves:
+                return ""
+            return "{:+.2f} +- {:.2f}".format(*compare._ci(
+                [c[s][last]["success"] - curves[base][s][last]["success"] for s in seeds]))
+
         lines.append(f"| {name} | {first[0]:.2f} +- {first[1]:.2f} | {final[0]:.2f} +- "
-                     f"{final[1]:.2f} | {diff} | {ratio[0]:.2f} +- {ratio[1]:.2f} | "
+                     f"{final[1]:.2f} | {paired('grpo')} | {paired('opd')} | "
+                     f"{ratio[0]:.2f} +- {ratio[1]:.2f} | "
                      f"{auc[0]:.2f} +- {auc[1]:.2f} | "
                      f"{_step_times(out / 'runs', name, seeds):.2f} |")
     text = "\n".join(lines)
