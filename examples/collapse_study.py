@@ -6,13 +6,18 @@ below its warm start"): the horizon study's L2 runs with the per-step diagnostic
         [--warm-start HF_DIR] [--arms grpo no_penalty ...]
     python examples/collapse_study.py report [--out runs/collapse]
     python examples/collapse_study.py temperatures --warm-start HF_DIR [--out runs/collapse]
+    python examples/collapse_study.py probe --warm-start HF_DIR [--out runs/collapse]
+        [--arms grpo shuffled ...] [--seeds 0 1 2] [--tasks 64]
 
 ``run`` calls ``examples/compare_runs.py`` with the horizon study's L2 level and budget
 (``horizon_study.LEVELS``, ``BUDGET``) and the arms of ``ARMS`` (the first is the baseline of
 the paired differences); every run logs the diagnostics. ``report`` writes ``OUT/collapse.md``
 (per arm: held-out success at the start and end, and the diagnostics averaged over the first
 and the last 15 steps, means over seeds) and ``OUT/collapse.png`` (per diagnostic, one curve
-per arm: the mean over seeds of a 5-step moving average).
+per arm: the mean over seeds of a 5-step moving average). ``probe`` reads the policies
+themselves (each run's last checkpoint and the warm start) on the states of the solver's
+shortest paths through each seed's held-out layouts: the probability of an optimal action,
+by the stage of the task (``probe`` below); ``OUT/probe.md``.
 """
 
 from __future__ import annotations
@@ -231,9 +236,115 @@ def temperatures(warm_start: str, seeds, temps, out: pathlib.Path) -> str:
     return text
 
 
+#: the stages of a grid-world task (``GridWorld.subgoal``), in order
+STAGES = ("key", "door", "goal")
+
+
+def _path_states(env, task) -> list[tuple[str, set, str]]:
+    """``(observation, optimal actions, stage)`` at every state of the solver's shortest path
+    through ``task`` (the goal excluded): the optimal actions are those after which the solver's
+    remaining distance drops by one (found on forks of the env, its public API only)."""
+    obs, _ = env.reset(task)
+    out = []
+    while True:
+        d = env.distance()
+        good = set()
+        for act in ("u", "d", "l", "r", "p", "o"):
+            f = env.fork()
+            res = f.step(act)
+            if (res.done and res.info.get("success")) or (not res.done and f.distance() == d - 1):
+                good.add(act)
+        out.append((obs, good, env.subgoal()))
+        res = env.step(env.solver())
+        if res.done:
+            return out
+        obs = res.observation
+
+
+def _action_probs(model, prompts: list[list[int]], letter_ids: dict) -> np.ndarray:
+    """[states, letters]: the policy's probability of each action letter as the first token of
+    its answer (temperature 1, the rollouts'), prompts of one length at a time."""
+    import jax
+    import jax.numpy as jnp
+    ids = np.array(list(letter_ids.values()))
+    out = np.zeros((len(prompts), len(ids)))
+    by_len: dict = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for idx in by_len.values():
+        logits = model(jnp.asarray([prompts[i] for i in idx], jnp.int32)).logits[:, -1]
+        probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32), axis=-1))
+        out[idx] = probs[:, ids]
+    return out
+
+
+def probe(out: pathlib.Path, arms, seeds, warm_start: str, num_tasks: int) -> str:
+    """Lead (c): how the policies act on the states of the optimal paths. For each seed, the
+    first ``num_tasks`` of its held-out layouts (those its runs evaluate), every state of the
+    solver's shortest path; for the warm start and each arm's run at its last checkpoint:
+
+    * P(optimal): the probability that the first token of the answer is the letter of an
+      optimal action (the grid world's action letters u d l r p o are single tokens of the
+      byte codec, distinct at the first token; the rest of an answer, its end, is not read),
+      at temperature 1 as the rollouts sample;
+    * the same by the task's stage (fetch the key, open the door, reach the goal);
+    * greedy optimal: the share of states whose most likely letter is an optimal action;
+    * P(letter): the mass on the six letters at all (the rest starts an answer the env
+      parses as invalid).
+
+    Means over the states of a seed, then mean +- 95% t-interval over seeds; the paired
+    difference to the warm start per seed. Written to ``OUT/probe.md``."""
+    from jaxrl_agent import run_checks
+    from jaxrl_agent.train.build import build_model
+    from jaxrl_agent.train.loop import load_run_policy
+    hs = _load("horizon_study")
+    cfg = run_checks.load(None, hs.LEVELS["L2"][1] + hs.BUDGET + [
+        f"model.builtin_dir={warm_start}", "trainer.warmup_sft_steps=0"])
+    warm, codec, _ = build_model(cfg, 0)
+    letters = {a: int(codec.encode(a)[0]) for a in ("u", "d", "l", "r", "p", "o")}
+    rows: dict = {}  # name -> metric -> [per seed]
+    for seed in seeds:
+        runs = {arm: load_run_policy(out / arm / f"seed{seed}") for arm in arms}
+        first = next(iter(runs.values()))
+        rc = first.rollout
+        states = [st for task in first.eval_tasks[:num_tasks]
+                  for st in _path_states(first.env, task)]
+        prompts = [list(rc.prompt_prefix) + [int(i) for i in codec.encode(
+            rc.observation_template.format(observation=o))] for o, _, _ in states]
+        good = np.array([[a in g for a in letters] for _, g, _ in states])
+        stage = np.array([s for _, _, s in states])
+        for name, model in [("warm start", warm)] + [(a, r.model) for a, r in runs.items()]:
+            p = _action_probs(model, prompts, letters)
+            m = {"P(optimal)": (p * good).sum(1),
+                 **{f"P(optimal), {s}": (p * good).sum(1)[stage == s] for s in STAGES},
+                 "greedy optimal": good[np.arange(len(p)), p.argmax(1)].astype(float),
+                 "P(letter)": p.sum(1)}
+            for k, v in m.items():
+                rows.setdefault(name, {}).setdefault(k, []).append(float(np.mean(v)))
+    compare = _load("compare_runs")
+    keys = list(next(iter(rows.values())))
+    lines = [f"Policies on the solver's shortest paths through the first {num_tasks} held-out "
+             f"layouts of each seed (seeds {' '.join(map(str, seeds))}; mean +- 95% interval "
+             f"over seeds; in brackets the paired difference to the warm start)", "",
+             "| policy | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for name, m in rows.items():
+        cells = []
+        for k in keys:
+            mean, h = compare._ci(m[k])
+            cell = f"{mean:.3f} +- {h:.3f}"
+            if name != "warm start":
+                dm, dh = compare._ci([a - b for a, b in zip(m[k], rows["warm start"][k])])
+                cell += f" ({dm:+.3f} +- {dh:.3f})"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    (out / "probe.md").write_text(text)
+    return text
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("run", "report", "temperatures"))
+    p.add_argument("what", choices=("run", "report", "temperatures", "probe"))
     p.add_argument("--out", default="runs/collapse")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--jobs", type=int, default=2)
@@ -241,6 +352,7 @@ def main(argv=None) -> int:
     p.add_argument("--warm-start", default=None,
                    help="the L2 warm start (HF folder); default: made here")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7, 1.0])
+    p.add_argument("--tasks", type=int, default=64, help="probe: held-out layouts per seed")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out).absolute()
     if a.what == "run":
@@ -249,6 +361,11 @@ def main(argv=None) -> int:
         if not a.warm_start:
             p.error("temperatures needs --warm-start (the L2 warm start's HF folder)")
         print(temperatures(a.warm_start, a.seeds, a.temperatures, out))
+        return 0
+    if a.what == "probe":
+        if not a.warm_start:
+            p.error("probe needs --warm-start (the L2 warm start's HF folder)")
+        print(probe(out, a.arms, a.seeds, a.warm_start, a.tasks))
         return 0
     print(report(out, a.arms))
     return 0

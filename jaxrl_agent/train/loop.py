@@ -42,6 +42,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -75,7 +76,7 @@ from jaxrl_agent.train.step import (TrainState, init_state, init_state_from_para
                                     make_train_step, split_trainable, trainable_of)
 
 __all__ = ["EnvFailureError", "StaleBatchError", "Summary", "Trainer", "evaluate_run",
-           "refuse_stale", "staleness_metrics", "step_seed", "success_se"]
+           "RunPolicy", "load_run_policy", "refuse_stale", "staleness_metrics", "step_seed", "success_se"]
 
 
 class StaleBatchError(ValueError):
@@ -1212,16 +1213,13 @@ def _length_stats(records) -> dict:
             "train/response_len_traj_max": int(max(trajs))}
 
 
-def evaluate_run(run, *, step: int | None = None, num_tasks: int | None = None,
-                 split: str = "test", overrides=()) -> dict:
-    """Held-out evaluation of a run's checkpoint (the newest readable one, or ``step``): the
-    run is rebuilt from its own config (``overrides`` as in ``--set``), nothing in it is
-    written or locked (a run that is still training can be evaluated), and ``num_tasks``
-    tasks of ``split`` (default: the run's held-out eval set) are rolled out at the run's
-    ``trainer.eval_temperature``."""
+def _restored(run, step: int | None, overrides=()):
+    """``(trainer, state, meta)``: a run rebuilt read-only from its own config (``overrides``
+    as in ``--set``) on this machine's devices (one process, data-parallel: the run may have
+    used a bigger mesh or several hosts), with its checkpoint at ``step`` (default the newest
+    readable one) restored and synced to its sampler. Nothing in the run is written or
+    locked; the caller closes the trainer."""
     cfg = run_config(run, overrides)
-    # evaluate on this machine's devices: one process, data-parallel (the run may have used a
-    # bigger mesh or several hosts); overrides can still set them
     d = config_lib.to_dict(cfg)
     d["mesh"] = {"data": -1, "fsdp": 1, "tensor": 1, "rules": d["mesh"]["rules"]}
     d["distributed"] = {}
@@ -1242,6 +1240,22 @@ def evaluate_run(run, *, step: int | None = None, num_tasks: int | None = None,
             state, meta = trainer.checkpointer.restore(trainer._restore_target(), step)
             state = trainer._with_frozen(state)
         trainer._sync(state)
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer, state, meta
+
+
+def evaluate_run(run, *, step: int | None = None, num_tasks: int | None = None,
+                 split: str = "test", overrides=()) -> dict:
+    """Held-out evaluation of a run's checkpoint (the newest readable one, or ``step``): the
+    run is rebuilt from its own config (``overrides`` as in ``--set``), nothing in it is
+    written or locked (a run that is still training can be evaluated), and ``num_tasks``
+    tasks of ``split`` (default: the run's held-out eval set) are rolled out at the run's
+    ``trainer.eval_temperature``."""
+    trainer, state, meta = _restored(run, step, overrides)
+    cfg = trainer.cfg
+    try:
         if num_tasks is not None or split != "test":
             n = num_tasks if num_tasks is not None else cfg.trainer.eval_tasks
             trainer.eval_tasks = trainer.env.sample_tasks(
@@ -1252,3 +1266,32 @@ def evaluate_run(run, *, step: int | None = None, num_tasks: int | None = None,
         trainer.close()
     return {"step": int(meta["step"]), "split": split, "tasks": len(trainer.eval_tasks),
             **{k.split("/", 1)[1]: float(v) for k, v in res.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPolicy:
+    """A run's policy at one checkpoint, with what its rollouts used to prompt it: the
+    ``model`` (a ``Transformer`` holding the checkpoint's weights), its ``codec``, the
+    collector's ``rollout`` config (prompt prefix, observation template, history), the run's
+    ``env``, its held-out ``eval_tasks``, the run's ``cfg`` and the checkpoint's ``step``."""
+
+    model: Any
+    codec: Any
+    rollout: Any
+    env: Any
+    eval_tasks: list
+    cfg: Any
+    step: int
+
+
+def load_run_policy(run, *, step: int | None = None, overrides=()) -> RunPolicy:
+    """A run's policy at a checkpoint (the newest readable one, or ``step``) for analysis
+    (``RunPolicy``; a LoRA run's model holds its frozen base too). Nothing in the run is
+    written or locked."""
+    trainer, state, meta = _restored(run, step, overrides)
+    try:
+        nnx.update(trainer.model, state.params)
+        return RunPolicy(trainer.model, trainer.codec, trainer.rollout_cfg, trainer.env,
+                         list(trainer.eval_tasks), trainer.cfg, int(meta["step"]))
+    finally:
+        trainer.close()
