@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from jaxrl_agent import cli
@@ -175,6 +177,27 @@ def test_eval_reads_the_run(finished, capsys):
     assert rc == 0 and json.loads(out)["step"] == 2
     rc, _, err = _cli(["eval", finished.parent / "nothing"], capsys)
     assert rc == 2 and "is not a run" in err
+
+
+def test_load_run_policy_holds_the_checkpoint(finished):
+    """The run's policy at a checkpoint: the final model's weights at the last step (the run
+    exports it), different ones at an earlier step; the run's rollout config and eval
+    tasks come with it."""
+    from flax import nnx
+
+    from jaxrl_agent.models.hf import load_hf
+    last = loop.load_run_policy(finished)
+    assert last.step == 4 and last.eval_tasks and last.rollout.observation_template
+    exported, _ = load_hf(str(finished / "final_model"))
+    for a, b in zip(jax.tree.leaves(nnx.state(last.model, nnx.Param)),
+                    jax.tree.leaves(nnx.state(exported, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-6, atol=1e-6)
+    early = loop.load_run_policy(finished, step=2)
+    assert early.step == 2 and any(
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(nnx.state(early.model, nnx.Param)),
+                        jax.tree.leaves(nnx.state(last.model, nnx.Param))))
 
 
 def test_the_trained_model_can_be_sampled(finished, capsys):
