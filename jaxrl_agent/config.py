@@ -936,6 +936,8 @@ def _check_teacher(cfg: RunConfig) -> None:
     if te.top_k and te.source == "none":
         raise ConfigError("teacher.top_k: the top-K tokens are the teacher's; set "
                           "teacher.source (base | live | ema | PATH)")
+    if cfg.model.hf_path is None:  # the built-in model's vocabulary (check_paths: HF)
+        _check_top_k(cfg, cfg.model.vocab_size, "the built-in model")
     if teacher_has_context(cfg):
         if te.source == "none":
             raise ConfigError("teacher.context / teacher.system_prompt give a teacher its own "
@@ -1005,6 +1007,14 @@ def _check_model(cfg: RunConfig) -> None:
                                        intermediate_size=m.intermediate_size,
                                        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads),
                              "the built-in model")
+
+
+def _check_top_k(cfg: RunConfig, vocab_size: int, what: str) -> None:
+    """``teacher.top_k`` no larger than the vocabulary (``what`` has ``vocab_size`` tokens)."""
+    if cfg.teacher.top_k > vocab_size:
+        raise ConfigError(f"teacher.top_k {cfg.teacher.top_k} is larger than the vocabulary of "
+                          f"{what} ({vocab_size} tokens); at most {vocab_size} (the whole "
+                          f"vocabulary: the exact forward KL)")
 
 
 def _check_lora_rank(cfg: RunConfig, dims: dict, what: str) -> None:
@@ -1222,18 +1232,21 @@ def check_paths(cfg: RunConfig) -> None:
     if p is not None and not os.path.exists(p):
         raise ConfigError(f"model.hf_path: {p!r} does not exist")
     hf_json = None if p is None else os.path.join(p, "config.json")
-    if cfg.model.lora.rank and hf_json is not None and os.path.isfile(hf_json):
+    if (cfg.model.lora.rank or cfg.teacher.top_k) and hf_json is not None \
+            and os.path.isfile(hf_json):
         import json
         try:
             with open(hf_json) as f:
                 mc = ModelConfig.from_hf(json.load(f))
         except (OSError, ValueError, KeyError, TypeError):
             mc = None  # an unreadable checkpoint config is reported where the model is loaded
-        if mc is not None:
+        if mc is not None and cfg.model.lora.rank:
             _check_lora_rank(cfg, dict(hidden_size=mc.hidden_size, head_dim=mc.head_dim,
                                        intermediate_size=mc.intermediate_size,
                                        num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads),
                              p)
+        if mc is not None:
+            _check_top_k(cfg, mc.vocab_size, p)
     if teacher_kind(cfg) == "model":
         teacher_folder(cfg)
 

@@ -47,7 +47,7 @@ from jaxrl_agent.train.inputs import run_inputs
 _TRAINER_SUPPLIED = ("old_logprobs", "is_weights", "agg", "agg_constant", "axis_name")
 #: arguments of the auxiliary losses that take arrays (the step passes ``advantages``, the run's
 #: advantages; the others are read from the batch through their field-name parameters)
-_ARRAY_ARGS = ("advantages", "teacher_logprobs", "other_logprobs", "gate_values",
+_ARRAY_ARGS = (*losses.STEP_GIVEN, "teacher_logprobs", "other_logprobs", "gate_values",
                "controller_state")
 #: registered losses with a key of their own instead of loss.aux
 LOSS_KEYS = {**{n: "loss.policy" for n in config.POLICY_LOSSES},
@@ -588,7 +588,8 @@ def method_reads(kind: str, name: str, params: dict | None = None,
         except (ValueError, TypeError) as e:
             field = getattr(e, "field", None)
             if isinstance(e, estimators.MissingInput) and field not in found:
-                levels = (table[field].level,) if field in table else tuple(stand_in)
+                levels = ((table[field].level,) if field in table else
+                          ("token", "turn", "traj", "vector"))
                 trying = (field, levels, 0)
                 found[field] = levels[0]
                 continue

@@ -535,3 +535,23 @@ def test_topk_teacher_config():
     reads = run_checks.step_reads(cfg)
     assert reads == ("teacher_topk_logprobs",)
     assert "and its top 4 next tokens" in teacher_summary(cfg, reads)
+
+
+def test_topk_teacher_bad_settings_are_named():
+    """A top K larger than the vocabulary, the step's own input given as a hyper-parameter, a
+    top K that no loss reads: each named before anything runs."""
+    from jaxrl_agent.train.teacher import teacher_summary
+    with pytest.raises(C.ConfigError, match=r"teacher.top_k 100000 is larger than the "
+                                            r"vocabulary of the built-in model \(260 tokens\)"):
+        run_checks.load(None, ["teacher.source=live", "teacher.top_k=100000",
+                               "loss.aux=[topk_kl]"])
+    with pytest.raises(C.ConfigError, match=r"unknown key 'loss.aux\[0\].params."
+                                            r"student_topk_logprobs' for loss 'topk_kl'"):
+        run_checks.load(None, ["teacher.source=live", "teacher.top_k=4", "loss.aux=[{name: "
+                               "topk_kl, params: {student_topk_logprobs: 1}}]"])
+    cfg = run_checks.load(None, ["teacher.source=live", "teacher.top_k=4",
+                                 "estimator.name=opd"])
+    assert "teacher.top_k 4 is set, but no loss of this run reads the top K" in \
+        teacher_summary(cfg, run_checks.step_reads(cfg))
+    # a field of no listed level stays "?" (the teacher's top-K level is not a fallback)
+    assert dict(run_checks.method_reads("estimator", "credit"))["negative_logprobs"] == "?"

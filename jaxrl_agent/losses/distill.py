@@ -24,8 +24,9 @@ sampled token's log-prob). Every one of them shares these arguments:
 
 * ``logprobs`` [R, T]: lp_S, the student's current log-probs of the sampled tokens (unless
   a loss's docstring says otherwise; ``topk_kl`` reads ``student_topk_logprobs`` instead,
-  the student's log-probs of the teacher's top-K ids, which the train step passes to every
-  loss that names it: ``losses.step_given``).
+  the student's log-probs of the teacher's top-K ids, which the train step computes when a
+  loss of the run reads ``teacher_topk_logprobs`` and passes to every loss that names it:
+  ``losses.step_given``).
 * ``agg``: the aggregation mode, one of ``losses.AGG_MODES`` (see ``aggregation``);
   ``agg_constant``: C of ``seq_mean_token_sum_norm`` (default the padded row length T).
 * ``axis_name``: the mesh axis under ``shard_map``: trajectory indices are made block-local

@@ -79,7 +79,8 @@ LEVELS = {"token": "[R, T]", "turn": "[N, K]", "traj": "[N]", "vector": "[N, K, 
 class LoopInput:
     """One loop-supplied input.
 
-    ``source``: a ``SOURCES`` key; ``level``: a ``LEVELS`` key; ``what``: one line for users.
+    ``source``: a ``SOURCES`` key; ``level``: a ``LEVELS`` key (``run_inputs`` makes
+    ``token[top_k]`` concrete, e.g. ``token[16]``); ``what``: one line for users.
     ``step(batch, outputs)`` makes it inside the train step from ``outputs`` (the models'
     outputs the step computed: ``values`` [R, T], the value before each token; ``hidden``
     [N, K, D]; ``teacher_logprobs``, ``ref_logprobs``, ``entropy`` [R, T]); for a host-side

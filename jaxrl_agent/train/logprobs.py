@@ -59,9 +59,10 @@ def chunked_token_outputs(hidden, weight, tokens, *, tied: bool, temperature: fl
                           their ids, largest first (ties: the lower id first)
 
     for ``t >= 1``, and 0 (ids 0) at ``t = 0``. Without truncation (``top_k == 0`` and
-    ``top_p >= 1``) ``zt = z``. These are exactly the numbers of the train step's dense path, ``lp, outside, zp =
-    step.sampled_logprobs(logits, tokens, ...)`` and ``entropy_from_logits(zp)`` shifted one
-    position later, up to float32 rounding of the matmul.
+    ``top_p >= 1``) ``zt = z``. These are exactly the numbers of the train step's dense path,
+    ``lp, outside, zp = step.sampled_logprobs(logits, tokens, ...)`` and
+    ``entropy_from_logits(zp)`` shifted one position later, up to float32 rounding of the
+    matmul.
 
     Degenerate cases: ``temperature <= 0`` (greedy) means the untempered, untruncated
     distribution (``top_k`` / ``top_p`` are ignored, ``outside`` is all False), as the sampler

@@ -76,7 +76,8 @@ from jaxrl_agent.train.step import (TrainState, init_state, init_state_from_para
                                     make_train_step, split_trainable, trainable_of)
 
 __all__ = ["EnvFailureError", "StaleBatchError", "Summary", "Trainer", "evaluate_run",
-           "RunPolicy", "load_run_policy", "refuse_stale", "staleness_metrics", "step_seed", "success_se"]
+           "RunPolicy", "load_run_policy", "refuse_stale", "staleness_metrics", "step_seed",
+           "success_se"]
 
 
 class StaleBatchError(ValueError):

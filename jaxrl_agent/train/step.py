@@ -432,9 +432,10 @@ def _forward(graphdef, params, rest, tokens, extras, *, cfg: "StepConfig", want_
              top_n: int = 0):
     """Per-token (log-prob, entropy, value, outside-truncation, more) of the rows ``tokens``
     [R, T] under the rollouts' sampling distribution (``cfg.temperature``, ``top_k``,
-    ``top_p``); ``more``: the log-probs of the ids ``at`` [R, T, K] (``at_lp``) and the
-    ``top_n`` most likely ids with their log-probs (``top_lp``, ``top_ids``), each [R, T, K]
-    and of the distribution before truncation (``chunked_token_outputs``), when asked;
+    ``top_p``); ``more``: the log-probs of the ids ``at`` [R, T, K] (``at_lp``, [R, T, K])
+    and the ``top_n`` most likely ids with their log-probs (``top_lp``, ``top_ids``, each
+    [R, T, top_n]), of the distribution before truncation (``chunked_token_outputs``), when
+    asked;
     with prefix-tree extras the model runs on the packed trees (``blocks`` of them) and the
     final hidden states are gathered back to the rows: the same numbers, each shared prefix's
     layers computed once.

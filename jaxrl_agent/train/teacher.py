@@ -127,8 +127,12 @@ def teacher_summary(cfg: config_lib.RunConfig, reads) -> str:
             else f"the checkpoint {config_lib.teacher_folder(cfg)}")
     r = cfg.rollout
     topk = "teacher_topk_logprobs" in reads and cfg.teacher.top_k > 0
+    unread = (f"; teacher.top_k {cfg.teacher.top_k} is set, but no loss of this run reads the "
+              f"top K (loss.aux: [topk_kl]), so it is not computed"
+              if cfg.teacher.top_k and not topk else "")
     if "teacher_logprobs" not in reads and not topk:
-        return f"teacher: {what}; no method or loss of this run reads it, so it is not run"
+        return (f"teacher: {what}; no method or loss of this run reads it, so it is not run"
+                + unread)
     if config_lib.teacher_has_context(cfg):
         what += (", with a prompt of its own (" + " and ".join(
             (["teacher.system_prompt"] if cfg.teacher.system_prompt else [])
@@ -139,4 +143,4 @@ def teacher_summary(cfg: config_lib.RunConfig, reads) -> str:
     return (f"teacher: {what}; {scored} in the train step (JAX, on "
             f"the trainer's mesh, chunked), at the rollouts' temperature {r.temperature:g}"
             + (f", top_k {r.top_k}" if r.top_k else "")
-            + (f", top_p {r.top_p:g}" if r.top_p < 1 else "") + ", detached")
+            + (f", top_p {r.top_p:g}" if r.top_p < 1 else "") + ", detached" + unread)
