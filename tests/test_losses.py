@@ -772,7 +772,7 @@ def test_registry():
     assert L.names() == tuple(sorted((
         "ppo", "gspo", "cispo", "soft_gate", "reinforce", "value", "sarsa", "k1", "k2", "k3",
         "k1_st", "k3_st", "entropy", "sdl", "sdar", "edge", "ucob", "icsd", "craft", "treeopsd",
-        "t_reg", "weighted_sft")))
+        "t_reg", "weighted_sft", "topk_kl")))
     from tests.reference import distill_ref
     from tests.registered import defined_in
     assert set(distill_ref.LOSS_REFERENCES) == set(defined_in(L.distill, ("loss",)))

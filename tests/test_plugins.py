@@ -164,8 +164,10 @@ def test_the_loop_supplies_every_declared_loop_input():
     n, k = batch.turn_mask.shape
     tok = jnp.ones(batch.tokens.shape, jnp.float32)
     outputs = {"values": tok, "hidden": jnp.ones((n, k, 3), jnp.float32),
-               "teacher_logprobs": -tok, "ref_logprobs": -2 * tok, "entropy": 3 * tok}
-    shapes = {"token": batch.tokens.shape, "turn": (n, k), "vector": (n, k, 3)}
+               "teacher_logprobs": -tok, "ref_logprobs": -2 * tok, "entropy": 3 * tok,
+               "teacher_topk_logprobs": -jnp.ones(batch.tokens.shape + (4,), jnp.float32)}
+    shapes = {"token": batch.tokens.shape, "turn": (n, k), "vector": (n, k, 3),
+              "token[top_k]": batch.tokens.shape + (4,)}
     out = inputs.provide(batch, tuple(inputs.LOOP_INPUTS), outputs)
     for name, spec in inputs.LOOP_INPUTS.items():
         assert spec.source in inputs.SOURCES, name
