@@ -897,3 +897,14 @@ def test_topk_kl_shard_invariance():
     _close(v1, v0, atol=1e-5)
     _close(g1, g0, atol=1e-5)
     assert np.abs(np.asarray(g0)).sum() > 0
+
+
+def test_topk_kl_all_masked_gives_zero_pairs_and_gradient():
+    batch, ls = _topk_inputs(_fixed("concatenated", seed=7)[0], seed=7)[:2]
+    empty = batch.replace(action_mask=jnp.zeros_like(batch.action_mask),
+                          traj_mask=jnp.zeros_like(batch.traj_mask),
+                          turn_mask=jnp.zeros_like(batch.turn_mask))
+    pairs, grad = _topk_pairs(ls, empty)
+    for agg in AGGS:
+        assert float(pairs[agg][0]) == 0.0 and float(pairs[agg][1]) == 0.0
+    assert not np.any(np.asarray(grad))
