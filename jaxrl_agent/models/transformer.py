@@ -462,9 +462,11 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x, positions, rope, mask, kv_cache=None, slots=None):
-        """x [B,L,D]. Without a cache, ``mask`` is [B,L,L]; with ``kv_cache`` = (k, v) the new
-        keys/values are scattered to ``slots`` [B,L] and ``mask`` is [B,L,max_len]. Returns
-        (output [B,L,D], updated (k, v) or None)."""
+        """x [B,L,D]. Without a cache, ``mask`` is [B,L,L]. With ``kv_cache = (k, v, layer)``
+        (the model's stacked ``[layers, B, max_len, KV, hd]`` keys and values and this layer's
+        index) the new keys/values are scattered to ``[layer, b, slots[b]]`` in place, the
+        attention reads layer ``layer``'s slice, and ``mask`` is [B,L,max_len]. Returns
+        (output [B,L,D], updated stacked (k, v) or None)."""
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, L, self.num_kv_heads, self.head_dim)
@@ -475,13 +477,17 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         new_cache = None
         if kv_cache is not None:
-            ck, cv = kv_cache
-            # one scatter per row (vmap: the batch is a batching dimension of the scatter, so
-            # a cache split over rows is updated where it lies, without gathering k / v)
-            write = jax.vmap(lambda c, s, new: c.at[s].set(new.astype(c.dtype), mode="drop"))
+            ck, cv, layer = kv_cache
+            # one scatter per row into the stacked cache (vmap over its rows axis: a cache
+            # split over rows is updated where it lies, without gathering k / v), so no layer
+            # slice is copied out and written back: the step moves only the new tokens' keys
+            write = jax.vmap(lambda c, s, new: c.at[layer, s].set(new.astype(c.dtype),
+                                                                  mode="drop"),
+                             in_axes=(1, 0, 0), out_axes=1)
             ck, cv = write(ck, slots, k), write(cv, slots, v)
             new_cache = (ck, cv)
-            k, v = ck.astype(q.dtype), cv.astype(q.dtype)
+            k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False).astype(q.dtype)
+                    for c in (ck, cv))
         if isinstance(mask, BlockedMask) and mask.kernel == "splash":
             mesh = mask.mesh
             out = splash_attention(q, k, v, segment_ids=mask.segment_ids, mesh=mesh,
@@ -714,7 +720,8 @@ class Transformer(nnx.Module):
     def __call__(self, tokens, positions=None, segment_ids=None, cache: KVCache | None = None,
                  *, key_ends=None, compute_logits: bool = True, remat: bool = False,
                  activation_sharding=None, residual_sharding=None, layer_shardings=None,
-                 attention: str = "dense", mlp_chunk: int = 0) -> ModelOutput:
+                 attention: str = "dense", mlp_chunk: int = 0,
+                 layer_unroll: int | bool = 1) -> ModelOutput:
         """Runs the model.
 
         Args:
@@ -774,6 +781,10 @@ class Transformer(nnx.Module):
             ``sharding.layer_use_shardings``: FSDP's split gathered, tensor parallelism kept),
             so each weight is gathered once per layer per pass, not once per use. Ignored
             with a cache.
+          layer_unroll: how many layers one iteration of the layer scan runs (``lax.scan``'s
+            ``unroll``); True runs every layer with no loop. The same numbers. ``jaxrl-agent
+            plan`` compiles one decode step unrolled, because XLA's cost analysis counts a
+            loop's body once.
 
         Returns:
           ``ModelOutput(logits [B,L,V] f32, hidden [B,L,D], values [B,L] f32 or None,
@@ -857,17 +868,17 @@ class Transformer(nnx.Module):
         if cache is None:  # one scan over the stacked layers; remat keeps what the policy says
             body = _checkpoint(lambda h, p: (layer_fn(h, p, None)[0], None),
                                remat_policy_name(remat))
-            h, _ = jax.lax.scan(body, h, stacked)
-        else:  # the cache rides in the carry: layer i's slice is read and written back in place
+            h, _ = jax.lax.scan(body, h, stacked, unroll=layer_unroll)
+        else:  # the cache rides in the carry: layer i writes its new keys into it in place
             def body(carry, xs):
                 h, ck, cv = carry
                 p, i = xs
-                h, (k, v) = layer_fn(h, p, (ck[i], cv[i]))
-                return (h, jax.lax.dynamic_update_index_in_dim(ck, k, i, 0),
-                        jax.lax.dynamic_update_index_in_dim(cv, v, i, 0)), None
+                h, (ck, cv) = layer_fn(h, p, (ck, cv, i))
+                return (h, ck, cv), None
 
             (h, ck, cv), _ = jax.lax.scan(body, (h, cache.k, cache.v),
-                                          (stacked, jnp.arange(cfg.num_layers)))
+                                          (stacked, jnp.arange(cfg.num_layers)),
+                                          unroll=layer_unroll)
             n = L if segment_ids is None else jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32)
             new_cache = KVCache(k=ck, v=cv, index=cache.index + n)
         hidden = self.norm(h)  # on the residual's layout, then gathered to the rows' layout
