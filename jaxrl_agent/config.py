@@ -29,8 +29,9 @@ Layout (every section optional in YAML; missing keys take the CPU-default values
     checkpoint: every, keep, export, export_warmup
     metrics:    tensorboard, plots
     sampler:    name (jax | vllm), data_parallel, tensor_parallel (JAX sampler: this host's
-                devices), prefill_chunk, reuse_calls, dtype, kv_cache_mb, gpu_memory_utilization,
-                max_num_seqs, enforce_eager, transfer, probe_every, probe_tol
+                devices), prefill_chunk, reuse_calls, call_rows, dtype, kv_cache_mb,
+                gpu_memory_utilization, max_num_seqs, enforce_eager, transfer, probe_every,
+                probe_tol
                 (``sampler: vllm`` = name only)
     mesh:       data, fsdp, tensor           (-1 = "all remaining devices", at most one axis)
                 rules {}                     (logical axis -> mesh axis overrides of
@@ -329,12 +330,17 @@ class SamplerSection:
     cache slots]`` at once; 0 = the whole prompt); ``reuse_calls`` is how many calls' KV
     caches the JAX sampler keeps so that a later prompt continuing one of their rows (the
     next turn of a conversation) prefills only its new tokens (0 = off; dropped at every
-    weight sync). The other keys only apply to vLLM."""
+    weight sync); ``call_rows`` is the most requests the JAX sampler prefills and decodes at
+    once (a larger call runs in chunks of it, the same samples; 0 = sized to fit: on a device
+    that reports its memory, the largest whose compiled programs and kept caches stay within
+    85% of it beside the train state, ``train.call_size``; the whole call on CPU). The other
+    keys only apply to vLLM."""
     name: str = "jax"
     data_parallel: int = 1
     tensor_parallel: int = 1
     prefill_chunk: int = 512
     reuse_calls: int = 2
+    call_rows: int = 0
     dtype: str | None = None           # engine dtype; null = model.dtype
     kv_cache_mb: int = 256             # KV-cache memory (0 = vLLM decides: GPU share or
                                        # VLLM_CPU_KVCACHE_SPACE)
@@ -1137,7 +1143,7 @@ def _check_sampler(cfg: RunConfig) -> None:
                           "(set them to 1)")
     check_positive(s, "sampler", "max_num_seqs")
     check_positive(s, "sampler", "kv_cache_mb", "probe_every", "prefill_chunk", "reuse_calls",
-                   allow_zero=True)
+                   "call_rows", allow_zero=True)
     if not 0 < s.gpu_memory_utilization <= 1:
         raise ConfigError("sampler.gpu_memory_utilization must be in (0, 1]; got "
                           f"{s.gpu_memory_utilization!r}")

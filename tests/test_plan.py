@@ -346,13 +346,13 @@ def test_multihost_slice_must_use_every_chip(capsys, keep_env):
 BF16 = ["model.dtype=bfloat16", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=16"]
 
 
-def _sampler_plan(cfg, topology):
+def _sampler_plan(cfg, topology, **kw):
     """``plan_sampler`` alone (no train step) for the config's model on the topology's first
     host (one device unless sampler.data_parallel / tensor_parallel say otherwise)."""
     cfg = run_checks.validate(cfg)
     devices = plan_lib.topology_devices(topology)
     model = nnx.eval_shape(lambda: Transformer(plan_lib.model_config(cfg), rngs=nnx.Rngs(0)))
-    return plan_lib.plan_sampler(plan_lib.abstract_sampler(cfg, model, devices), cfg)
+    return plan_lib.plan_sampler(plan_lib.abstract_sampler(cfg, model, devices), cfg, **kw)
 
 
 def _check_sampler_bytes(sp, cfg):
@@ -413,6 +413,28 @@ def test_cpu_sampler_decode_step_bytes(sets):
     _check_sampler_bytes(sp, run_checks.validate(cfg))
     # the prefill returns the cache and the logits [B, V] float32
     assert sp.prefill.output_bytes >= sp.kv_cache_bytes + 16 * cfg.model.vocab_size * 4
+
+
+def test_cpu_sampler_sized_to_a_budget_and_its_decode_step():
+    """With a budget below the whole call's peak (its programs plus the kept caches beside
+    it) the plan sizes the call as a run does: the first size tried is the whole call, the
+    plan is of the size chosen, within the budget. One decode step compiled alone reads at
+    least every weight and the KV cache (at most 100% of the roofline)."""
+    from jaxrl_agent.train.plan.report import format_decode_step
+    cfg = _cfg(*BF16)
+    whole = _sampler_plan(cfg, "cpu:1")
+    assert whole.sized is None and whole.kept_bytes > 0
+    assert whole.step_bytes >= whole.floor_step_bytes and 0 < whole.roofline_fraction <= 1
+    assert whole.step_seconds is None  # no bandwidth to predict with on CPU
+    sized = _sampler_plan(cfg, "cpu:1", budget=whole.peak_bytes - 1, bandwidth=1e12)
+    z = sized.sized
+    assert z["tried"][0] == (16, 2, whole.peak_bytes)
+    assert z["rows"] is not None and sized.dims["batch"] == z["rows"]
+    assert sized.peak_bytes <= whole.peak_bytes - 1
+    assert (z["rows"], 0 if z["reuse_dropped"] else 2, sized.peak_bytes) in z["tried"]
+    line = format_decode_step(sized)
+    assert "of the roofline" in line[0] and "tokens/s per chip" in line[1]
+    assert sized.tokens_per_s_per_chip == pytest.approx(z["rows"] * 1e12 / sized.step_bytes)
 
 
 def test_sampler_verdicts_name_the_key_to_change():

@@ -24,8 +24,9 @@ One ``generate`` call, per chunk of at most ``max(batch_buckets)`` requests:
    new-token bucket).
 
 Keys and values kept across calls (``reuse_calls``, default the last 2 calls): the final
-cache of a call stays alive with the tokens each row holds (its prompt and all but the last
-sampled token). A later call whose prompt starts with such a row's tokens (the next turn of
+cache of each chunk of a call stays alive with the tokens each row holds (its prompt and all
+but the last sampled token), for the rest of the call and the next ``reuse_calls`` calls. A
+later chunk whose prompt starts with such a row's tokens (the next turn of
 the same conversation: the prompt so far, the action, the new observation) takes that row's
 cache (``_reuse``: a gather of rows, cut or padded to the new cache length, the index set to
 the common prefix) and prefills only the rest (``_extend``: the same chunked prefill, starting
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 from collections.abc import Sequence
@@ -169,6 +171,18 @@ def request_keys(root, call_id, request_index, has_seed, seed_hi, seed_lo):
     data = jnp.where(has_seed[:, None], jax.random.key_data(seeded),
                      jax.random.key_data(derived))
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(root))
+
+
+def _sample(logits, keys, rows, j):
+    """Generation step ``j``'s tokens and log-probs from ``logits [B, V]``, each row with its
+    own parameters (``rows``) and the key ``fold_in(keys[b], j)``."""
+    step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, j)
+    return sample_tokens(logits, step_keys, rows["temperature"], rows["top_k"], rows["top_p"])
+
+
+def _is_stop(tok, rows):
+    """Rows whose token ``tok [B]`` is one of their ``stop_ids``."""
+    return jnp.any(rows["stop_ids"] == tok[:, None], axis=-1)
 
 
 # ----------------------------------------------------------------------------- buckets
@@ -298,8 +312,10 @@ class JaxSampler:
       reuse_calls: the final KV caches of the last ``reuse_calls`` calls are kept, and a
         later prompt that starts with tokens one of their rows holds prefills only the rest
         (see the module docstring; ``prefill_stats["tokens_reused"]``). 0 = off. Each kept
-        call holds its cache (``[layers, rows, slots, kv heads, head dim]`` keys and values)
-        until a later call pushes it out or a weight sync / release drops it.
+        call holds the caches of its chunks (``[layers, rows, slots, kv heads, head dim]``
+        keys and values) until a later call pushes it out or a weight sync / release drops
+        it: beside a call, up to ``reuse_calls`` whole calls' caches and its own finished
+        chunks'.
     """
 
     def __init__(self, model: Transformer, *, max_len: int | None = None,
@@ -350,10 +366,7 @@ class JaxSampler:
         #: number of traces (= compilations) of each jitted function.
         self.compile_counts: collections.Counter = collections.Counter()
         self.share_prefill = bool(share_prefill)
-        if isinstance(reuse_calls, bool) or not isinstance(reuse_calls, int) or reuse_calls < 0:
-            raise ValueError(f"reuse_calls must be an int >= 0, got {reuse_calls!r}")
         self.reuse_calls = reuse_calls
-        self._kept: collections.deque = collections.deque(maxlen=max(reuse_calls, 1))
         #: prompt rows and tokens asked for and prefilled (fewer with ``share_prefill``)
         self.prefill_stats: collections.Counter = collections.Counter()
         self._fork_jit = jax.jit(self._fork)
@@ -361,6 +374,8 @@ class JaxSampler:
         self._extend_jit = jax.jit(self._extend)
         self._prefill_jit = jax.jit(self._prefill, static_argnames=("cache_len",))
         self._decode_jit = jax.jit(self._decode, donate_argnames=("cache",))
+        self._steps_jit = jax.jit(self._decode_steps, donate_argnames=("carry",),
+                                  static_argnames=("steps",))
 
     # ------------------------------------------------------------------------- weights
 
@@ -400,6 +415,20 @@ class JaxSampler:
         k, v = jax.lax.with_sharding_constraint((cache.k, cache.v), self.cache_sharding)
         index = jax.lax.with_sharding_constraint(cache.index, self.batch_sharding)
         return type(cache)(k=k, v=v, index=index)
+
+    @property
+    def reuse_calls(self) -> int:
+        """How many earlier calls' final KV caches (every chunk of them) are kept for later
+        prompts that continue their rows; setting it drops the caches kept so far."""
+        return self._reuse_calls
+
+    @reuse_calls.setter
+    def reuse_calls(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"reuse_calls must be an int >= 0, got {n!r}")
+        self._reuse_calls = n
+        # one list of chunk caches per call: the calls before the running one, and its own
+        self._kept: collections.deque = collections.deque(maxlen=n + 1)
 
     @property
     def policy_version(self) -> int:
@@ -554,43 +583,48 @@ class JaxSampler:
         B, N = out_like.shape
         keys = request_keys(root, call_id, rows["request_index"], rows["has_seed"],
                             rows["seed_hi"], rows["seed_lo"])
-        temperature, top_k, top_p = rows["temperature"], rows["top_k"], rows["top_p"]
-        max_new, stop_ids = rows["max_new"], rows["stop_ids"]
-
-        def sample(logits, j):
-            step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, j)
-            return sample_tokens(logits, step_keys, temperature, top_k, top_p)
-
-        def is_stop(tok):
-            return jnp.any(stop_ids == tok[:, None], axis=-1)
-
-        tok, lp = sample(logits, 0)
+        tok, lp = _sample(logits, keys, rows, 0)
         out_tok = jnp.zeros((B, N), jnp.int32).at[:, 0].set(tok)
         out_lp = jnp.zeros((B, N), jnp.float32).at[:, 0].set(lp)
         n_gen = jnp.ones((B,), jnp.int32)
-        done = rows["done"] | is_stop(tok) | (n_gen >= max_new)
+        done = rows["done"] | _is_stop(tok, rows) | (n_gen >= rows["max_new"])
 
         def cond(carry):
             j, _, _, _, _, _, done = carry
             return (j < N) & ~jnp.all(done)
 
-        def body(carry):
-            j, cache, tok, out_tok, out_lp, n_gen, done = carry
-            active = ~done
-            out = model(tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=cache)
-            new_tok, lp = sample(out.logits[:, 0], j)
-            tok = jnp.where(active, new_tok, tok)
-            out_tok = out_tok.at[:, j].set(jnp.where(active, new_tok, 0))
-            out_lp = out_lp.at[:, j].set(jnp.where(active, lp, 0.0))
-            n_gen = n_gen + active.astype(jnp.int32)
-            done = done | (active & (is_stop(new_tok) | (n_gen >= max_new)))
-            return j + 1, self._constrain_cache(out.cache), tok, out_tok, out_lp, n_gen, done
-
         carry = (jnp.int32(1), cache, tok, out_tok, out_lp, n_gen, done)
-        _, cache, _, out_tok, out_lp, n_gen, _ = jax.lax.while_loop(cond, body, carry)
+        _, cache, _, out_tok, out_lp, n_gen, _ = jax.lax.while_loop(
+            cond, functools.partial(self._decode_body, model, keys, rows), carry)
         # the cache is returned so that its donated input buffer is the output's: the loop then
         # updates it in place (no second copy); callers drop it
         return out_tok, out_lp, n_gen, cache
+
+    def _decode_body(self, model, keys, rows, carry, layer_unroll=1):
+        """One iteration of the decode loop: the last token of every unfinished row through
+        the model (its keys and values written to the cache), the next one sampled."""
+        j, cache, tok, out_tok, out_lp, n_gen, done = carry
+        active = ~done
+        out = model(tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=cache,
+                    layer_unroll=layer_unroll)
+        new_tok, lp = _sample(out.logits[:, 0], keys, rows, j)
+        tok = jnp.where(active, new_tok, tok)
+        out_tok = out_tok.at[:, j].set(jnp.where(active, new_tok, 0))
+        out_lp = out_lp.at[:, j].set(jnp.where(active, lp, 0.0))
+        n_gen = n_gen + active.astype(jnp.int32)
+        done = done | (active & (_is_stop(new_tok, rows) | (n_gen >= rows["max_new"])))
+        return j + 1, self._constrain_cache(out.cache), tok, out_tok, out_lp, n_gen, done
+
+    def _decode_steps(self, state, carry, rows, root, call_id, steps: int):
+        """``steps`` iterations of ``_decode_body``, unrolled, every layer unrolled
+        (``lower_step``)."""
+        self.compile_counts["decode_step"] += 1
+        keys = request_keys(root, call_id, rows["request_index"], rows["has_seed"],
+                            rows["seed_hi"], rows["seed_lo"])
+        model = nnx.merge(self._graphdef, state)
+        for _ in range(steps):
+            carry = self._decode_body(model, keys, rows, carry, layer_unroll=True)
+        return carry
 
     def lower(self, batch: int, prompt_len: int, new_tokens: int, *, stop_ids: int = 4,
               cache_len: int | None = None):
@@ -607,6 +641,38 @@ class JaxSampler:
         """
         B, L, N, S = int(batch), int(prompt_len), int(new_tokens), int(stop_ids)
         C = min(L + N, self.max_len) if cache_len is None else int(cache_len)
+        state, sds, cache, rows, root, call_id = self._abstract_call(B, C, S)
+        prefill = self._prefill_jit.lower(state, sds((B, L), "int32"), sds((B,), "int32"),
+                                          cache_len=C)
+        logits = sds((B, self.config.vocab_size), "float32")
+        decode = self._decode_jit.lower(state, cache, logits, rows, root, call_id,
+                                        sds((B, N), "int32"))
+        return prefill, decode
+
+    def lower_step(self, batch: int, cache_len: int, new_tokens: int = 16, *,
+                   stop_ids: int = 4, steps: int = 1):
+        """Lowers ``steps`` iterations of the decode loop (``_decode_body``: every row's last
+        token through the model, its keys and values written to a ``cache_len``-slot cache,
+        the next token sampled), unrolled and with every layer unrolled, from shapes alone,
+        placed as ``lower`` places a call. XLA's cost analysis of the compiled program
+        (``bytes accessed``) then counts every step and layer (it counts a loop's body once).
+        The difference between 2 steps and 1 is one more step's memory traffic, without the
+        layout copies XLA puts at a program's entry and exit (the decode loop makes those once
+        per call). The arithmetic is the loop's own.
+
+        Returns:
+          a ``jax.stages.Lowered``.
+        """
+        B, C, N = int(batch), int(cache_len), int(new_tokens)
+        state, sds, cache, rows, root, call_id = self._abstract_call(B, C, int(stop_ids))
+        one = root.sharding
+        carry = (sds((), "int32", one), cache, sds((B,), "int32"), sds((B, N), "int32"),
+                 sds((B, N), "float32"), sds((B,), "int32"), sds((B,), "bool"))
+        return self._steps_jit.lower(state, carry, rows, root, call_id, steps=int(steps))
+
+    def _abstract_call(self, B: int, C: int, S: int):
+        """Shapes of one call's arguments placed as ``generate`` places them: ``(state, sds,
+        cache, rows, root, call_id)``, ``sds(shape, dtype, sharding=rows')`` making more."""
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                             sharding=x.sharding), self.state)
         rows_sh = self.batch_sharding or jax.tree.leaves(state)[0].sharding
@@ -616,21 +682,34 @@ class JaxSampler:
         def sds(shape, dtype, sh=rows_sh):
             return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh)
 
-        tokens, lengths = sds((B, L), "int32"), sds((B,), "int32")
-        prefill = self._prefill_jit.lower(state, tokens, lengths, cache_len=C)
         kv = sds((self.config.num_layers, B, C, self.config.num_kv_heads, self.config.head_dim),
                  param_dtype(self.config), cache_sh)
         cache = KVCache(k=kv, v=kv, index=sds((B,), "int32"))
-        logits = sds((B, self.config.vocab_size), "float32")
         rows = dict(temperature=sds((B,), "float32"), top_k=sds((B,), "int32"),
                     top_p=sds((B,), "float32"), max_new=sds((B,), "int32"),
                     stop_ids=sds((B, S), "int32"), done=sds((B,), "bool"),
                     request_index=sds((B,), "uint32"), has_seed=sds((B,), "bool"),
                     seed_hi=sds((B,), "uint32"), seed_lo=sds((B,), "uint32"))
         root = jax.ShapeDtypeStruct((), self._root.dtype, sharding=one)
-        decode = self._decode_jit.lower(state, cache, logits, rows, root,
-                                        sds((), "uint32", one), sds((B, N), "int32"))
-        return prefill, decode
+        return state, sds, cache, rows, root, sds((), "uint32", one)
+
+    def limit_call_rows(self, rows: int) -> None:
+        """At most ``rows`` requests per chunk of a ``generate`` call (a larger call runs as
+        several chunks, one after the other; the samples do not change: each request's PRNG
+        stream depends on its index in the call, not in the chunk). The batch buckets above
+        ``rows`` are dropped and ``rows`` becomes the largest (rounded up to a multiple of the
+        mesh's ``data`` axis). ``train.call_size`` chooses it to fit the chip's memory."""
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
+            raise ValueError(f"call rows must be an int >= 1, got {rows!r}")
+        d = 1 if self.mesh is None else self.mesh.shape["data"]
+        rows = -(-int(rows) // d) * d
+        self.batch_buckets = tuple(sorted({b for b in self.batch_buckets if b < rows}
+                                          | {rows}))
+
+    @property
+    def call_rows(self) -> int:
+        """The most requests one chunk of a ``generate`` call prefills and decodes at once."""
+        return self.batch_buckets[-1]
 
     # ------------------------------------------------------------------------- generate
 
@@ -658,15 +737,19 @@ class JaxSampler:
         with self._lock:
             call_id = self._calls
             self._calls += 1
+        kept_here: list = []   # this call's chunk caches, kept for later calls
+        if self.reuse_calls:
+            with self._lock:
+                self._kept.append(kept_here)  # (drops the oldest call's)
         results: list[SampleOutput] = []
-        chunk = self.batch_buckets[-1]
+        chunk = self.call_rows
         for start in range(0, len(arrays), chunk):
             results.extend(self._generate_chunk(state, version, sync, call_id, start,
                                                 arrays[start:start + chunk],
-                                                plist[start:start + chunk]))
+                                                plist[start:start + chunk], kept_here))
         return results
 
-    def _generate_chunk(self, state, version, sync, call_id, start, arrays, plist):
+    def _generate_chunk(self, state, version, sync, call_id, start, arrays, plist, kept_here):
         n = len(arrays)
         B = _bucket(n, self.batch_buckets)
         L = _bucket(max(a.size for a in arrays), self.len_buckets)
@@ -755,7 +838,7 @@ class JaxSampler:
                 mat[i, :h.size] = h
             with self._lock:
                 if self._weights[2] == sync:   # not after a sync
-                    self._kept.append(_KeptCall(cache=cache, held=mat, sync=sync))
+                    kept_here.append(_KeptCall(cache=cache, held=mat, sync=sync))
         return results
 
     def _find_kept(self, prompts, sync: int, prompt_bucket: int):
@@ -765,7 +848,7 @@ class JaxSampler:
         shorter length bucket than ``prompt_bucket``. At least each prompt's last token is
         left to prefill (its logits start the decode)."""
         with self._lock:
-            kept = [k for k in self._kept if k.sync == sync]
+            kept = [k for call in self._kept for k in call if k.sync == sync]
         best = None
         for k in kept:
             rows, reused = [], []

@@ -11,13 +11,15 @@ from jaxrl_agent.sharding.mesh import (AXES, BATCH_AXES, batch_shards, batch_sha
                                        batch_spec, make_mesh, replicated, resolve_axes,
                                        sampler_mesh)
 from jaxrl_agent.sharding.rules import (DEFAULT_RULES, bytes_per_device, check_rules,
-                                        layer_use_shardings, layout_table, logical_axes,
+                                        layer_use_shardings, layout_table, local_bytes,
+                                        logical_axes,
                                         param_shardings, param_specs, residual_spec, spec_for,
                                         train_state_shardings)
 
 __all__ = [
     "AXES", "BATCH_AXES", "DEFAULT_RULES", "batch_shards", "batch_sharding", "batch_spec",
-    "bytes_per_device", "check_rules", "layer_use_shardings", "layout_table", "logical_axes",
+    "bytes_per_device", "check_rules", "layer_use_shardings", "layout_table", "local_bytes",
+    "logical_axes",
     "make_mesh", "param_shardings", "param_specs", "replicated", "residual_spec", "resolve_axes",
     "sampler_mesh", "spec_for", "train_state_shardings",
 ]

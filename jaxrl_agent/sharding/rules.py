@@ -25,6 +25,7 @@ parameter. The optimizer state is sharded exactly like the parameters it tracks.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import jax
@@ -197,6 +198,17 @@ def layout_table(params: Any, mesh: Mesh, rules: Mapping | None = None) -> list[
                      "shape": shape, "axes": logical_axes(v), "spec": spec,
                      "local_shape": local, "notes": notes})
     return rows
+
+
+def local_bytes(tree: Any, shardings: Any) -> int:
+    """Bytes one device holds of ``tree`` (arrays or ``ShapeDtypeStruct``s) laid out by
+    ``shardings`` (a tree of ``Sharding``s with the same leaves): each leaf's shard shape
+    times its item size, summed. What the layout puts on a device, before anything is
+    placed (``bytes_per_device`` reads placed arrays)."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
 
 
 def bytes_per_device(tree: Any) -> int:

@@ -58,6 +58,7 @@ from jaxrl_agent.rollout.collect import RolloutConfig, collect_groups
 from jaxrl_agent.rollout.tree import attach_prefix_trees, attention_cost
 from jaxrl_agent.rollout.workers import RolloutWorkers
 from jaxrl_agent.sampling.jax_sampler import JaxSampler
+from jaxrl_agent.train import call_size
 from jaxrl_agent.train import sft as sft_lib
 from jaxrl_agent.train.checkpoint import Checkpointer
 from jaxrl_agent.train.inputs import attach_env_inputs
@@ -324,6 +325,7 @@ class Trainer:
         # Last: a vLLM sampler holds an engine (memory, maybe a GPU share) until close().
         self.sampler = build_sampler(cfg, self.model, batch_buckets=sampler_batch_buckets(
             cfg, jax.process_count()))
+        self.call_size = self._size_sampler_calls()
 
     def close(self) -> None:
         """Releases the sampler's engine (vLLM) and the run directory's lock; ``run()`` calls
@@ -337,6 +339,25 @@ class Trainer:
             self._lock = None
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _size_sampler_calls(self) -> call_size.CallSize | None:
+        """``sampler.call_rows``: N fixes the JAX sampler's rows per call; 0 sizes them to fit
+        its device's memory beside the train state (``train.call_size``; None where the
+        device reports no limit, CPU, or for vLLM, which sizes its own)."""
+        s = self.cfg.sampler
+        if not isinstance(self.sampler, JaxSampler):
+            return None
+        if s.call_rows:
+            self.sampler.limit_call_rows(s.call_rows)
+            return None
+        device = min(jax.tree.leaves(self.sampler.state)[0].sharding.device_set,
+                     key=lambda d: d.id)
+        limit = call_size.device_memory_limit(device)
+        if limit is None:
+            return None
+        state = sharding.local_bytes(jax.eval_shape(self._init_state), self.state_shardings)
+        return call_size.size_sampler_calls(self.sampler, self.cfg, limit=limit, state=state,
+                                            num_hosts=jax.process_count())
 
     def _make_mesh(self):
         try:
@@ -448,9 +469,7 @@ class Trainer:
         m = self.mesh.shape
         state = jax.eval_shape(self._init_state)
         total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
-        local = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                    for x, s in zip(jax.tree.leaves(state.params),
-                                    jax.tree.leaves(self.state_shardings.params)))
+        local = sharding.local_bytes(state.params, self.state_shardings.params)
         return (f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} on "
                 f"{self.mesh.size} x {jax.devices()[0].platform} ({jax.process_count()} "
                 f"process{'es' if jax.process_count() > 1 else ''}); parameters "
@@ -636,6 +655,8 @@ class Trainer:
         self._print(config_lib.describe(cfg))
         self._print(f"model: {self.model_from}; {self.layout_summary()}")
         self._print(self.prompt_summary())
+        if self.call_size is not None:
+            self._print(self.call_size.summary())
         for line in (teacher_summary(cfg, self.step_cfg.reads), self._signals_summary()):
             if line:
                 self._print(line)

@@ -91,13 +91,6 @@ def _exhausted_bytes(message: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
 
 
-def local_bytes(tree, shardings) -> int:
-    total = 0
-    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-        total += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-    return total
-
-
 def gathered_bytes(tree, shardings, mesh) -> int:
     """Per device, the bytes one all-gather of every weight over its FSDP split (the batch axes
     ``data x fsdp`` a parameter is split over) returns: its local bytes times that split."""

@@ -160,11 +160,53 @@ def format_sampler(p: Plan) -> list[str]:
     lines += [
         row("total", pre.total_bytes, dec.total_bytes),
         f"{'  compile time (s)':<34}{pre.compile_s:>12.1f}{dec.compile_s:>12.1f}",
+    ]
+    if s.kept_bytes:
+        lines.append(f"{'  + kept caches (reuse_calls)':<34}{_mib(s.kept_bytes):>12}"
+                     f"{_mib(s.kept_bytes):>12}")
+    lines += [
         f"{'  device peak with the train state':<34}{_mib(p.sampler_device_bytes):>12}   "
         f"(max of sampler + train state {_mib(p.state_bytes)}, train step"
         + (", the sampler's weights freed during it)" if p.sampler_released else
            " + sampler weights: async rollouts keep them)"),
     ]
+    lines += format_call_size(s) + format_decode_step(s)
     if m["data"] * m["tensor"] > 1:
         lines += [""] + format_collectives(dec.collectives, "the sampler's decode step")[:-1]
     return lines
+
+
+def format_call_size(s) -> list[str]:
+    """How the sampler's call was sized (``SamplerPlan.sized``; empty when it was not)."""
+    z = s.sized
+    if not z:
+        return []
+    tried = ", ".join(f"{r} rows{' + kept caches' if k else ''} "
+                      f"{'refused' if b is None else _mib(b).strip() + ' MiB'}"
+                      for r, k, b in z["tried"])
+    if z["rows"] is None:
+        head = "sampler call sized to fit: NO call size fits"
+    else:
+        n = -(-s.dims["prompts"] // z["rows"])
+        head = (f"sampler call sized to fit (sampler.call_rows: 0): {z['rows']} rows at once, "
+                f"{n} chunk{'s' if n != 1 else ''} per {s.dims['prompts']} prompts"
+                + (", kept caches off (sampler.reuse_calls 0: they did not fit)"
+                   if z["reuse_dropped"] else ""))
+    return [f"{head}; budget {_mib(z['budget']).strip()} MiB per device (85% of HBM - train "
+            f"state); tried {tried} (compiled peak + kept caches)"]
+
+
+def format_decode_step(s) -> list[str]:
+    """One decode step's bytes against the roofline (empty when it was not compiled)."""
+    if not s.step_bytes:
+        return []
+    out = [f"decode step (one more token for {s.dims['batch']} rows; XLA's bytes accessed of 2 "
+           f"steps - 1, layers unrolled): {_mib(s.step_bytes).strip()} MiB per device; floor "
+           f"(weights + KV cache once) {_mib(s.floor_step_bytes).strip()} MiB: "
+           f"{100 * s.roofline_fraction:.0f}% "
+           f"of the roofline; compile {s.step_compile_s:.1f} s"]
+    if s.step_seconds:
+        out.append(f"  at the chip's {s.bandwidth / 1e9:,.0f} GB/s: {1e3 * s.step_seconds:.2f} "
+                   f"ms per step, {s.tokens_per_s_per_chip:,.0f} tokens/s per chip "
+                   "(predicted: memory-bound, compute and launch overheads not counted)")
+    return out

@@ -24,10 +24,12 @@ from jaxrl_agent.models.transformer import Transformer, trainable_filter
 from jaxrl_agent.train.build import (builtin_model_config, lora_fields, run_optimizer,
                                      step_config)
 from jaxrl_agent.train.plan.memory import (CompiledMemory, compile_memory, gathered_bytes,
-                                           local_bytes, memory_floor, num_params, split_of)
+                                           memory_floor, num_params, split_of)
 from jaxrl_agent.train.plan.sampler import (SamplerPlan, abstract_sampler, plan_sampler,
                                             sampler_notes)
-from jaxrl_agent.train.plan.topology import HBM_GIB, PlanError, chip_kind, topology_devices
+from jaxrl_agent.train.call_size import CALL_MEMORY_FRACTION
+from jaxrl_agent.train.plan.topology import (HBM_BANDWIDTH, HBM_GIB, PlanError, chip_kind,
+                                             topology_devices)
 from jaxrl_agent.train.step import init_state_from_params, make_train_step, split_trainable
 
 
@@ -457,8 +459,8 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
 
     step = make_train_step(model, opt, scfg, donate=True, mesh=mesh, state_shardings=shardings,
                            rules=rules, teacher_model=teacher_model)
-    state_b = local_bytes(state, shardings)
-    batch_b = local_bytes(batch, jax.tree.map(lambda _: bsh, batch))
+    state_b = sharding.local_bytes(state, shardings)
+    batch_b = sharding.local_bytes(batch, jax.tree.map(lambda _: bsh, batch))
     # a refused compile: arguments and outputs from the shardings (old state + batch in, new
     # state out)
     memory = compile_memory(lambda: step.lower(abstract_state, batch), state_b + batch_b,
@@ -468,14 +470,18 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
                      "XLA's figure, arguments and outputs are from the shardings, collectives "
                      "are unknown")
     sampler_plan = None
+    kind = chip_kind(topology)
     if sampler and cfg.sampler.name == "jax":
+        # a call sized as a run sizes it: what fits beside the train state on the chip
+        budget = (None if kind == "cpu" else
+                  int(CALL_MEMORY_FRACTION * HBM_GIB[kind] * 2 ** 30) - state_b)
         sampler_plan = plan_sampler(abstract_sampler(cfg, model, devices, n_hosts), cfg,
-                                    num_hosts=n_hosts)
+                                    num_hosts=n_hosts, budget=budget,
+                                    bandwidth=HBM_BANDWIDTH.get(kind))
         notes += sampler_notes(cfg, mc, sampler_plan)
     elif sampler:
         notes.append(f"sampler: {cfg.sampler.name} is not planned (only the JAX sampler's "
                      "steps are compiled here)")
-    kind = chip_kind(topology)
     hosts = n_hosts
     n_params = num_params(params)
     return Plan(
@@ -491,15 +497,15 @@ def plan_run(cfg: config_lib.RunConfig, topology: str, *, hf_config: str | None 
               "attention": scfg.attention, "mlp_chunk": scfg.mlp_chunk,
               "kl_reference": cfg.loss.kl_coef > 0, "layout": cfg.trainer.layout,
               "teacher": teacher},
-        params_bytes=local_bytes(state.params, shardings.params),
+        params_bytes=sharding.local_bytes(state.params, shardings.params),
         params_total_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)),
-        opt_bytes=local_bytes(state.opt_state, shardings.opt_state),
-        ref_bytes=local_bytes(state.ref_params, shardings.ref_params) if with_ref else 0,
-        teacher_bytes=(local_bytes(state.teacher_params, shardings.teacher_params)
+        opt_bytes=sharding.local_bytes(state.opt_state, shardings.opt_state),
+        ref_bytes=sharding.local_bytes(state.ref_params, shardings.ref_params) if with_ref else 0,
+        teacher_bytes=(sharding.local_bytes(state.teacher_params, shardings.teacher_params)
                        if teacher in ("ema", "model") else 0),
         batch_bytes=batch_b, memory=memory, notes=notes,
         floor=memory_floor(mc, scfg, dims, dict(mesh.shape), state_bytes=state_b,
-                           params_bytes=local_bytes(
+                           params_bytes=sharding.local_bytes(
                                *(split_trainable(t, trainable_filter(mc))[0]
                                  for t in (state.params, shardings.params))),
                            donated=True, attention=scfg.attention,

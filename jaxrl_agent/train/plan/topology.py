@@ -3,7 +3,8 @@
 ``topology_devices("v5e:2x4")`` gives abstract TPU devices through libtpu (the ``tpu-aot``
 extra; JAX compiles for the topology on a CPU-only host through
 ``jax.experimental.topologies.get_topology_desc``), ``"cpu:N"`` N host devices; ``chip_kind``
-reads the chip of a topology name and ``HBM_GIB`` its memory. A mistake the user can fix is a
+reads the chip of a topology name, ``HBM_GIB`` its memory and ``HBM_BANDWIDTH`` its
+memory bandwidth. A mistake the user can fix is a
 ``PlanError`` (one message, no traceback)."""
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import jax
 
 #: HBM per chip in GiB (Google Cloud TPU system architecture pages).
 HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32}
+
+#: HBM bandwidth per chip in bytes/s (the same pages: 1,200 / 819 / 2,765 / 1,640 GB/s)
+HBM_BANDWIDTH = {"v4": 1200e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9}
 
 
 _KIND_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p"}
