@@ -181,7 +181,8 @@ def choose_call_size(program_bytes: Callable[[int], int | None], sampler, dims: 
     """The rows per call and the kept calls (``reuse_calls``) that fit ``budget`` bytes per
     device: ``program_bytes(rows)`` (the compiled chunk's peak, None = refused; called once
     per size) plus ``kept_bytes``, the largest of ``call_candidates`` (``fit_call_rows``),
-    first with the sampler's ``reuse_calls`` and, when nothing fits, with 0.
+    first with the sampler's ``reuse_calls`` and, when nothing fits, with 0. A size whose kept
+    caches alone exceed the budget is not compiled (its bytes are the kept caches').
 
     Returns:
       ``(rows or None, reuse_calls, [(rows, reuse_calls, bytes or None)] in the order
@@ -199,8 +200,11 @@ def choose_call_size(program_bytes: Callable[[int], int | None], sampler, dims: 
     tried = []
     for reuse in dict.fromkeys((sampler.reuse_calls, 0)):
         def peak(rows, reuse=reuse):
+            kept = kept_bytes(sampler, dims, rows, reuse)
+            if kept > budget:  # does not fit whatever the program: not compiled
+                return kept
             p = program(rows)
-            return None if p is None else p + kept_bytes(sampler, dims, rows, reuse)
+            return None if p is None else p + kept
 
         rows, t = fit_call_rows(peak, candidates, budget)
         tried += [(r, reuse, b) for r, b in t]

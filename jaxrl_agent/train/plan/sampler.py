@@ -137,7 +137,11 @@ def sampler_notes(cfg: config_lib.RunConfig, mc: ModelConfig, sp: SamplerPlan) -
         out.append(f"the sampler's KV cache ({sp.dims['cache_len']} slots, from "
                    "rollout.max_context_tokens) is longer than the model's "
                    f"max_position_embeddings ({mc.max_position_embeddings})")
-    if cfg.sampler.name == "jax" and cfg.sampler.reuse_calls:
+    if sp.sized and sp.sized["reuse_dropped"]:
+        out.append(f"sampler.reuse_calls: {cfg.sampler.reuse_calls}: the kept KV caches of "
+                   "earlier calls fit at no call size beside the train state, so a run on this "
+                   "slice turns them off (every turn prefills its whole prompt)")
+    elif cfg.sampler.name == "jax" and cfg.sampler.reuse_calls:
         n = cfg.sampler.reuse_calls
         out.append(f"sampler.reuse_calls: {n}: between a rollout's turns up to {n} earlier "
                    f"calls' KV caches ({sp.kept_bytes / 2**30:.2f} GiB per device) stay beside "
