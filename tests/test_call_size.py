@@ -194,6 +194,17 @@ def test_decode_step_reads_at_least_the_weights_and_the_cache(model):
     small, big = step_bytes(8, 32), step_bytes(8, 64)
     assert small >= params + call_size.kv_cache_bytes(s, 8, 32)
     assert big - small >= call_size.kv_cache_bytes(s, 8, 32) - 8 * 4
+    # rows that never truncate: the vocabulary sort (a lax.cond) is not counted; two steps
+    # are counted twice (the layers of both, unrolled)
+    plain = s.lower_step(8, 32, top_k=0, top_p=1.0).compile().cost_analysis()
+    plain = (plain[0] if isinstance(plain, (list, tuple)) else plain)["bytes accessed"]
+    truncating = s.lower_step(8, 32, top_k=5, top_p=0.9).compile().cost_analysis()
+    truncating = (truncating[0] if isinstance(truncating, (list, tuple))
+                  else truncating)["bytes accessed"]
+    assert params <= plain < truncating
+    two = s.lower_step(8, 32, steps=2).compile().cost_analysis()
+    two = (two[0] if isinstance(two, (list, tuple)) else two)["bytes accessed"]
+    assert two - small >= params + call_size.kv_cache_bytes(s, 8, 32)
     cache = model.init_cache(2, 16)
     tok = np.array([[3, 4, 5], [6, 7, 8]], np.int32)
     scanned = model(tok, cache=cache)

@@ -375,7 +375,7 @@ class JaxSampler:
         self._prefill_jit = jax.jit(self._prefill, static_argnames=("cache_len",))
         self._decode_jit = jax.jit(self._decode, donate_argnames=("cache",))
         self._steps_jit = jax.jit(self._decode_steps, donate_argnames=("carry",),
-                                  static_argnames=("steps",))
+                                  static_argnames=("steps", "truncation"))
 
     # ------------------------------------------------------------------------- weights
 
@@ -615,10 +615,14 @@ class JaxSampler:
         done = done | (active & (_is_stop(new_tok, rows) | (n_gen >= rows["max_new"])))
         return j + 1, self._constrain_cache(out.cache), tok, out_tok, out_lp, n_gen, done
 
-    def _decode_steps(self, state, carry, rows, root, call_id, steps: int):
+    def _decode_steps(self, state, carry, rows, root, call_id, steps: int, truncation=None):
         """``steps`` iterations of ``_decode_body``, unrolled, every layer unrolled
-        (``lower_step``)."""
+        (``lower_step``); ``truncation = (top_k, top_p)``: every row's, as constants."""
         self.compile_counts["decode_step"] += 1
+        if truncation is not None:
+            B = rows["top_k"].shape[0]
+            rows = dict(rows, top_k=np.full((B,), truncation[0], np.int32),
+                        top_p=np.full((B,), truncation[1], np.float32))
         keys = request_keys(root, call_id, rows["request_index"], rows["has_seed"],
                             rows["seed_hi"], rows["seed_lo"])
         model = nnx.merge(self._graphdef, state)
@@ -650,7 +654,8 @@ class JaxSampler:
         return prefill, decode
 
     def lower_step(self, batch: int, cache_len: int, new_tokens: int = 16, *,
-                   stop_ids: int = 4, steps: int = 1):
+                   stop_ids: int = 4, steps: int = 1, top_k: int | None = None,
+                   top_p: float | None = None):
         """Lowers ``steps`` iterations of the decode loop (``_decode_body``: every row's last
         token through the model, its keys and values written to a ``cache_len``-slot cache,
         the next token sampled), unrolled and with every layer unrolled, from shapes alone,
@@ -658,7 +663,9 @@ class JaxSampler:
         (``bytes accessed``) then counts every step and layer (it counts a loop's body once).
         The difference between 2 steps and 1 is one more step's memory traffic, without the
         layout copies XLA puts at a program's entry and exit (the decode loop makes those once
-        per call). The arithmetic is the loop's own.
+        per call). The arithmetic is the loop's own. With ``top_k`` and ``top_p`` every row
+        samples with them, as constants: without truncation (0 and 1.0) the vocabulary sort
+        the loop skips at run time (``process_logits``' ``lax.cond``) is not counted either.
 
         Returns:
           a ``jax.stages.Lowered``.
@@ -668,7 +675,9 @@ class JaxSampler:
         one = root.sharding
         carry = (sds((), "int32", one), cache, sds((B,), "int32"), sds((B, N), "int32"),
                  sds((B, N), "float32"), sds((B,), "int32"), sds((B,), "bool"))
-        return self._steps_jit.lower(state, carry, rows, root, call_id, steps=int(steps))
+        truncation = None if top_k is None else (int(top_k), float(top_p))
+        return self._steps_jit.lower(state, carry, rows, root, call_id, steps=int(steps),
+                                     truncation=truncation)
 
     def _abstract_call(self, B: int, C: int, S: int):
         """Shapes of one call's arguments placed as ``generate`` places them: ``(state, sds,

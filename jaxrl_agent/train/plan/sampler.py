@@ -221,7 +221,8 @@ def plan_sampler(sampler: JaxSampler, cfg: config_lib.RunConfig, *, num_hosts: i
     pre, dec = programs(B)
     step_bytes, step_s = None, 0.0
     if decode_step:
-        step_bytes, step_s = _decode_step_bytes(sampler, dims)
+        step_bytes, step_s = _decode_step_bytes(sampler, dims, cfg.rollout.top_k,
+                                                cfg.rollout.top_p)
     device = min(leaves[0].sharding.device_set, key=lambda d: d.id)
     mesh = dict(sampler.mesh.shape) if sampler.mesh is not None else {}
     return SamplerPlan(device_kind=getattr(device, "device_kind", device.platform),
@@ -233,17 +234,21 @@ def plan_sampler(sampler: JaxSampler, cfg: config_lib.RunConfig, *, num_hosts: i
                        step_bytes=step_bytes, step_compile_s=step_s, bandwidth=bandwidth)
 
 
-def _decode_step_bytes(sampler: JaxSampler, dims: dict) -> tuple[int | None, float]:
+def _decode_step_bytes(sampler: JaxSampler, dims: dict, top_k: int,
+                       top_p: float) -> tuple[int | None, float]:
     """One decode step's bytes accessed per device: XLA's cost analysis of 2 decode steps
-    minus that of 1 (``JaxSampler.lower_step``, layers unrolled), so the layout copies XLA puts
-    at a program's entry and exit (once per call in the decode loop) are not counted; and the
-    two compile times. None when XLA refuses a program or gives no figure."""
+    minus that of 1 (``JaxSampler.lower_step``, layers unrolled, every row sampling with the
+    run's ``rollout.top_k`` / ``top_p``: the vocabulary sort counts only when they truncate),
+    so the layout copies XLA puts at a program's entry and exit (once per call in the decode
+    loop) are not counted; and the two compile times. None when XLA refuses a program or
+    gives no figure."""
     t0 = time.perf_counter()
     got = []
     for steps in (1, 2):
         try:
             compiled = sampler.lower_step(dims["batch"], dims["cache_len"], dims["new_tokens"],
-                                          stop_ids=dims["stop_ids"], steps=steps).compile()
+                                          stop_ids=dims["stop_ids"], steps=steps, top_k=top_k,
+                                          top_p=top_p).compile()
         except Exception as e:  # XLA's "ran out of memory": no figure
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
