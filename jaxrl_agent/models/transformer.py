@@ -481,10 +481,9 @@ class Attention(nnx.Module):
             # one scatter per row into the stacked cache (vmap over its rows axis: a cache
             # split over rows is updated where it lies, without gathering k / v), so no layer
             # slice is copied out and written back: the step moves only the new tokens' keys
-            write = jax.vmap(lambda c, s, new: c.at[layer, s].set(new.astype(c.dtype),
-                                                                  mode="drop"),
-                             in_axes=(1, 0, 0), out_axes=1)
-            ck, cv = write(ck, slots, k), write(cv, slots, v)
+            rows = jnp.arange(B, dtype=jnp.int32)[:, None]
+            ck, cv = (c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop")
+                      for c, new in ((ck, k), (cv, v)))
             new_cache = (ck, cv)
             k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False).astype(q.dtype)
                     for c in (ck, cv))
