@@ -193,7 +193,8 @@ def format_call_size(s) -> list[str]:
                 + (", kept caches off (sampler.reuse_calls 0: they did not fit)"
                    if z["reuse_dropped"] else ""))
     return [f"{head}; budget {_mib(z['budget']).strip()} MiB per device (85% of HBM - train "
-            f"state); tried {tried} (compiled peak + kept caches)"]
+            f"state); tried {tried} (compiled peak + kept caches; the kept caches alone, not "
+            "compiled, where they alone exceed the budget)"]
 
 
 def format_decode_step(s) -> list[str]:
