@@ -173,7 +173,7 @@ def test_prefill_then_decode_equals_full_forward(model):
 
 def test_init_cache():
     cache = init_cache(QWEN3, 2, 8)
-    assert cache.num_layers == 2 and cache.k.shape == cache.v.shape == (2, 2, 8, 2, 32)
+    assert cache.num_layers == 2 and cache.k.shape == cache.v.shape == (2, 2, 2, 8, 32)
     assert cache.k.dtype == jnp.float32 and cache.index.dtype == jnp.int32
     assert np.all(np.asarray(cache.index) == 0)
     assert init_cache(QWEN3, 1, 4, jnp.bfloat16).v.dtype == jnp.bfloat16

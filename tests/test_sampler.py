@@ -533,7 +533,7 @@ def test_sharded_sampler_matches_one_device(sampler, model, data, tensor):
     prefill, _ = sharded.lower(8, 16, 16)
     cache = prefill.out_info[0].k
     placed = prefill.compile().output_shardings[0].k
-    assert placed.shard_shape(cache.shape) == (CONFIG.num_layers, 8 // data, 32, 2 // tensor, 16)
+    assert placed.shard_shape(cache.shape) == (CONFIG.num_layers, 8 // data, 2 // tensor, 32, 16)
 
 
 def test_sampler_mesh_mistakes(model):

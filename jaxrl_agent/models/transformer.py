@@ -66,8 +66,10 @@ class KVCache:
     """Functional key/value cache for incremental decoding (a pytree; static shapes).
 
     Attributes:
-      k, v: ``[num_layers, B, max_len, num_kv_heads, head_dim]`` in the cache dtype, the layers
-        stacked like the model's (the layer scan carries them and updates layer i in place).
+      k, v: ``[num_layers, B, num_kv_heads, max_len, head_dim]`` in the cache dtype, the layers
+        stacked like the model's (the layer scan carries them and updates layer i in place);
+        heads before slots, so a decode step's attention reads each head's keys as one
+        ``[slots, head_dim]`` matrix, with no transposed copy.
         Keys are stored *after* q/k-norm and RoPE.
       index: ``[B]`` int32, per row the number of valid slots = the slot the next token is
         written to. Slots ``>= index[b]`` hold nothing valid (they may hold stale data, which
@@ -88,7 +90,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def num_layers(self) -> int:
@@ -113,11 +115,11 @@ class ModelOutput:
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """An empty ``KVCache``: k and v zeros ``[num_layers, batch_size, max_len, num_kv_heads,
+    """An empty ``KVCache``: k and v zeros ``[num_layers, batch_size, num_kv_heads, max_len,
     head_dim]`` (``dtype`` default: the parameter dtype) and ``index`` = zeros
     ``[batch_size]``."""
     dtype = param_dtype(config) if dtype is None else jnp.dtype(dtype)
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    index=jnp.zeros((batch_size,), jnp.int32))
 
@@ -399,23 +401,25 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def dense_attention(q, k, v, mask):
-    """Grouped-query attention. q [B,L,H,hd], k/v [B,S,KV,hd], mask [B,L,S] bool.
+def dense_attention(q, k, v, mask, heads_first: bool = False):
+    """Grouped-query attention. q [B,L,H,hd], k/v [B,S,KV,hd] (``[B,KV,S,hd]`` with
+    ``heads_first``: the KV cache's layout), mask [B,L,S] bool.
 
     Query head h uses key/value head ``h // (H // KV)`` (HF ``repeat_kv``). Scores and softmax
     in float32; masked scores are ``MASK_VALUE``; a query whose mask row is empty gets a zero
     output (finite, never NaN).
     """
     B, L, H, hd = q.shape
-    kvh = k.shape[2]
+    kvh = k.shape[1 if heads_first else 2]
     q = q.reshape(B, L, kvh, H // kvh, hd)
-    scores = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32)
+    kv = "bksd" if heads_first else "bskd"
+    scores = jnp.einsum(f"blkgd,{kv}->bkgls", q, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(hd))
     m = mask[:, None, None, :, :]
     scores = jnp.where(m, scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(jnp.any(m, axis=-1, keepdims=True), probs, 0.0)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs.astype(v.dtype), v)
+    out = jnp.einsum(f"bkgls,{kv}->blkgd", probs.astype(v.dtype), v)
     return out.reshape(B, L, H * hd)
 
 
@@ -463,7 +467,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, rope, mask, kv_cache=None, slots=None):
         """x [B,L,D]. Without a cache, ``mask`` is [B,L,L]. With ``kv_cache = (k, v, layer)``
-        (the model's stacked ``[layers, B, max_len, KV, hd]`` keys and values and this layer's
+        (the model's stacked ``[layers, B, KV, max_len, hd]`` keys and values and this layer's
         index) the new keys/values are scattered to ``[layer, b, slots[b]]`` in place, the
         attention reads layer ``layer``'s slice, and ``mask`` is [B,L,max_len]. Returns
         (output [B,L,D], updated stacked (k, v) or None)."""
@@ -483,7 +487,7 @@ class Attention(nnx.Module):
             # new keys/values (a cache split over rows stays where it lies: the decode step on
             # a data 4 x tensor 2 host mesh all-gathers 9.6 KB of indices, no keys or values)
             rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-            ck, cv = (c.at[layer, rows, slots].set(new.astype(c.dtype), mode="drop")
+            ck, cv = (c.at[layer, rows, :, slots].set(new.astype(c.dtype), mode="drop")
                       for c, new in ((ck, k), (cv, v)))
             new_cache = (ck, cv)
             k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False).astype(q.dtype)
@@ -498,7 +502,7 @@ class Attention(nnx.Module):
             out = blocked_attention(q, k, v, segment_ids=mask.segment_ids,
                                     key_ends=mask.key_ends)
         else:
-            out = dense_attention(q, k, v, mask)
+            out = dense_attention(q, k, v, mask, heads_first=kv_cache is not None)
         return self.o_proj(out), new_cache
 
 

@@ -312,7 +312,7 @@ class JaxSampler:
       reuse_calls: the final KV caches of the last ``reuse_calls`` calls are kept, and a
         later prompt that starts with tokens one of their rows holds prefills only the rest
         (see the module docstring; ``prefill_stats["tokens_reused"]``). 0 = off. Each kept
-        call holds the caches of its chunks (``[layers, rows, slots, kv heads, head dim]``
+        call holds the caches of its chunks (``[layers, rows, kv heads, slots, head dim]``
         keys and values) until a later call pushes it out or a weight sync / release drops
         it: beside a call, up to ``reuse_calls`` whole calls' caches and its own finished
         chunks'.
@@ -402,12 +402,12 @@ class JaxSampler:
 
     @property
     def cache_sharding(self) -> NamedSharding | None:
-        """The KV cache's ``[layers, B, S, kv_heads, head_dim]`` arrays: rows over ``data``,
+        """The KV cache's ``[layers, B, kv_heads, S, head_dim]`` arrays: rows over ``data``,
         heads over ``tensor``; None without a mesh."""
         if self.mesh is None:
             return None
         tp = self.mesh.shape.get("tensor", 1)
-        return NamedSharding(self.mesh, P(None, "data", None, "tensor" if tp > 1 else None))
+        return NamedSharding(self.mesh, P(None, "data", "tensor" if tp > 1 else None))
 
     def _constrain_cache(self, cache):
         if self.mesh is None:
@@ -551,12 +551,12 @@ class JaxSampler:
         the kept cache's row ``source[i]`` (rows gathered, slots cut or zero-padded; slots
         from ``keep[i]`` on are stale and masked until overwritten)."""
         self.compile_counts["reuse"] += 1
-        C = cache.k.shape[2]
+        C = cache.max_len
 
-        def take(x):  # [layers, R, C, ...] -> [layers, B, cache_len, ...]
-            x = jnp.take(x, source, axis=1)[:, :, :min(C, cache_len)]
+        def take(x):  # [layers, R, kv, C, hd] -> [layers, B, kv, cache_len, hd]
+            x = jnp.take(x, source, axis=1)[:, :, :, :min(C, cache_len)]
             pad = [(0, 0)] * x.ndim
-            pad[2] = (0, cache_len - x.shape[2])
+            pad[3] = (0, cache_len - x.shape[3])
             return jnp.pad(x, pad)
 
         return self._constrain_cache(KVCache(k=take(cache.k), v=take(cache.v),
@@ -691,7 +691,7 @@ class JaxSampler:
         def sds(shape, dtype, sh=rows_sh):
             return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh)
 
-        kv = sds((self.config.num_layers, B, C, self.config.num_kv_heads, self.config.head_dim),
+        kv = sds((self.config.num_layers, B, self.config.num_kv_heads, C, self.config.head_dim),
                  param_dtype(self.config), cache_sh)
         cache = KVCache(k=kv, v=kv, index=sds((B,), "int32"))
         rows = dict(temperature=sds((B,), "float32"), top_k=sds((B,), "int32"),

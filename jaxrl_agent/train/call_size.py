@@ -132,7 +132,7 @@ def fit_call_rows(peak_of: Callable[[int], int | None], candidates, budget: int)
 
 def kv_cache_bytes(sampler, rows: int, cache_len: int) -> int:
     """Per device, the bytes of a ``rows`` x ``cache_len``-slot KV cache the sampler writes:
-    ``2 x layers x rows x cache_len x kv_heads x head_dim`` x the parameter dtype's bytes plus
+    ``2 x layers x rows x kv_heads x cache_len x head_dim`` x the parameter dtype's bytes plus
     ``rows`` int32 indices, divided over its mesh (rows over ``data``, heads over
     ``tensor``)."""
     mc = sampler.config
@@ -140,8 +140,9 @@ def kv_cache_bytes(sampler, rows: int, cache_len: int) -> int:
     rows_sh = sampler.batch_sharding or leaves[0].sharding
     kv_sh = sampler.cache_sharding or rows_sh
     local_rows = math.prod(rows_sh.shard_shape((rows,)))
-    kv = math.prod(kv_sh.shard_shape((rows, cache_len, mc.num_kv_heads, mc.head_dim)))
-    return 2 * mc.num_layers * kv * jnp.dtype(param_dtype(mc)).itemsize + 4 * local_rows
+    kv = math.prod(kv_sh.shard_shape((mc.num_layers, rows, mc.num_kv_heads, cache_len,
+                                      mc.head_dim)))
+    return 2 * kv * jnp.dtype(param_dtype(mc)).itemsize + 4 * local_rows
 
 
 def kept_bytes(sampler, dims: dict, rows: int, reuse_calls: int) -> int:
