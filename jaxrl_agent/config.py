@@ -234,6 +234,10 @@ class TeacherSection:
     # > 0: the step also computes the teacher's top_k most likely next tokens at each position
     # (extras teacher_topk_logprobs), for losses that compare whole distributions (topk_kl)
     top_k: int = 0
+    # the temperature the teacher is scored at; null = the rollouts' (the distribution the
+    # student sampled from). Below it, a sharpened teacher: ``source: base`` with 0.5
+    # distils the start weights' own T = 0.5 distribution into the policy sampled at T = 1
+    temperature: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -942,6 +946,14 @@ def _check_teacher(cfg: RunConfig) -> None:
     if te.top_k and te.source == "none":
         raise ConfigError("teacher.top_k: the top-K tokens are the teacher's; set "
                           "teacher.source (base | live | ema | PATH)")
+    if te.temperature is not None:
+        if (isinstance(te.temperature, bool) or not isinstance(te.temperature, (int, float))
+                or not 0.0 < te.temperature < float("inf")):
+            raise ConfigError(f"teacher.temperature must be a number > 0 (null: the rollouts' "
+                              f"temperature), got {te.temperature!r}")
+        if te.source == "none":
+            raise ConfigError("teacher.temperature: the temperature the teacher is scored at; "
+                              "set teacher.source (base | live | ema | PATH)")
     if cfg.model.hf_path is None:  # the built-in model's vocabulary (check_paths: HF)
         _check_top_k(cfg, cfg.model.vocab_size, "the built-in model")
     if teacher_has_context(cfg):

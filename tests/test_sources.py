@@ -19,6 +19,7 @@ compiles; minutes): ``test_every_method_trains_one_step``.
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import jax
@@ -444,6 +445,67 @@ def test_a_teacher_with_its_own_prompt_scores_the_policys_tokens():
     assert float(o1["metrics"]["adv_abs"]) > 1e-4  # the context changed the teacher
     for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("teacher", ["live", "base"])
+def test_a_teacher_at_its_own_temperature(teacher, micro=2):
+    """``teacher_temperature``: the teacher's log-probs are those of its logits / tau (the
+    dense reference), while the policy's entropies (``live``: the pass a teacher at the
+    rollouts' temperature would share) and the reference's log-probs (``base``: likewise,
+    read by the KL term) stay at the rollouts' temperature: the step equals the same step on
+    a batch carrying all three precomputed."""
+    from flax import nnx
+
+    from jaxrl_agent.models.transformer import Transformer
+    temp, tau = 1.0, 0.5
+    policy = _model()
+    other = Transformer(policy.config, rngs=nnx.Rngs(1))
+    tmodel = policy if teacher == "live" else other
+    batch, _ = pack_records(_records(), layout="per_step", num_shards=micro)
+    lp_t, _ = _dense(tmodel, batch, tau)
+    lp_ref, _ = _dense(other, batch, temp)
+    lp_p, ent = _dense(policy, batch, temp)
+    assert float(jnp.max(jnp.abs(lp_t - _dense(tmodel, batch, temp)[0]))) > 1e-2
+    batch = batch.replace(old_logprobs=lp_p)
+    common = dict(estimator="opd", temperature=temp, micro_batches=micro, kl_coef=0.1,
+                  entropy_coef=0.01)
+    opt = optax.sgd(0.1)
+    state = init_state(policy, opt, seed=0, with_reference=True)
+    state = state.replace(ref_params=nnx.state(other, nnx.Param))
+    s1, o1 = make_train_step(policy, opt, StepConfig(
+        **common, teacher=teacher, teacher_temperature=tau,
+        extra_reads=("teacher_logprobs", "entropy", "ref_logprobs")))(state, batch)
+    pre = batch.replace(extras={**batch.extras, "teacher_logprobs": lp_t, "ref_logprobs": lp_ref,
+                                "entropy": ent})
+    s2, o2 = make_train_step(policy, opt, StepConfig(**common))(state, pre)
+    np.testing.assert_allclose(np.asarray(o1["advantages"].token),
+                               np.asarray(o2["advantages"].token), rtol=2e-4, atol=1e-5)
+    m1, m2 = jax.device_get(o1["metrics"]), jax.device_get(o2["metrics"])
+    for k in ("loss", "loss_policy", "loss_kl", "loss_entropy", "grad_norm"):
+        np.testing.assert_allclose(m1[k], m2[k], rtol=2e-4, atol=1e-6, err_msg=k)
+    for x, y in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+
+
+def test_teacher_temperature_config():
+    """``teacher.temperature`` needs a teacher and a number > 0; the start-up line says the
+    teacher's temperature and the rollouts'; the step config carries it."""
+    from jaxrl_agent.train.build import step_config
+    from jaxrl_agent.train.teacher import teacher_summary
+    with pytest.raises(C.ConfigError, match=r"teacher.temperature: the temperature the teacher"
+                                            r".*set teacher.source"):
+        run_checks.load(None, ["teacher.temperature=0.5"])
+    for bad, match in (("0", "must be a number > 0"), ("-1", "must be a number > 0"),
+                       ("true", "must be float | null"), ("hot", "must be float | null")):
+        with pytest.raises(C.ConfigError, match=r"teacher.temperature.* " + re.escape(match)):
+            run_checks.load(None, ["teacher.source=base", "estimator.name=opd",
+                                   f"teacher.temperature={bad}"])
+    cfg = run_checks.load(None, ["teacher.source=base", "estimator.name=opd",
+                                 "teacher.temperature=0.5"])
+    line = teacher_summary(cfg, run_checks.step_reads(cfg))
+    assert "at temperature 0.5 (the rollouts' is 1)" in line, line
+    scfg = step_config(cfg, 1)
+    assert scfg.teacher_temperature == 0.5 and scfg.retempered_teacher
 
 
 # ----------------------------------------------------------------------------- top-K teacher

@@ -183,6 +183,7 @@ def step_config(cfg: config_lib.RunConfig, data_shards: int, pipeline=None) -> S
         decoupled=cfg.loss.decoupled, teacher=config_lib.teacher_kind(cfg),
         teacher_ema=cfg.teacher.ema_decay, extra_reads=run_checks.step_reads(cfg),
         teacher_view=config_lib.teacher_has_context(cfg), teacher_top_k=cfg.teacher.top_k,
+        teacher_temperature=cfg.teacher.temperature,
         aux_losses=config_lib.aux_losses(cfg), sarsa_coef=cfg.loss.sarsa_coef,
         sarsa_gamma=cfg.loss.sarsa_gamma, policy_drift=cfg.metrics.policy_drift)
 

@@ -141,11 +141,11 @@ LOOP_INPUTS = {
         lambda b, o: o["hidden"]),
     "teacher_logprobs": LoopInput(
         "teacher", "token", "the teacher's log-prob of each sampled token, at the rollouts' "
-        "temperature, detached", lambda b, o: o["teacher_logprobs"]),
+        "temperature (or teacher.temperature), detached", lambda b, o: o["teacher_logprobs"]),
     "teacher_topk_logprobs": LoopInput(
         "teacher_topk", "token[top_k]", "the teacher's log-probs of its teacher.top_k most "
         "likely next tokens at each position (largest first), at the rollouts' temperature "
-        "before truncation, detached", lambda b, o: o["teacher_topk_logprobs"]),
+        "(or teacher.temperature) before truncation, detached", lambda b, o: o["teacher_topk_logprobs"]),
     "entropy": LoopInput(
         "policy", "token", "the entropy of the distribution each action token was drawn from "
         "(the policy at the start of the step), detached", lambda b, o: o["entropy"]),

@@ -170,6 +170,10 @@ class StepConfig:
     # > 0: the teacher's this many most likely ids per position too (teacher_topk_logprobs),
     # and the student's log-probs of them for the losses that read them (``topk_kl``)
     teacher_top_k: int = 0
+    # the temperature the teacher is scored at (None: ``temperature``, the rollouts'); a
+    # teacher scored at another temperature runs a pass of its own (never shared with the
+    # policy's or the reference's)
+    teacher_temperature: float | None = None
     sarsa_coef: float = 0.0  # SAPO's auxiliary SARSA loss on the value head (needs one)
     sarsa_gamma: float = 1.0
     # how far the step moved the policy (``drift_metrics``): one more forward pass after the
@@ -189,6 +193,15 @@ class StepConfig:
             raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
         if not isinstance(self.teacher_top_k, int) or self.teacher_top_k < 0:
             raise ValueError(f"teacher_top_k must be an int >= 0, got {self.teacher_top_k!r}")
+        tt = self.teacher_temperature
+        if tt is not None and not (isinstance(tt, (int, float)) and 0 < tt < float("inf")):
+            raise ValueError(f"teacher_temperature must be None or a number > 0, got {tt!r}")
+
+    @property
+    def retempered_teacher(self) -> bool:
+        """The teacher is scored at a temperature other than the rollouts'."""
+        return (self.teacher_temperature is not None
+                and self.teacher_temperature != self.temperature)
 
     @property
     def proximal(self) -> bool:
@@ -660,7 +673,8 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
     on another model's parameters), all at the rollouts' sampling parameters and chunked. With
     ``cfg.teacher_view`` the teacher reads rows of its own (``TEACHER_VIEW``: the policy's rows
     with a privileged context in the prompt) and its log-probs are moved onto the policy's
-    action tokens (``segments.align_action_tokens``)."""
+    action tokens (``segments.align_action_tokens``); with ``cfg.teacher_temperature`` the
+    teacher is scored at that temperature instead (a pass of its own)."""
     out = {"values": None, "hidden": None, "teacher_logprobs": None, "entropy": None,
            "ref_logprobs": None, "teacher_topk_logprobs": None, "teacher_topk_ids": None}
     run = functools.partial(_forward_only, cfg=cfg, batch=batch, tree=tree)
@@ -670,7 +684,9 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
         out["hidden"] = _decision_hidden(graphdef, view.params, rest, batch, tree, cfg.blocks,
                                          cfg.attention, fwd.keywords.get("pin"), cfg.mlp_chunk)
     teacher = cfg.teacher if cfg.needs_teacher else "none"
-    shared = not cfg.teacher_view  # the teacher reads the policy's rows: one pass may serve both
+    # one pass may serve the teacher and the policy (or the reference) when the teacher reads
+    # the policy's rows at the policy's temperature
+    shared = not cfg.teacher_view and not cfg.retempered_teacher
 
     def from_teacher(res, align=None):  # its log-probs (and top K) into ``out``
         lp, more = res[0], res[4]
@@ -697,7 +713,10 @@ def _step_outputs(graphdef, rest, fwd, tfwd, cfg: StepConfig, view: TrainState, 
               "ema": lambda: join(view.teacher_params), "model": lambda: view.teacher_params}
     if teacher in ("ema", "model") or (teacher != "none" and not shared):
         f = tfwd if teacher == "model" else fwd
-        if shared:
+        if cfg.retempered_teacher:  # its own temperature, the rest of the sampling the same
+            f = functools.partial(f, cfg=dataclasses.replace(
+                cfg, temperature=float(cfg.teacher_temperature)))
+        if not cfg.teacher_view:
             from_teacher(run(f, params[teacher](), top_n=cfg.topk))
         else:  # its own rows (a context the policy does not see), aligned token for token
             from_teacher(run(f, params[teacher](), tokens=batch.extras["teacher_tokens"],

@@ -15,8 +15,9 @@ PATH        another checkpoint: an HF folder, or a run directory's ``final_model
 ==========  ==================================================================================
 
 The step scores the sampled tokens under the teacher with the rollouts' temperature / top-k /
-top-p (the distribution the student sampled from), chunked over positions (never [rows, T,
-vocab] logits), under ``stop_gradient``. Nothing of the teacher is trained.
+top-p (the distribution the student sampled from; ``teacher.temperature`` scores it at another
+temperature, e.g. a sharpened copy of the start weights), chunked over positions (never [rows,
+T, vocab] logits), under ``stop_gradient``. Nothing of the teacher is trained.
 
 A privileged context (on-policy self-distillation): ``teacher.system_prompt`` (a fixed text)
 and / or ``teacher.context: true`` (the environment's per-task text, ``Env.teacher_context``,
@@ -140,7 +141,11 @@ def teacher_summary(cfg: config_lib.RunConfig, reads) -> str:
     scored = ("its log-probs of the sampled tokens"
               + (f" and its top {cfg.teacher.top_k} next tokens (before truncation)"
                  if topk else ""))
+    t = cfg.teacher.temperature
+    temp = (f"at temperature {t:g} (the rollouts' is {r.temperature:g})"
+            if t is not None and t != r.temperature
+            else f"at the rollouts' temperature {r.temperature:g}")
     return (f"teacher: {what}; {scored} in the train step (JAX, on "
-            f"the trainer's mesh, chunked), at the rollouts' temperature {r.temperature:g}"
+            f"the trainer's mesh, chunked), {temp}"
             + (f", top_k {r.top_k}" if r.top_k else "")
             + (f", top_p {r.top_p:g}" if r.top_p < 1 else "") + ", detached" + unread)
