@@ -18,7 +18,9 @@ last 2 calls reused):
   4 tasks x 8 samples), ``rollout.history`` ``last`` (the default) and ``full``: wall time of
   the collection, the prompt tokens prefilled per generated token and per episode token
   (the observations and actions of its turns), and the padded prefill
-  slots per generated token. Each setting's records are compared with ``fresh``'s: the
+  slots per generated token; and ``full chat``: the same with ``rollout.chat`` (the Qwen2.5
+  instruct chat template through a tiny tokenizer: a multi-turn chat conversation, each
+  turn's prompt the whole conversation rendered). Each setting's records are compared with ``fresh``'s: the
   sampled token ids and outcomes (must be equal) and the largest log-prob difference (keys and
   values written by another program round differently in the last bits).
 
@@ -28,6 +30,7 @@ No number here is asserted anywhere: tests never time anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -80,15 +83,28 @@ def bench_call(cfg, model, prompt_len: int, repeats: int) -> dict:
 LONG = ["rollout.max_context_tokens=2048", "model.max_position_embeddings=2048"]
 
 
-def bench_rollouts(history: str) -> dict:
+def bench_rollouts(history: str, chat: bool = False) -> dict:
+    """One step of L2 rollouts per setting; ``chat``: through the Qwen2.5 instruct chat
+    template (a tiny byte-level BPE tokenizer carrying it, ``tests/chat_fixtures.py``; the
+    model's vocabulary is that tokenizer's): a conversation of user observations and
+    assistant actions."""
     cfg = run_checks.load(None, L2 + [f"rollout.history={history}"]
                           + (LONG if history == "full" else []))
-    model = Transformer(builtin_model_config(cfg), rngs=nnx.Rngs(0))
+    mc = builtin_model_config(cfg)
     env = envs.make_env(cfg.env.name, **cfg.env.kwargs)
     tasks = env.sample_tasks(np.random.default_rng(0), cfg.rollout.tasks_per_step)
-    codec = ByteCodec()
-    rc = cfg.rollout.collect_config(prompt_prefix=(codec.bos_token_id,) if cfg.rollout.bos
-                                    else ())
+    if chat:
+        import tempfile
+
+        from tests.chat_fixtures import make_chat_tokenizer
+        codec = make_chat_tokenizer("qwen2.5", tempfile.mkdtemp(prefix="chat_tok_"))
+        mc = dataclasses.replace(mc, vocab_size=codec.vocab_size)
+        rc = dataclasses.replace(cfg.rollout.collect_config(), chat=True)
+    else:
+        codec = ByteCodec()
+        rc = cfg.rollout.collect_config(prompt_prefix=(codec.bos_token_id,) if cfg.rollout.bos
+                                        else ())
+    model = Transformer(mc, rngs=nnx.Rngs(0))
     out, records = {}, {}
     for name, s in samplers(cfg, model).items():
         collect_groups(env, tasks, s, codec, rc, seed=1)  # compiles (nearly) every shape
@@ -114,10 +130,17 @@ def bench_rollouts(history: str) -> dict:
     return out
 
 
+#: the rollout benchmarks: (rollout.history, chat)
+ROLLOUTS = {"last": ("last", False), "full": ("full", False), "chat": ("full", True)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--prompt-len", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--prompt-len", type=int, nargs="*", default=[64, 256],
+                   help="the one-call benchmark's prompt lengths (none: skip it)")
+    p.add_argument("--rollouts", nargs="*", default=list(ROLLOUTS), choices=list(ROLLOUTS),
+                   help="which rollout benchmarks to run")
     a = p.parse_args(argv)
     cfg = run_checks.load(None, L2)
     model = Transformer(builtin_model_config(cfg), rngs=nnx.Rngs(0))
@@ -134,12 +157,13 @@ def main(argv=None) -> int:
     print(f"{'history':>8} {'setting':>8} {'wall s':>7} {'speed-up':>8} "
           f"{'prefilled/generated':>19} {'prefilled/episode':>17} {'padded/generated':>16} "
           f"{'same tokens':>11} {'max |d logprob|':>15}")
-    for history in ("last", "full"):
-        r = bench_rollouts(history)
-        print(f"{history:>8} turns per episode {r['fresh']['turns']:.1f}")
+    for history, chat in (ROLLOUTS[k] for k in a.rollouts):
+        r = bench_rollouts(history, chat)
+        label = history + (" chat" if chat else "")
+        print(f"{label:>8} turns per episode {r['fresh']['turns']:.1f}")
         for name in SETTINGS:
             x, g = r[name], max(r[name]["generated"], 1)
-            print(f"{history:>8} {name:>8} {x['wall_s']:>7.1f} "
+            print(f"{label:>8} {name:>8} {x['wall_s']:>7.1f} "
                   f"{r['fresh']['wall_s'] / x['wall_s']:>7.2f}x {x['prefilled'] / g:>19.1f} "
                   f"{x['prefilled'] / max(x['episode'], 1):>17.2f} {x['padded'] / g:>16.1f} "
                   f"{str(x['same']):>11} {x['lp_diff']:>15.1e}")

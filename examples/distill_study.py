@@ -4,6 +4,7 @@ loop").
 
     python examples/distill_study.py [--out runs/distill] [--seeds 0 1 2 3 4] [--jobs 1]
     python examples/distill_study.py --report [--out runs/distill] [--arms grpo topk ...]
+    python examples/distill_study.py --level L3 --out runs/distill_L3 --all --arms grpo ...
 
 1. The student: the L2 warm start of the horizon study (the default run's noisy demonstrator,
    25% random actions, seed 0), made by ``examples/compare_runs.py``.
@@ -52,6 +53,18 @@ compare = _load("compare_runs")
 
 #: the level and budget of the horizon study's L2 runs (an evaluation every 30 steps, not 15)
 BASE = horizon.LEVELS["L2"][1] + horizon.BUDGET + ["trainer.eval_every=30"]
+
+
+def base(level: str = "L2") -> list[str]:
+    """The overrides of ``level``'s runs (``horizon_study.LEVELS``): its env, the horizon
+    study's budget for it, two evaluations after step 0."""
+    if level == "L2":
+        return BASE
+    extra = horizon.LEVEL_BUDGET.get(level, [])
+    steps = int(next((s.split("=")[1] for s in horizon.BUDGET + extra
+                      if s.startswith("trainer.steps=")), 60))
+    return horizon.LEVELS[level][1] + horizon.BUDGET + extra + [
+        f"trainer.eval_every={steps // 2}"]
 #: the teacher's warm-up: the same recipe with a demonstrator that never errs
 TEACHER_SETS = ["trainer.sft_noise=0.0"]
 #: the teacher's most likely tokens the top-K distillation reads per position
@@ -99,13 +112,14 @@ def arms(teacher: pathlib.Path, every: bool, only) -> list[tuple[str, str]]:
     return v
 
 
-def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool, only=None) -> None:
+def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool, only=None, level="L2") -> None:
     for d in ("student", "teacher"):
         (out / d).mkdir(parents=True, exist_ok=True)
-    student = compare.warm_start(out / "student", BASE)
+    sets = base(level)
+    student = compare.warm_start(out / "student", sets)
     probe = pathlib.Path("/TEACHER")  # the stronger teacher is made only for arms that read it
     if any(str(probe) in sets for _, sets in arms(probe, pbrs, only)):
-        teacher = compare.warm_start(out / "teacher", BASE + TEACHER_SETS)
+        teacher = compare.warm_start(out / "teacher", sets + TEACHER_SETS)
         ceiling = teacher_ceiling(out)
         print(f"teacher {teacher}: held-out success {ceiling}", flush=True)
         (out / "ceiling.json").write_text(json.dumps(ceiling))
@@ -115,7 +129,7 @@ def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool, only=None) -> None:
             "--warm-start", str(student)]
     for name, sets in arms(teacher, pbrs, only):
         argv += ["--variant", f"{name}:{sets}"]
-    for s in BASE:
+    for s in sets:
         argv += ["--set", s]
     compare.main(argv)
 
@@ -130,22 +144,25 @@ def _step_times(root: pathlib.Path, name: str, seeds) -> float:
     return float(np.mean(t)) if t else float("nan")
 
 
-def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None) -> str:
+def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None, level="L2") -> str:
     if not (out / "runs" / "summary.json").exists():
         raise SystemExit(f"--report: no study in {out} (runs/summary.json is missing); run it "
                          f"first: python examples/distill_study.py --out {out}")
     summary = json.loads((out / "runs" / "summary.json").read_text())
-    ceiling = json.loads((out / "ceiling.json").read_text())
+    # the stronger teacher's ceiling, when an arm of the study read it
+    ceiling = (json.loads((out / "ceiling.json").read_text())
+               if (out / "ceiling.json").exists() else None)
     seeds, steps = seeds or summary["seeds"], summary["steps"]
     last = steps[-1]
     names = [v[0] for v in arms(pathlib.Path("T"), pbrs, only)]
     if "grpo" not in names:
         names = ["grpo"] + names  # the paired differences are against GRPO
-    t_mean = ceiling["success"]
+    t_mean = ceiling["success"] if ceiling else float("nan")
     lines = [f"Teacher (warm-up without demonstrator noise): held-out success {t_mean:.2f} "
-             f"(standard error {ceiling['se']:.2f}, 128 layouts).", "",
-             "| method | step 0 | final | paired diff vs GRPO, final | paired diff vs OPD, final "
-             "| final / teacher | AUC | s / step |", "|---|---|---|---|---|---|---|---|"]
+             f"(standard error {ceiling['se']:.2f}, 128 layouts)." if ceiling else
+             "No stronger teacher in this study (no final / teacher ratio).", "",
+             "| method | step 0 | final | lift | paired diff vs GRPO, final | paired diff vs OPD, "
+             "final | final / teacher | AUC | s / step |", "|---|---|---|---|---|---|---|---|---|"]
     curves = {}
     for name in names:
         c = {s: compare._eval_curve(out / "runs" / name / f"seed{s}" / "metrics" /
@@ -154,6 +171,7 @@ def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None) -> str:
         first = compare._ci([c[s][0]["success"] for s in seeds])
         final = compare._ci([c[s][last]["success"] for s in seeds])
         ratio = compare._ci([c[s][last]["success"] / max(t_mean, 1e-9) for s in seeds])
+        lift = compare._ci([c[s][last]["success"] - c[s][0]["success"] for s in seeds])
         auc = compare._ci([compare._auc(c[s], steps) for s in seeds])
         def paired(base):
             if name == base or base not in curves:
@@ -162,7 +180,8 @@ def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None) -> str:
                 [c[s][last]["success"] - curves[base][s][last]["success"] for s in seeds]))
 
         lines.append(f"| {name} | {first[0]:.2f} +- {first[1]:.2f} | {final[0]:.2f} +- "
-                     f"{final[1]:.2f} | {paired('grpo')} | {paired('opd')} | "
+                     f"{final[1]:.2f} | {lift[0]:+.2f} +- {lift[1]:.2f} | {paired('grpo')} | "
+                     f"{paired('opd')} | "
                      f"{ratio[0]:.2f} +- {ratio[1]:.2f} | "
                      f"{auc[0]:.2f} +- {auc[1]:.2f} | "
                      f"{_step_times(out / 'runs', name, seeds):.2f} |")
@@ -180,10 +199,12 @@ def report(out: pathlib.Path, pbrs: bool = False, seeds=None, only=None) -> str:
         m, h = np.asarray(m), np.asarray(h)
         ax.plot(steps, m, marker="o", label=name)
         ax.fill_between(steps, m - h, m + h, alpha=0.15)
-    ax.axhline(t_mean, color="k", ls="--", lw=1, label="teacher")
+    if ceiling:
+        ax.axhline(t_mean, color="k", ls="--", lw=1, label="teacher")
     ax.set_xlabel("RL step")
     ax.set_ylabel("held-out success (128 layouts)")
-    ax.set_title(f"L2 (7x7): distillation vs outcome RL, {len(seeds)} seeds, 95% intervals")
+    ax.set_title(f"{level} ({horizon.LEVELS[level][0]}): distillation vs outcome RL, "
+                 f"{len(seeds)} seeds, 95% intervals", fontsize=9)
     ax.legend(fontsize=8)
     fig.savefig(out / "distill.png", dpi=110, bbox_inches="tight")
     return text
@@ -198,11 +219,14 @@ def main(argv=None) -> int:
     p.add_argument("--all", action="store_true",
                    help="also GRPO + OPD and GRPO with PBRS shaping")
     p.add_argument("--arms", nargs="+", help="only these variants (run and report)")
+    p.add_argument("--level", default="L2", choices=sorted(horizon.LEVELS),
+                   help="the horizon study's level (its env, warm-up and budget; L2: the "
+                        "measurements of docs/training.md)")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out).absolute()
     if not a.report:
-        run(out, a.seeds, a.jobs, a.all, a.arms)
-    print(report(out, a.all, a.seeds, a.arms))
+        run(out, a.seeds, a.jobs, a.all, a.arms, a.level)
+    print(report(out, a.all, a.seeds, a.arms, a.level))
     return 0
 
 
