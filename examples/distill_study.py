@@ -85,11 +85,14 @@ def variants(teacher: pathlib.Path, every: bool = False) -> list[tuple[str, str]
     sharp_aux = (f"teacher.source=base,teacher.temperature={SHARPEN},teacher.top_k={TOPK},"
                  f"loss.aux=[topk_kl]")
     sharp = f"estimator.name=opd,estimator.params.beta=0.0,{sharp_aux}"
+    # its control: the same loss towards the start weights at the rollouts' temperature
+    anchor_aux = f"teacher.source=base,teacher.top_k={TOPK},loss.aux=[topk_kl]"
     return [("grpo", "estimator.name=grpo"), ("opd", f"estimator.name=opd,{t}"),
             ("topk", topk), ("topk_mb4_lr1e-3", f"{topk},{FAST}")] + (
         [("grpo+opd", f"estimator.name=grpo,estimator.then=[seed],{t}"),
          ("pbrs", "estimator.name=grpo,estimator.shaping=[pbrs]"),
-         ("sharpen_topk", sharp), ("grpo+sharpen_topk", f"estimator.name=grpo,{sharp_aux}")]
+         ("sharpen_topk", sharp), ("grpo+sharpen_topk", f"estimator.name=grpo,{sharp_aux}"),
+         ("grpo+anchor_topk", f"estimator.name=grpo,{anchor_aux}")]
         if every else [])
 
 
