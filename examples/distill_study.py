@@ -118,11 +118,11 @@ def arms(teacher: pathlib.Path, every: bool, only) -> list[tuple[str, str]]:
 def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool, only=None, level="L2") -> None:
     for d in ("student", "teacher"):
         (out / d).mkdir(parents=True, exist_ok=True)
-    sets = base(level)
-    student = compare.warm_start(out / "student", sets)
+    level_sets = base(level)
+    student = compare.warm_start(out / "student", level_sets)
     probe = pathlib.Path("/TEACHER")  # the stronger teacher is made only for arms that read it
     if any(str(probe) in sets for _, sets in arms(probe, pbrs, only)):
-        teacher = compare.warm_start(out / "teacher", sets + TEACHER_SETS)
+        teacher = compare.warm_start(out / "teacher", level_sets + TEACHER_SETS)
         ceiling = teacher_ceiling(out)
         print(f"teacher {teacher}: held-out success {ceiling}", flush=True)
         (out / "ceiling.json").write_text(json.dumps(ceiling))
@@ -132,7 +132,7 @@ def run(out: pathlib.Path, seeds, jobs: int, pbrs: bool, only=None, level="L2") 
             "--warm-start", str(student)]
     for name, sets in arms(teacher, pbrs, only):
         argv += ["--variant", f"{name}:{sets}"]
-    for s in sets:
+    for s in level_sets:
         argv += ["--set", s]
     compare.main(argv)
 
