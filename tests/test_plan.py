@@ -126,6 +126,42 @@ replica_groups=mesh['axis_0'=2,'axis_1'=8], device_ids=([8,2]T(1,0)) {'axis_0'},
 """
 
 
+#: a decode step as the TPU compiler writes it: a layer's cache slice copied into VMEM (S(1))
+#: and read by two fusions, a plain copy into VMEM read once, an in-place scatter into VMEM,
+#: an asynchronous weight prefetch, a tuple and a dot's result in VMEM, a fusion left in HBM
+ON_CHIP = """HloModule decode
+
+%ds (p0: bf16[4,8,16], p1: s32[]) -> bf16[1,8,16] {
+  ROOT %dynamic-slice.1 = bf16[1,8,16]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,8,16}
+}
+
+%sc (p0: bf16[4,8,16], p1: s32[1], p2: bf16[1,16]) -> bf16[4,8,16] {
+  ROOT %scatter.1 = bf16[4,8,16]{2,1,0} scatter(%p0, %p1, %p2), to_apply=%add
+}
+
+ENTRY %main (cache: bf16[4,8,16], w: bf16[64,64], i: s32[]) -> bf16[8,16] {
+  %slice_fusion = bf16[1,8,16]{2,1,0:T(8,128)(2,1)S(1)} fusion(%cache, %i), kind=kLoop, calls=%ds
+  %scatter_fusion = bf16[4,8,16]{2,1,0:T(8,128)(2,1)S(1)} fusion(%cache, %idx, %upd), kind=kCustom, calls=%sc
+  %copy-start = (bf16[64,64]{1,0}, bf16[64,64]{1,0:S(1)}, u32[]) copy-start(%w)
+  %copy-done = bf16[64,64]{1,0:S(1)} copy-done(%copy-start)
+  %pair = (f32[8]{0:S(1)}, f32[8]{0:S(1)}) fusion(%slice_fusion), kind=kOutput, calls=%ds
+  %dot = bf16[8,16]{1,0:T(8,128)(2,1)S(1)} fusion(%slice_fusion, %copy-done), kind=kOutput, calls=%mm
+  %moved = bf16[8,16]{1,0:T(8,128)(2,1)S(1)} copy(%dot)
+  ROOT %out = bf16[8,16]{1,0} fusion(%moved, %scatter_fusion), kind=kLoop, calls=%mm
+}
+"""
+
+
+def test_on_chip_copy_bytes_counts_synchronous_copies_into_vmem_and_their_reads():
+    """The slice (1 x 8 x 16 bf16 = 256 bytes) written once and read by two fusions, the copy
+    (256 bytes) written once and read once: 3 x 256 + 2 x 256. Not counted: the in-place
+    scatter, the asynchronous prefetch, the tuple, the dot's result (a computation, not a
+    copy), the HBM output; a CPU program has none."""
+    assert plan_lib.on_chip_copy_bytes(ON_CHIP) == 3 * 256 + 2 * 256
+    assert plan_lib.on_chip_copy_bytes(ON_CHIP.replace("S(1)", "S(0)")) == 0
+    assert plan_lib.on_chip_copy_bytes(HLO) == 0
+
+
 def test_executed_collectives_apply_trip_counts_dedupe_channels_and_name_axes():
     times, unknown = plan_lib.executions(LOOPS)
     assert unknown == 0

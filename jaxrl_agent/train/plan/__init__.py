@@ -63,7 +63,7 @@ Everything a caller needs is imported here.
 """
 
 from jaxrl_agent.train.plan.hlo import (COLLECTIVES, count_collectives, executed_collectives,
-                                       executions)
+                                       executions, on_chip_copy_bytes)
 from jaxrl_agent.train.plan.memory import CompiledMemory, compile_memory, memory_floor
 from jaxrl_agent.train.plan.report import format_plan
 from jaxrl_agent.train.plan.run import (HF_SHAPES, Plan, batch_dims, fit_micro_batches,
@@ -77,6 +77,7 @@ from jaxrl_agent.train.plan.topology import (HBM_GIB, PlanError, chip_kind, libt
 __all__ = ["PlanError", "Plan", "SamplerPlan", "CompiledMemory", "HBM_GIB", "HF_SHAPES",
            "COLLECTIVES", "topology_devices", "chip_kind", "libtpu_available", "plan_run",
            "plan_sampler", "abstract_sampler", "sampler_dims", "format_plan",
-           "count_collectives", "executed_collectives", "executions", "compile_memory",
+           "count_collectives", "executed_collectives", "executions", "on_chip_copy_bytes",
+           "compile_memory",
            "memory_floor", "fit_micro_batches", "model_config", "teacher_model_config",
            "batch_dims", "load_hf_config"]

@@ -242,3 +242,61 @@ def executed_collectives(hlo_text: str, mesh_shape: dict, op: str = "all-gather"
         out[axes] = out.get(axes, 0) + b
     out["unknown loops"] = unknown
     return out
+
+
+#: an instruction: its name, shape (a tuple's too: the opcode is the first word after a space
+#: that opens a parenthesis), opcode and the rest of the line
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.-]+)\s*=\s*(.*?)\s([a-z][\w-]*)\((.*)$")
+_ALTERNATE = re.compile(r"S\(1\)\}$")
+#: fusions that copy (part of) a buffer: their root
+_COPIES = ("dynamic-slice", "slice", "copy", "bitcast", "transpose")
+
+
+def on_chip_copy_bytes(hlo_text: str) -> int:
+    """Bytes that XLA's cost analysis counts for copies the compiler placed in the chip's
+    alternate memory (memory space 1, ``S(1)`` in a layout: on TPU the on-chip VMEM): every
+    synchronous ``copy`` of the entry computation, or fusion whose root only moves data
+    (``dynamic-slice``, ``slice``, ``copy``, ``bitcast``, ``transpose``), with its result in
+    memory space 1, counted as its write and one read of it per use. The copy's source was
+    read from HBM by that instruction (which stays counted), so none of these bytes move
+    through HBM: the decode roofline leaves them out.
+
+    The TPU compiler copies a layer's slice of a KV cache into VMEM ahead of the attention
+    that reads it; the cost analysis then counts the slice three times (read from HBM,
+    written to VMEM, read from VMEM) where HBM serves it once.
+
+    Not counted here: asynchronous copies (``copy-start`` / ``slice-start``: XLA's cost
+    analysis does not count them; the reads of the prefetched weights stay counted, as the
+    HBM reads they stand for), results of computations in VMEM (a dot's: small, and not a
+    copy of anything in HBM), in-place updates and tuples. Pure text; 0 for a program
+    without memory spaces (CPU)."""
+    comps, entry = _computations(hlo_text)
+    lines = comps.get(entry, [])
+    roots = {}
+    for name, body in comps.items():
+        root = next((ln for ln in body if ln.lstrip().startswith("ROOT")), "")
+        m = _INSTR.match(root)
+        roots[name] = m.group(3) if m else ""
+    placed = {}
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m or m.group(3) not in ("fusion", "copy"):
+            continue
+        name, shape = m.group(1), m.group(2)
+        if shape.startswith("(") or not _ALTERNATE.search(shape):
+            continue
+        callee = re.search(r"calls=%?([\w.-]+)", line)
+        if m.group(3) == "fusion" and (not callee or roots.get(callee.group(1)) not in _COPIES):
+            continue
+        placed[name] = sum(_shape_bytes(shape))
+    if not placed:
+        return 0
+    uses = dict.fromkeys(placed, 0)
+    for line in lines:
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        for arg in re.findall(r"%([\w.-]+)", m.group(4).split("calls=")[0]):
+            if arg in uses:
+                uses[arg] += 1
+    return sum(b * (1 + uses[n]) for n, b in placed.items())

@@ -202,10 +202,14 @@ def format_decode_step(s) -> list[str]:
     if not s.step_bytes:
         return []
     out = [f"decode step (one more token for {s.dims['batch']} rows; XLA's bytes accessed of 2 "
-           f"steps - 1, layers unrolled): {_mib(s.step_bytes).strip()} MiB per device; floor "
-           f"(weights + KV cache once) {_mib(s.floor_step_bytes).strip()} MiB: "
-           f"{100 * s.roofline_fraction:.0f}% "
-           f"of the roofline; compile {s.step_compile_s:.1f} s"]
+           f"steps - 1, layers unrolled): {_mib(s.step_bytes).strip()} MiB of HBM traffic per "
+           f"device; floor (the weights a step reads + KV cache, once) {_mib(s.floor_step_bytes).strip()} MiB: "
+           f"{100 * s.roofline_fraction:.0f}% of the roofline; compile {s.step_compile_s:.1f} s"]
+    if s.step_bytes_counted and s.step_bytes_counted != s.step_bytes:
+        out.append(f"  XLA counts {_mib(s.step_bytes_counted).strip()} MiB: "
+                   f"{_mib(s.step_bytes_counted - s.step_bytes).strip()} MiB of them are "
+                   "copies into on-chip memory (the KV cache's layer slices), written and "
+                   "read there, not through HBM")
     if s.step_seconds:
         out.append(f"  at the chip's {s.bandwidth / 1e9:,.0f} GB/s: {1e3 * s.step_seconds:.2f} "
                    f"ms per step, {s.tokens_per_s_per_chip:,.0f} tokens/s per chip "

@@ -21,6 +21,7 @@ from jaxrl_agent.train.build import jax_sampler_args, sampler_batch_buckets
 from jaxrl_agent.train.call_size import (choose_call_size, kept_bytes, kv_cache_bytes,
                                          sampler_dims)
 from jaxrl_agent.train.plan.memory import CompiledMemory, compile_memory, num_params
+from jaxrl_agent.train.plan.hlo import on_chip_copy_bytes
 from jaxrl_agent.train.plan.topology import PlanError
 
 
@@ -47,10 +48,15 @@ class SamplerPlan:
     sized: dict | None = None
     #: the kept KV caches beside the call's last chunk (``call_size.kept_bytes``)
     kept_bytes: int = 0
-    #: one decode step (``_decode_step_bytes``): XLA's bytes accessed (HBM traffic) of one more
-    #: step, and the compile time of the two programs; None when not compiled
+    #: one decode step (``_decode_step_bytes``): its HBM traffic (XLA's bytes accessed of one
+    #: more step less the copies into on-chip memory, ``hlo.on_chip_copy_bytes``), XLA's
+    #: figure as counted, and the compile time of the two programs; None when not compiled
     step_bytes: int | None = None
     step_compile_s: float = 0.0
+    step_bytes_counted: int | None = None
+    #: bytes of the sampler's state a decode step need not read: an untied embedding table
+    #: (the step gathers one row per sampled token; the LM head is another matrix)
+    unread_bytes: int = 0
     #: the chip's memory bandwidth (bytes/s; ``topology.HBM_BANDWIDTH``), None off a TPU
     bandwidth: float | None = None
 
@@ -63,9 +69,10 @@ class SamplerPlan:
 
     @property
     def floor_step_bytes(self) -> int:
-        """What one decode step must read at least per device: every weight and the whole
-        KV cache of the call, once each (the decode roofline's bytes)."""
-        return self.params_bytes + self.kv_cache_bytes
+        """What one decode step must read at least per device: every weight it uses (all but
+        an untied embedding table, of which it gathers a row per token) and the whole KV
+        cache of the call, once each (the decode roofline's bytes)."""
+        return self.params_bytes - self.unread_bytes + self.kv_cache_bytes
 
     @property
     def roofline_fraction(self) -> float | None:
@@ -187,6 +194,10 @@ def plan_sampler(sampler: JaxSampler, cfg: config_lib.RunConfig, *, num_hosts: i
     leaves = jax.tree.leaves(state)
     params_b = local_bytes(state, [x.sharding for x in leaves])
     mc = sampler.config
+    unread = 0
+    if not mc.tie_word_embeddings:  # the table is gathered from, a row per sampled token
+        table = jax.tree.leaves(state["embed_tokens"])
+        unread = local_bytes(table, [x.sharding for x in table])
     rows_sh = sampler.batch_sharding or leaves[0].sharding
     compiled = {}
 
@@ -219,10 +230,10 @@ def plan_sampler(sampler: JaxSampler, cfg: config_lib.RunConfig, *, num_hosts: i
             dims = sampler_dims(cfg, sampler, num_hosts)
     B = dims["batch"]
     pre, dec = programs(B)
-    step_bytes, step_s = None, 0.0
+    step_bytes, counted, step_s = None, None, 0.0
     if decode_step:
-        step_bytes, step_s = _decode_step_bytes(sampler, dims, cfg.rollout.top_k,
-                                                cfg.rollout.top_p)
+        step_bytes, counted, step_s = _decode_step_bytes(sampler, dims, cfg.rollout.top_k,
+                                                         cfg.rollout.top_p)
     device = min(leaves[0].sharding.device_set, key=lambda d: d.id)
     mesh = dict(sampler.mesh.shape) if sampler.mesh is not None else {}
     return SamplerPlan(device_kind=getattr(device, "device_kind", device.platform),
@@ -231,19 +242,24 @@ def plan_sampler(sampler: JaxSampler, cfg: config_lib.RunConfig, *, num_hosts: i
                        kv_cache_bytes=kv_cache_bytes(sampler, B, dims["cache_len"]),
                        prefill=pre, decode=dec, sized=sized,
                        kept_bytes=kept_bytes(sampler, dims, B, sampler.reuse_calls),
-                       step_bytes=step_bytes, step_compile_s=step_s, bandwidth=bandwidth)
+                       step_bytes=step_bytes, step_bytes_counted=counted, unread_bytes=unread,
+                       step_compile_s=step_s, bandwidth=bandwidth)
 
 
 def _decode_step_bytes(sampler: JaxSampler, dims: dict, top_k: int,
-                       top_p: float) -> tuple[int | None, float]:
-    """One decode step's bytes accessed per device: XLA's cost analysis of 2 decode steps
-    minus that of 1 (``JaxSampler.lower_step``, layers unrolled, every row sampling with the
-    run's ``rollout.top_k`` / ``top_p``: the vocabulary sort counts only when they truncate),
-    so the layout copies XLA puts at a program's entry and exit (once per call in the decode
-    loop) are not counted; and the two compile times. None when XLA refuses a program or
-    gives no figure."""
+                       top_p: float) -> tuple[int | None, int | None, float]:
+    """One decode step's HBM bytes per device, XLA's bytes accessed of it, and the two
+    compile times: the cost analysis of 2 decode steps minus that of 1
+    (``JaxSampler.lower_step``, layers unrolled, every row sampling with the run's
+    ``rollout.top_k`` / ``top_p``: the vocabulary sort counts only when they truncate), so
+    the layout copies XLA puts at a program's entry and exit (once per call in the decode
+    loop) are not counted. The HBM figure leaves out, in each program, the bytes the cost
+    analysis counts for buffers placed in on-chip memory (``hlo.on_chip_copy_bytes``: on TPU
+    each layer's KV-cache slice is copied into VMEM before its attention, and XLA counts the
+    slice three times where HBM serves it once). None when XLA refuses a program or gives no
+    figure."""
     t0 = time.perf_counter()
-    got = []
+    got, hbm = [], []
     for steps in (1, 2):
         try:
             compiled = sampler.lower_step(dims["batch"], dims["cache_len"], dims["new_tokens"],
@@ -252,10 +268,12 @@ def _decode_step_bytes(sampler: JaxSampler, dims: dict, top_k: int,
         except Exception as e:  # XLA's "ran out of memory": no figure
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            return None, time.perf_counter() - t0
+            return None, None, time.perf_counter() - t0
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        got.append((cost or {}).get("bytes accessed"))
+        b = (cost or {}).get("bytes accessed")
+        got.append(b)
+        hbm.append(None if not b else b - on_chip_copy_bytes(compiled.as_text()))
     if not all(got):
-        return None, time.perf_counter() - t0
-    return int(got[1] - got[0]), time.perf_counter() - t0
+        return None, None, time.perf_counter() - t0
+    return int(hbm[1] - hbm[0]), int(got[1] - got[0]), time.perf_counter() - t0
