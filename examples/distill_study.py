@@ -22,8 +22,12 @@ loop").
    outcome RL can); with ``--all`` also GRPO + OPD
    (``estimator.then: [seed]``: the GRPO advantage plus lp_T - lp_old, as slime's
    ``--use-opd``) and PBRS with the grid world's potential (``estimator.shaping: [pbrs]``, no
-   teacher). The same seed gives every variant the same task stream and held-out layouts, so
-   differences are paired.
+   teacher), and the warm start's own distribution sharpened to T = 0.5 as the target
+   (``teacher.source: base``, ``teacher.temperature: 0.5``, through the top K): alone
+   (``sharpen_topk``), beside GRPO (``grpo+sharpen_topk``) and its control at T = 1
+   (``grpo+anchor_topk``). The same seed gives every variant the same task stream and
+   held-out layouts, so differences are paired. ``--level L3`` runs the same at the horizon
+   study's L3 (its warm-up and budget) in another ``--out``.
 4. ``--report``: ``OUT/distill.md`` (table: step 0, final, paired difference to GRPO, the
    teacher's ceiling and the final / teacher ratio, s / step) and ``OUT/distill.png``.
 """
@@ -61,8 +65,8 @@ def base(level: str = "L2") -> list[str]:
     if level == "L2":
         return BASE
     extra = horizon.LEVEL_BUDGET.get(level, [])
-    steps = int(next((s.split("=")[1] for s in horizon.BUDGET + extra
-                      if s.startswith("trainer.steps=")), 60))
+    steps = int([s.split("=")[1] for s in horizon.BUDGET + extra
+                 if s.startswith("trainer.steps=")][-1])  # the last one given wins
     return horizon.LEVELS[level][1] + horizon.BUDGET + extra + [
         f"trainer.eval_every={steps // 2}"]
 #: the teacher's warm-up: the same recipe with a demonstrator that never errs
