@@ -20,8 +20,8 @@ from jaxrl_agent.sharding import local_bytes
 from jaxrl_agent.train.build import jax_sampler_args, sampler_batch_buckets
 from jaxrl_agent.train.call_size import (choose_call_size, kept_bytes, kv_cache_bytes,
                                          sampler_dims)
-from jaxrl_agent.train.plan.memory import CompiledMemory, compile_memory, num_params
 from jaxrl_agent.train.plan.hlo import on_chip_copy_bytes
+from jaxrl_agent.train.plan.memory import CompiledMemory, compile_memory, num_params
 from jaxrl_agent.train.plan.topology import PlanError
 
 
